@@ -1,0 +1,250 @@
+"""CPU/gloo platform shims: run unmodified Megatron-Core 0.16 on a CPU-only torch.
+
+Megatron-Core assumes CUDA in a handful of places. On a machine without CUDA we install the shims
+below (and only then: :func:`install` is a no-op when ``torch.cuda.is_available()``). Each shim is
+listed with the Megatron / torch symbol it replaces; :func:`uninstall` restores every original.
+
+==========================================  =====================================================
+Replaced symbol                             Why / what the shim does
+==========================================  =====================================================
+``torch.cuda.current_device``               ``GlobalMemoryBuffer.get_tensor`` (``core/utils.py``),
+                                            p2p_communication, DDP buffers and the optimizer pass it
+                                            as ``device=``; returns ``torch.device("cpu")``.
+``torch.cuda.synchronize``                  p2p_communication, DDP: no-op (CPU ops are synchronous).
+``torch.cuda.Stream`` / ``stream`` /        DDP's communication stream
+``current_stream`` / ``default_stream``     (``distributed_data_parallel.py``): inert stand-ins.
+``torch.cuda.Event``                        timers / DDP: an inert event (elapsed_time 0).
+``torch.cuda.empty_cache`` and memory stats no-ops / zeros.
+``device="cuda"`` literals                  ``schedules.py`` (``total_num_tokens``),
+                                            ``optimizer.py`` (``FP32Optimizer._scale``),
+                                            ``param_and_grad_buffer.py``: a ``TorchFunctionMode``
+                                            (:class:`_CudaToCpuMode`) rewrites ``device=`` arguments
+                                            naming CUDA to CPU, and ``Tensor.cuda()`` to identity.
+``Tensor.type()`` (no arguments)            ``clip_grads.clip_grad_by_total_norm_fp32`` asserts
+                                            ``'torch.cuda.FloatTensor'``: CPU tensors report their
+                                            CUDA type name.
+``tensor_parallel.random._get_cuda_rng_state``  CheckpointFunction saves/restores the "CUDA" RNG:
+``tensor_parallel.random._set_cuda_rng_state``  here the CPU default generator, which CPU dropout uses.
+``tensor_parallel.random.CudaRNGStatesTracker``  :class:`CpuRNGStatesTracker`: same ``add/fork/
+  (instances made by ``initialize_rng_tracker``)  get_states/set_states`` API on CPU generator states,
+                                            so model-parallel dropout and recompute stay RNG-exact.
+==========================================  =====================================================
+"""
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+_CUDA_ATTRS = (
+    "current_device",
+    "synchronize",
+    "Stream",
+    "Event",
+    "stream",
+    "current_stream",
+    "default_stream",
+    "empty_cache",
+    "memory_allocated",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+    "manual_seed",
+    "get_rng_state",
+    "set_rng_state",
+    "device_count",
+)
+
+_state = {"installed": False, "originals": {}, "mode": None}
+
+
+def _is_cuda_device(device):
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps ``device=<cuda>`` arguments to CPU and makes ``Tensor.cuda()`` the identity."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # clip_grads / Float16OptimizerWithFloat16Params assert 'torch.cuda.FloatTensor'.
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _InertStream:
+    """Stand-in for ``torch.cuda.Stream``: CPU work is already ordered on one thread."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _InertEvent()
+
+
+class _InertEvent:
+    """Stand-in for ``torch.cuda.Event``."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def _make_cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's RNG tracker on the CPU default generator.
+
+        ``fork(name)`` swaps the named state into the CPU generator and back out, exactly as the
+        CUDA tracker does with the device generator, so dropout in tensor-parallel regions and its
+        recomputation draw identical masks. Megatron's CPU-RNG-changed warning does not apply: on
+        CPU the forked generator *is* the CPU generator.
+        """
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception('seed {} already exists'.format(seed))
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception('rng state {} already exists'.format(name))
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception('rng state {} is not added'.format(name))
+            orig_state = torch.get_rng_state()
+            orig_name = self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                torch.set_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    return CpuRNGStatesTracker
+
+
+def is_active():
+    return _state["installed"]
+
+
+def install(force=False):
+    """Install all shims if CUDA is unavailable (or ``force``). Idempotent."""
+    if _state["installed"] or (torch.cuda.is_available() and not force):
+        return False
+    from megatron.core.tensor_parallel import random as mrandom
+
+    orig = _state["originals"]
+    for name in _CUDA_ATTRS:
+        orig[("torch.cuda", name)] = getattr(torch.cuda, name, None)
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda *a, **k: None
+    cuda.Stream = _InertStream
+    cuda.Event = _InertEvent
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.current_stream = lambda *a, **k: _InertStream()
+    cuda.default_stream = lambda *a, **k: _InertStream()
+    cuda.empty_cache = lambda: None
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.manual_seed = lambda seed: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+    cuda.device_count = lambda: 0
+
+    for name, new in (
+        ("_get_cuda_rng_state", _cpu_get_rng_state),
+        ("_set_cuda_rng_state", _cpu_set_rng_state),
+        ("CudaRNGStatesTracker", _make_cpu_tracker_class()),
+    ):
+        orig[("random", name)] = getattr(mrandom, name)
+        setattr(mrandom, name, new)
+    # A tracker created before install would be a CUDA one: force a fresh CPU tracker.
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+    mode = _CudaToCpuMode()
+    mode.__enter__()
+    _state["mode"] = mode
+    _state["installed"] = True
+    logger.info("megatron_oases: CPU platform shims installed (no CUDA)")
+    return True
+
+
+def uninstall():
+    """Restore every replaced symbol. Idempotent."""
+    if not _state["installed"]:
+        return False
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _state["mode"].__exit__(None, None, None)
+    _state["mode"] = None
+    for (where, name), value in _state["originals"].items():
+        target = torch.cuda if where == "torch.cuda" else mrandom
+        if value is None:
+            if hasattr(target, name):
+                delattr(target, name)
+        else:
+            setattr(target, name, value)
+    _state["originals"].clear()
+    mrandom.initialize_rng_tracker(force_reset=True)
+    _state["installed"] = False
+    return True

@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-oases",
+    version="0.1.0",
+    description="Oases overlapped tensor-model-parallel training and per-layer TMP planning for "
+    "Megatron-Core",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_oases", "megatron_oases.*"]),
+    package_data={"megatron_oases": ["py.typed"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "megatron-core>=0.16,<0.17",
+        "torch>=2.6",
+        "pulp>=2.7",
+        "numpy",
+        "pyyaml",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "scipy", "black", "isort"],
+        # GPU-only extras: install your own CUDA torch first.
+        "gpu": ["transformer-engine", "apex"],
+    },
+    entry_points={"console_scripts": ["oases=megatron_oases.cli:main"]},
+)
