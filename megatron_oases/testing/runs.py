@@ -1,0 +1,76 @@
+"""In-process training runs for tests: parse ``oases train`` flags, train, return losses/gradients.
+
+Meant to be the ``fn`` of :func:`run_distributed` (the default process group is already up).
+"""
+
+import shlex
+
+import torch
+
+
+def parse(argv, world_size=None):
+    from ..arguments import build_parser, validate_args
+
+    if isinstance(argv, str):
+        argv = shlex.split(argv)
+    args = build_parser().parse_args(argv)
+    return validate_args(args, world_size=world_size)
+
+
+def train_and_capture(argv, iters=None, grads=False, step=True):
+    """Train; return {'losses': [...], 'grads': {global param name: this rank's grad}} (rank-local).
+
+    With ``step=False`` only forward/backward runs for the first iteration (gradients of the
+    initial weights), which is what gradient parity needs.
+    """
+    import torch.distributed as dist
+
+    from .. import patches
+    from ..training.initialize import initialize_distributed
+    from ..training.loop import Trainer
+    from ..training.model import global_param_names
+
+    args = parse(argv, world_size=dist.get_world_size())
+    initialize_distributed(args)
+    installed = patches.install_from_args(args)
+    try:
+        trainer = Trainer(args)
+        losses, captured = [], {}
+        for _ in range(iters or args.train_iters):
+            if step:
+                losses.append(trainer.train_step())
+            else:
+                losses.append(_forward_backward(trainer))
+                break
+        if grads:
+            for name, p in global_param_names(trainer.module):
+                g = getattr(p, "main_grad", None)
+                captured[name] = (g if g is not None else p.grad).detach().clone()
+        return {"losses": losses, "grads": captured, "installed": installed}
+    finally:
+        patches.uninstall_all()
+
+
+def _forward_backward(trainer):
+    """Forward+backward of iteration 0 without the optimizer step (grads stay in main_grad)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from ..training.data import mock_data_iterator
+
+    args = trainer.args
+    trainer.model.zero_grad_buffer()
+    losses = get_forward_backward_func()(
+        forward_step_func=trainer._forward_step,
+        data_iterator=mock_data_iterator(args, 0),
+        model=[trainer.model],
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    return trainer._reduce_loss(losses)
+
+
+def max_rel_diff(a, b):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
