@@ -1,0 +1,1 @@
+"""Emulated-interconnect testbed: cluster profiles and link emulation for CPU runs."""
