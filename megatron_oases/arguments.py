@@ -88,7 +88,15 @@ def add_oases_args(parser):
         "other sub-batch's compute; cross-pass = + recompute and backward merged; oases = + "
         "fine-grained recomputation (no all-reduce in recompute)",
     )
-    g.add_argument("--oases-trace", default=None, help="write a per-rank schedule trace (JSON) here")
+    g.add_argument(
+        "--oases-trace", default=None,
+        help="write a Chrome-trace JSON of the last iteration per rank: PATH with '{rank}' in it, "
+        "or PATH.rank<R>.json",
+    )
+    g.add_argument(
+        "--emulate-link", default=None, metavar="PROFILE",
+        help="testbed: emulate a cluster's links (configs/clusters/PROFILE.yaml) on CPU/gloo",
+    )
     return parser
 
 

@@ -1,0 +1,91 @@
+"""Named, reversible patches on Megatron-Core / torch.
+
+A :class:`Patch` swaps attributes (``owner.attr = replacement``) and keeps the originals; ``install``
+and ``uninstall`` are idempotent. :class:`PatchRegistry` holds the installed ones by name so the
+whole set can be reverted at once (``patches.uninstall_all()``).
+"""
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+class Patch:
+    """A named set of attribute replacements. Subclasses may override ``_apply``/``_revert``."""
+
+    def __init__(self, name, replacements=(), on_install=None, on_uninstall=None):
+        self.name = name
+        self.replacements = list(replacements)  # (owner, attr, new_value)
+        self.on_install = on_install
+        self.on_uninstall = on_uninstall
+        self._originals = None
+
+    @property
+    def installed(self):
+        return self._originals is not None
+
+    def install(self):
+        if self.installed:
+            return False
+        self._originals = []
+        for owner, attr, new in self.replacements:
+            self._originals.append((owner, attr, owner.__dict__.get(attr, _MISSING)
+                                    if isinstance(owner, type) else getattr(owner, attr, _MISSING)))
+            setattr(owner, attr, new)
+        if self.on_install:
+            self.on_install()
+        logger.debug("installed patch %s", self.name)
+        return True
+
+    def uninstall(self):
+        if not self.installed:
+            return False
+        if self.on_uninstall:
+            self.on_uninstall()
+        for owner, attr, orig in reversed(self._originals):
+            if orig is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, orig)
+        self._originals = None
+        return True
+
+
+class _Missing:
+    def __repr__(self):
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+class PatchRegistry:
+    """Installed patches by name, uninstalled in reverse order of installation."""
+
+    def __init__(self):
+        self._patches = {}
+
+    def install(self, patch):
+        if patch.name in self._patches:
+            return self._patches[patch.name]
+        patch.install()
+        self._patches[patch.name] = patch
+        return patch
+
+    def uninstall(self, name):
+        patch = self._patches.pop(name, None)
+        if patch is not None:
+            patch.uninstall()
+        return patch
+
+    def uninstall_all(self):
+        names = list(self._patches)
+        for name in reversed(names):
+            self.uninstall(name)
+        return names
+
+    def installed(self):
+        return list(self._patches)
+
+    def get(self, name):
+        return self._patches.get(name)
