@@ -12,6 +12,8 @@ from .errors import OasesConfigError
 
 COMMANDS = {
     "train": ("megatron_oases.training.cli:main", "train a GPT model on Megatron-Core (pretrain_gpt.py flags)"),
+    "compare": ("megatron_oases.compare.cli:main", "stock Megatron vs Oases variants side by side (Table 3)"),
+    "calibrate": ("megatron_oases.testbed.calibrate:main", "host matmul rate and --emulate-link dilation"),
 }
 
 

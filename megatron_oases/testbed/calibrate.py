@@ -1,0 +1,180 @@
+"""Host matmul throughput, measured once per host and thread count, cached on disk.
+
+The link emulator (:mod:`.emulator`) needs the host's dense FLOP/s to compute the time dilation
+``D = target GPU sustained FLOP/s ÷ host FLOP/s``. Measuring takes about a second, so the result is
+cached in ``~/.cache/megatron-oases/host-flops.json`` (``$OASES_CACHE_DIR`` overrides the folder),
+keyed by a host fingerprint (host name, CPU model, logical CPUs, CPU capability, torch version) and
+the torch intra-op thread count. ``oases calibrate --refresh`` measures again.
+
+What is measured: an fp32 ``2048×2048 @ 2048×2048`` matmul on the CPU, one warm-up then the best of
+five (the best, not the mean, so that a momentarily busy machine does not lower the estimate).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import socket
+import time
+
+DEFAULT_N = 2048
+DEFAULT_REPS = 5
+
+
+def cache_dir():
+    return os.environ.get("OASES_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "megatron-oases"
+    )
+
+
+def cache_path():
+    return os.path.join(cache_dir(), "host-flops.json")
+
+
+def _cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def host_fingerprint():
+    import torch
+
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # noqa: BLE001 - older torch
+        capability = "unknown"
+    return {
+        "hostname": socket.gethostname(),
+        "cpu": _cpu_model(),
+        "machine": platform.machine(),
+        "logical_cpus": os.cpu_count(),
+        "cpu_capability": capability,
+        "torch": torch.__version__,
+    }
+
+
+def cache_key(threads, fingerprint=None):
+    fp = fingerprint or host_fingerprint()
+    digest = hashlib.sha1(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{digest}-threads{int(threads)}"
+
+
+def measure_host_flops(threads=None, n=DEFAULT_N, reps=DEFAULT_REPS):
+    """Best fp32 matmul FLOP/s of ``reps`` timed ``n³`` products with ``threads`` torch threads."""
+    import torch
+
+    old = torch.get_num_threads()
+    threads = int(threads or old)
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randn(n, n, generator=gen)
+        b = torch.randn(n, n, generator=gen)
+        torch.mm(a, b)  # warm-up
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old)
+    return 2.0 * n**3 / best
+
+
+def _load_cache():
+    try:
+        with open(cache_path()) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _store_cache(data):
+    os.makedirs(cache_dir(), exist_ok=True)
+    tmp = f"{cache_path()}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, cache_path())
+
+
+def host_flops(threads=None, refresh=False, measure=measure_host_flops):
+    """Host FLOP/s for ``threads`` torch threads (default: the current count): cached or measured.
+
+    Returns ``(flops, info)``; ``info`` says whether it came from the cache, the key and the
+    fingerprint.
+    """
+    import torch
+
+    threads = int(threads or torch.get_num_threads())
+    fp = host_fingerprint()
+    key = cache_key(threads, fp)
+    data = _load_cache()
+    entry = data.get(key)
+    if entry and not refresh and entry.get("flops", 0) > 0:
+        return float(entry["flops"]), dict(entry, key=key, cached=True)
+    flops = float(measure(threads))
+    entry = {
+        "flops": flops,
+        "threads": threads,
+        "fingerprint": fp,
+        "method": f"fp32 {DEFAULT_N}^3 torch.mm, best of {DEFAULT_REPS}",
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    data = _load_cache()  # re-read: another process may have written meanwhile
+    data[key] = entry
+    try:
+        _store_cache(data)
+    except OSError:
+        pass  # an unwritable cache only costs a re-measurement next time
+    return flops, dict(entry, key=key, cached=False)
+
+
+def dilation_for(profile, flops):
+    """D = the target GPU's sustained FLOP/s ÷ the host's FLOP/s."""
+    return profile.sustained_tflops * 1e12 / flops
+
+
+def main(argv):
+    """``oases calibrate``: print the host's matmul rate and the dilation for each cluster profile."""
+    from .clusters import available, load_cluster
+
+    parser = argparse.ArgumentParser(
+        prog="oases calibrate",
+        description="Measure (or show the cached) host matmul FLOP/s used by --emulate-link and "
+        "the resulting time dilation per cluster profile.",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per rank (torchrun ranks use 1; default 1)",
+    )
+    parser.add_argument("--refresh", action="store_true", help="measure again, ignore the cache")
+    parser.add_argument(
+        "--profile", action="append", default=None, help="cluster profile(s) to show; default: all"
+    )
+    args = parser.parse_args(argv)
+    profiles = [load_cluster(p) for p in (args.profile or available())]
+    flops, info = host_flops(args.threads, refresh=args.refresh)
+    src = "cached" if info["cached"] else "measured now"
+    print(
+        f"host: {info['fingerprint']['cpu']} ({info['fingerprint']['logical_cpus']} logical CPUs)"
+    )
+    print(
+        f"host matmul rate: {flops / 1e9:.1f} GFLOP/s with {args.threads} thread(s) ({src}; "
+        f"{info['method']}; cache {cache_path()} key {info['key']})"
+    )
+    for p in profiles:
+        print(
+            f"  {p.name:16s} {p.sustained_tflops:7.1f} TFLOP/s sustained ({p.dtype}) "
+            f"=> dilation D = {dilation_for(p, flops):9.1f}"
+        )
+    return 0
