@@ -23,5 +23,10 @@ setup(
         # GPU-only extras: install your own CUDA torch first.
         "gpu": ["transformer-engine", "apex"],
     },
-    entry_points={"console_scripts": ["oases=megatron_oases.cli:main"]},
+    entry_points={
+        "console_scripts": [
+            "oases=megatron_oases.cli:main",
+            "oases-pretrain-gpt=megatron_oases.pretrain_gpt_oases:console_main",
+        ]
+    },
 )

@@ -1,0 +1,248 @@
+"""Model configs (``configs/models/*.yaml``), the comparison matrix and its summary table.
+
+Used by ``launch_scripts/`` through ``python -m megatron_oases.megatron_lm`` (bash cannot read YAML).
+
+A model config holds Megatron-LM ``pretrain_gpt.py`` flags by section (``model``, ``parallel``,
+``training``; keys are flag names without the leading ``--``) plus an informational ``paper`` section
+that is never turned into flags. ``true`` becomes a bare flag, ``false``/``null`` drops it, a list gives
+several values.
+"""
+
+import json
+import math
+import os
+import shlex
+
+import yaml
+
+from ..errors import OasesConfigError
+
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+MODELS_DIR = os.path.join(REPO_ROOT, "configs", "models")
+FLAG_SECTIONS = ("model", "parallel", "training")
+
+
+def _load_yaml(path):
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError as exc:
+        raise OasesConfigError(f"no such config file: {path}") from exc
+    if not isinstance(data, dict):
+        raise OasesConfigError(f"{path}: expected a YAML mapping at top level")
+    return data
+
+
+def model_config_path(name_or_path, models_dir=None):
+    """``tiny-cpu`` → ``configs/models/tiny-cpu.yaml``; an existing path is returned as is."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    models_dir = models_dir or MODELS_DIR
+    path = os.path.join(models_dir, f"{name_or_path}.yaml")
+    if not os.path.isfile(path):
+        known = sorted(f[:-5] for f in os.listdir(models_dir) if f.endswith(".yaml"))
+        raise OasesConfigError(
+            f"unknown model config {name_or_path!r}; choose one of {', '.join(known)} or give a path"
+        )
+    return path
+
+
+def load_model_config(name_or_path, models_dir=None):
+    path = model_config_path(name_or_path, models_dir)
+    data = _load_yaml(path)
+    for section in FLAG_SECTIONS:
+        if not isinstance(data.get(section) or {}, dict):
+            raise OasesConfigError(f"{path}: section {section!r} must be a mapping of flags")
+    data.setdefault("name", os.path.basename(path)[:-5])
+    return data
+
+
+def to_flags(mapping):
+    """``{"num-layers": 2, "swiglu": True}`` → ``["--num-layers", "2", "--swiglu"]``."""
+    flags = []
+    for key, value in (mapping or {}).items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, (list, tuple)):
+            flags += [flag] + [str(v) for v in value]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def model_flags(config, sections=FLAG_SECTIONS):
+    flags = []
+    for section in sections:
+        flags += to_flags(config.get(section))
+    return flags
+
+
+def get_path(data, dotted, default=None):
+    """``get_path(cfg, "parallel.tensor-model-parallel-size")``; ``default`` when absent."""
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def parameter_count(config):
+    """Parameters of the GPT model a config describes (tied embeddings, learned positions, biases)."""
+    m = config["model"]
+    h, layers = m["hidden-size"], m["num-layers"]
+    ffn = m.get("ffn-hidden-size") or 4 * h
+    vocab = m.get("vocab-size", 50257)
+    seq = m.get("max-position-embeddings") or m["seq-length"]
+    per_layer = 4 * h * h + 4 * h + 2 * h * ffn + ffn + h + 4 * h  # attn + mlp + biases + 2 norms
+    return layers * per_layer + vocab * h + seq * h + 2 * h
+
+
+# ------------------------------------------------------------------------------------------ matrix
+
+
+def _schedule(value):
+    # YAML 1.1 reads a bare `off` as False.
+    if value is False or value is None:
+        return "off"
+    return str(value)
+
+
+def load_matrix(path, name=None):
+    data = _load_yaml(path)
+    matrices = data.get("matrices") or {}
+    if not matrices:
+        raise OasesConfigError(f"{path}: no 'matrices' defined")
+    if name is None:
+        name = data.get("default") or next(iter(matrices))
+    if name not in matrices:
+        raise OasesConfigError(f"{path}: no matrix {name!r}; choose one of {', '.join(matrices)}")
+    matrix = dict(matrices[name])
+    matrix["name"] = name
+    for key in ("model", "layouts", "variants"):
+        if not matrix.get(key):
+            raise OasesConfigError(f"{path}: matrix {name!r} needs {key!r}")
+    return matrix
+
+
+def expand_matrix(matrix):
+    """One dict per run: name, tp, pp, schedule, args (list), variant; variants × layouts."""
+    common = [str(a) for a in matrix.get("args") or []]
+    runs = []
+    for layout in matrix["layouts"]:
+        tp, pp = int(layout.get("tp", 1)), int(layout.get("pp", 1))
+        for variant in matrix["variants"]:
+            runs.append(
+                dict(
+                    name=f"{variant['name']}-tp{tp}-pp{pp}",
+                    variant=variant["name"],
+                    tp=tp,
+                    pp=pp,
+                    schedule=_schedule(variant.get("schedule", "off")),
+                    args=common + [str(a) for a in variant.get("args") or []],
+                )
+            )
+    return runs
+
+
+def matrix_tsv(matrix):
+    """Lines ``name<TAB>tp<TAB>pp<TAB>schedule<TAB>shell-quoted args`` for the bash loop."""
+    return "\n".join(
+        "\t".join([r["name"], str(r["tp"]), str(r["pp"]), r["schedule"], shlex.join(r["args"])])
+        for r in expand_matrix(matrix)
+    )
+
+
+# ----------------------------------------------------------------------------------------- summary
+
+
+def _values(golden, key):
+    entry = golden.get(key) or {}
+    return [v for v in entry.get("values") or [] if v is not None and not _isnan(v)]
+
+
+def _isnan(v):
+    try:
+        return math.isnan(v)
+    except TypeError:
+        return True
+
+
+def summarize_run(name, tp, pp, schedule, status, json_path):
+    row = dict(
+        name=name,
+        tp=int(tp),
+        pp=int(pp),
+        schedule=schedule,
+        status=status,
+        iters=0,
+        loss=None,
+        iter_ms=None,
+        tflops=None,
+        json=json_path,
+    )
+    golden = None
+    if json_path and os.path.isfile(json_path):
+        try:
+            with open(json_path) as f:
+                golden = json.load(f)
+        except (OSError, ValueError):
+            golden = None
+    if status == "ok" and golden is None:
+        row["status"] = "no-json"
+    if golden:
+        losses = _values(golden, "lm loss")
+        times = _values(golden, "iteration-time")
+        row["iters"] = len((golden.get("lm loss") or {}).get("values") or [])
+        row["loss"] = losses[-1] if losses else None
+        steady = times[1:] if len(times) > 1 else times  # first iteration carries warm-up
+        row["iter_ms"] = 1000 * sum(steady) / len(steady) if steady else None
+        tflops = _values(golden, "throughput")
+        tflops = tflops[1:] if len(tflops) > 1 else tflops
+        row["tflops"] = sum(tflops) / len(tflops) if tflops else None
+    return row
+
+
+def summary_table(rows, baseline=None):
+    """Markdown table; speedup = baseline variant's iteration time ÷ this run's, same TP/PP."""
+    base_ms = {}
+    if baseline:
+        for r in rows:
+            if r["name"].startswith(f"{baseline}-tp") and r["iter_ms"] and r["status"] == "ok":
+                base_ms[(r["tp"], r["pp"])] = r["iter_ms"]
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = [
+        "| run | schedule | TP | PP | status | iters | lm loss (last) | iteration time (ms) | "
+        "TFLOP/s/GPU | speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = base_ms.get((r["tp"], r["pp"]))
+        speedup = base / r["iter_ms"] if base and r["iter_ms"] and r["status"] == "ok" else None
+        lines.append(
+            f"| {r['name']} | {r['schedule']} | {r['tp']} | {r['pp']} | {r['status']} | "
+            f"{r['iters']} | {fmt(r['loss'], '.6f')} | {fmt(r['iter_ms'], '.1f')} | "
+            f"{fmt(r['tflops'], '.4f')} | {fmt(speedup, '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def read_runs_file(path):
+    """The compare script's record: ``name tp pp schedule status json`` per line, tab-separated."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            parts = line.split("\t")
+            if len(parts) != 6:
+                raise OasesConfigError(f"{path}: malformed line {line!r}")
+            rows.append(summarize_run(*parts))
+    return rows
