@@ -30,26 +30,15 @@ def _existing_extra_args_provider(pretrain_gpt):
     return None
 
 
-def _check_args_early(provider):
-    """Parse once the way Megatron-LM will and validate our flags before any distributed start-up."""
-    from megatron.training.arguments import parse_args
-
-    args = parse_args(provider, ignore_unknown_args=False)
-    megatron_lm.validate_megatron_args(args)
-    return args
-
-
 def run(argv):
     """Run ``pretrain_gpt``'s ``__main__`` block with our additions; argv excludes the program name."""
     pretrain_gpt = megatron_lm.import_pretrain_gpt()
     from megatron.core.enums import ModelType
 
-    argv = megatron_lm.force_local_transformer_impl(argv)
-    provider = megatron_lm.extra_args_provider(_existing_extra_args_provider(pretrain_gpt))
     saved_argv = sys.argv
-    sys.argv = [PROG] + list(argv)  # Megatron-LM's parse_args reads sys.argv
+    sys.argv = [PROG]  # Megatron-LM's parse_args reads sys.argv; prepare() fills it in
     try:
-        _check_args_early(provider)
+        provider = megatron_lm.prepare(_existing_extra_args_provider(pretrain_gpt), argv)
 
         set_startup_timestamps = getattr(pretrain_gpt, "set_startup_timestamps", None)
         if set_startup_timestamps is not None:

@@ -148,6 +148,32 @@ def extra_args_provider(existing=None):
     return chain_extra_args_providers(existing, add_args)
 
 
+def prepare(existing_provider=None, argv=None):
+    """Everything before ``pretrain(...)``: returns the ``extra_args_provider`` to pass it.
+
+    Forces ``--transformer-impl local`` into ``sys.argv`` (Megatron-LM parses ``sys.argv``), chains
+    ``existing_provider`` with :func:`add_args`, parses once with Megatron-LM's ``parse_args`` and
+    validates our flags — so a bad combination fails before any process group starts. ``argv``
+    (program name excluded) replaces ``sys.argv[1:]`` when given. Raises :class:`OasesConfigError`.
+    """
+    from megatron.training.arguments import parse_args
+
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    sys.argv[:] = sys.argv[:1] + force_local_transformer_impl(args_in)
+    provider = extra_args_provider(existing_provider)
+    validate_megatron_args(parse_args(provider, ignore_unknown_args=False))
+    return provider
+
+
+def prepare_or_exit(existing_provider=None, prog="pretrain_gpt.py"):
+    """:func:`prepare` for scripts: a user error is printed as one line and exits with status 2."""
+    try:
+        return prepare(existing_provider)
+    except OasesConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 # ------------------------------------------------------------------------------------------ validate
 
 
