@@ -26,7 +26,9 @@ def _build_parser():
     p.add_argument("default", nargs="?")
     p = sub.add_parser("matrix", help="expand a comparison matrix into TSV run lines")
     p.add_argument("file")
-    p.add_argument("name", nargs="?")
+    p.add_argument("name", nargs="?", help="matrix name (default: the file's `default`)")
+    p.add_argument("--field", help="print this field of the matrix instead (model, baseline, ...)")
+    p.add_argument("--default", dest="field_default", help="value when --field is absent")
     p = sub.add_parser("summary", help="markdown summary table of a comparison's runs")
     p.add_argument("runs", help="TSV: name tp pp schedule status json")
     p.add_argument("--baseline", default=None, help="variant the speedup is relative to")
@@ -49,8 +51,16 @@ def main(argv=None):
                 raise OasesConfigError(f"{path}: no key {args.key!r} and no default given")
             print("off" if value is False else value)
         elif args.cmd == "matrix":
-            matrix = configs.load_matrix(args.file, args.name)
-            print(configs.matrix_tsv(matrix))
+            matrix = configs.load_matrix(args.file, args.name or None)
+            if args.field:
+                value = matrix.get(args.field, args.field_default)
+                if value is None:
+                    raise OasesConfigError(
+                        f"{args.file}: matrix {matrix['name']!r} has no {args.field!r}"
+                    )
+                print(value)
+            else:
+                print(configs.matrix_tsv(matrix))
         elif args.cmd == "summary":
             rows = configs.read_runs_file(args.runs)
             print(configs.summary_table(rows, args.baseline))

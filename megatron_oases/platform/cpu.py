@@ -15,12 +15,17 @@ Replaced symbol                             Why / what the shim does
 ``current_stream`` / ``default_stream``     (``distributed_data_parallel.py``): inert stand-ins.
 ``torch.cuda.Event``                        timers / DDP: an inert event (elapsed_time 0).
 ``torch.cuda.empty_cache`` and memory stats no-ops / zeros.
-``device="cuda"`` literals                  ``schedules.py`` (``total_num_tokens``),
-                                            ``optimizer.py`` (``FP32Optimizer._scale``),
-                                            ``param_and_grad_buffer.py``: a ``TorchFunctionMode``
-                                            (:class:`_CudaToCpuMode`) rewrites ``device=`` arguments
-                                            naming CUDA to CPU, and ``Tensor.cuda()`` to identity.
-``Tensor.type()`` (no arguments)            ``clip_grads.clip_grad_by_total_norm_fp32`` asserts
+``torch.zeros/ones/empty/full/tensor/...``  ``device="cuda"`` literals in ``schedules.py``
+  (the factories in ``_FACTORIES``)         (``total_num_tokens``), ``optimizer.py``
+                                            (``FP32Optimizer._scale``), ``clip_grads.py``,
+                                            ``param_and_grad_buffer.py``,
+                                            ``transformer/utils.get_default_causal_mask``: a wrapper
+                                            maps ``device=<cuda>`` to CPU. (Not a TorchFunctionMode:
+                                            a mode is popped while it handles
+                                            ``torch.autograd.backward``, so recomputation inside
+                                            backward would run without it.)
+``Tensor.cuda`` / ``Tensor.to``             ``.cuda()`` is the identity; ``.to(<cuda>)`` goes to CPU.
+``Tensor.type`` (no arguments)              ``clip_grads.clip_grad_by_total_norm_fp32`` asserts
                                             ``'torch.cuda.FloatTensor'``: CPU tensors report their
                                             CUDA type name.
 ``tensor_parallel.random._get_cuda_rng_state``  CheckpointFunction saves/restores the "CUDA" RNG:
@@ -35,7 +40,6 @@ import contextlib
 import logging
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ _CUDA_ATTRS = (
     "device_count",
 )
 
-_state = {"installed": False, "originals": {}, "mode": None}
+_state = {"installed": False, "originals": {}}
 
 
 def _is_cuda_device(device):
@@ -68,22 +72,44 @@ def _is_cuda_device(device):
     return isinstance(device, int) and not isinstance(device, bool)
 
 
-class _CudaToCpuMode(TorchFunctionMode):
-    """Maps ``device=<cuda>`` arguments to CPU and makes ``Tensor.cuda()`` the identity."""
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
+    "empty_strided", "eye", "linspace", "empty_like", "zeros_like", "ones_like", "full_like",
+)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            # clip_grads / Float16OptimizerWithFloat16Params assert 'torch.cuda.FloatTensor'.
-            name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+
+def _cpu_device_factory(fn):
+    """Wrap a torch factory so ``device=<cuda>`` means CPU."""
+
+    def factory(*args, **kwargs):
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
-            kwargs = dict(kwargs, device="cpu")
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu") + tuple(args[2:])
-        return func(*args, **kwargs)
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    factory.__wrapped__ = fn
+    factory.__name__ = getattr(fn, "__name__", "factory")
+    return factory
+
+
+def _make_tensor_methods(orig_to, orig_type):
+    def cuda(self, *args, **kwargs):
+        return self
+
+    def to(self, *args, **kwargs):
+        if args and _is_cuda_device(args[0]):
+            args = ("cpu",) + tuple(args[1:])
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        return orig_to(self, *args, **kwargs)
+
+    def type_(self, *args, **kwargs):
+        name = orig_type(self, *args, **kwargs)
+        if not args and not kwargs and self.device.type == "cpu":
+            # clip_grads / Float16OptimizerWithFloat16Params assert 'torch.cuda.FloatTensor'.
+            return name.replace("torch.", "torch.cuda.", 1)
+        return name
+
+    return {"cuda": cuda, "to": to, "type": type_}
 
 
 class _InertStream:
@@ -221,9 +247,12 @@ def install(force=False):
     # A tracker created before install would be a CUDA one: force a fresh CPU tracker.
     mrandom.initialize_rng_tracker(force_reset=True)
 
-    mode = _CudaToCpuMode()
-    mode.__enter__()
-    _state["mode"] = mode
+    for name in _FACTORIES:
+        orig[("torch", name)] = getattr(torch, name)
+        setattr(torch, name, _cpu_device_factory(getattr(torch, name)))
+    for name, method in _make_tensor_methods(torch.Tensor.to, torch.Tensor.type).items():
+        orig[("torch.Tensor", name)] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, method)
     _state["installed"] = True
     logger.info("megatron_oases: CPU platform shims installed (no CUDA)")
     return True
@@ -235,10 +264,10 @@ def uninstall():
         return False
     from megatron.core.tensor_parallel import random as mrandom
 
-    _state["mode"].__exit__(None, None, None)
-    _state["mode"] = None
+    targets = {"torch.cuda": torch.cuda, "random": mrandom, "torch": torch,
+               "torch.Tensor": torch.Tensor}
     for (where, name), value in _state["originals"].items():
-        target = torch.cuda if where == "torch.cuda" else mrandom
+        target = targets[where]
         if value is None:
             if hasattr(target, name):
                 delattr(target, name)

@@ -41,6 +41,13 @@ class Tracer:
 
     def start_iteration(self, iteration):
         self.events, self.iteration, self.t0 = [], iteration, time.perf_counter()
+        self._microbatch = 0
+
+    def next_microbatch(self):
+        """Index of the next micro-batch entering a TransformerBlock this iteration."""
+        mb = getattr(self, "_microbatch", 0)
+        self._microbatch = mb + 1
+        return mb
 
     def end_iteration(self):
         self.iteration_time_us = self._now()
@@ -132,3 +139,11 @@ def make_patch(args):
     from .tracing_patch import TracePatch
 
     return TracePatch(args)
+
+
+_ACTIVE = []
+
+
+def active_tracer():
+    """The tracer installed by the ``oases-trace`` patch, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None

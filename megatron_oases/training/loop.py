@@ -18,6 +18,7 @@ from megatron.core.distributed import DistributedDataParallelConfig, finalize_mo
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from ..schedule.trace import active_tracer
 from .checkpointing import load_checkpoint, save_checkpoint
 from .data import mock_data_iterator
 from .flops import flops_from_args
@@ -73,6 +74,9 @@ class Trainer:
         args = self.args
         if data_iterator is None:
             data_iterator = mock_data_iterator(args, self.iteration)
+        tracer = active_tracer()
+        if tracer is not None:
+            tracer.start_iteration(self.iteration + 1)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = get_forward_backward_func()(
@@ -87,6 +91,8 @@ class Trainer:
         if not forward_only:
             self.optimizer.step()
             self.iteration += 1
+        if tracer is not None:
+            tracer.end_iteration()
         return self._reduce_loss(losses)
 
     def _reduce_loss(self, losses):

@@ -1,0 +1,1 @@
+"""``oases compare``: stock Megatron vs the Oases schedule variants, paper Table 3 style."""

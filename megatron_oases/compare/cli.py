@@ -1,0 +1,294 @@
+"""``oases compare``: stock Megatron and the Oases variants on one model/batch/parallel config.
+
+Every variant is a separate ``oases train`` run (torchrun subprocess) with the same flags, the same
+seed and data, and the identical link emulator (same profile, same dilation ``D``); a few warm-up then
+timed iterations each. Prints a table like the paper's Table 3 and writes ``--out DIR``:
+``results.json``, ``results.md``, ``throughput.png`` and ``timeline-<variant>.png`` (plus each
+variant's log, golden values and traces in ``DIR/<variant>/``). Exit code 1 when a variant failed or
+the variants' losses disagree.
+"""
+
+import argparse
+import os
+import shlex
+import sys
+import time
+
+from ..errors import OasesConfigError
+from .variants import DEFAULT_VARIANTS, RESERVED, VARIANTS, estimate_memory_gb, parse_variants
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="oases compare",
+        description=__doc__.split("\n\n")[0] + " All other flags are passed to every "
+        "`oases train` run (model, batch, parallelism).",
+        epilog="example: oases compare --emulate-link rtx3090-pcie --nproc 2 -- "
+        "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 1024 "
+        "--num-attention-heads 16 --seq-length 512 --micro-batch-size 2 --mock-data",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma-separated, from {', '.join(VARIANTS)} (default: %(default)s)",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
+    p.add_argument(
+        "--emulate-link",
+        default=None,
+        metavar="PROFILE",
+        help="emulate a cluster's links (configs/clusters/PROFILE.yaml)",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per variant")
+    p.add_argument("--iters", type=int, default=3, help="timed iterations per variant")
+    p.add_argument("--out", default="oases-compare", help="output directory")
+    p.add_argument(
+        "--loss-rtol",
+        type=float,
+        default=None,
+        help="max relative lm-loss difference to stock (default 1e-3 with dropout 0, "
+        "5e-2 with dropout)",
+    )
+    p.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        help="OMP/torch threads per rank (default: CPUs ÷ nproc)",
+    )
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per variant")
+    return p
+
+
+def _has_flag(argv, flag):
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _validate(variant, train_argv, nproc):
+    from ..arguments import build_parser as train_parser
+    from ..arguments import validate_args
+
+    try:
+        args = train_parser().parse_args(list(train_argv) + list(variant.flags))
+    except SystemExit as exc:
+        raise OasesConfigError(
+            f"bad oases train flags {shlex.join(train_argv)} (see above)"
+        ) from exc
+    try:
+        return validate_args(args, world_size=nproc, cuda_available=False)
+    except OasesConfigError as exc:
+        raise OasesConfigError(f"variant {variant.name}: {exc}") from exc
+
+
+def main(argv):
+    argv = list(argv)
+    own, train_argv = build_parser().parse_known_args(argv)
+    if train_argv and train_argv[0] == "--":
+        train_argv = train_argv[1:]
+    for flag in RESERVED:
+        if _has_flag(train_argv, flag):
+            raise OasesConfigError(f"oases compare sets {flag} itself; drop it from the flags")
+    if own.nproc < 1 or own.iters < 1 or own.warmup < 0:
+        raise OasesConfigError("--nproc and --iters must be >= 1 and --warmup >= 0")
+    variants = parse_variants(own.variants)
+    profile = None
+    if own.emulate_link:
+        from ..testbed.clusters import load_cluster
+
+        profile = load_cluster(own.emulate_link)  # unknown name -> lists the available ones
+    dropout_given = _has_flag(train_argv, "--hidden-dropout") or _has_flag(
+        train_argv, "--attention-dropout"
+    )
+    if not dropout_given:
+        train_argv += ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    if not _has_flag(train_argv, "--mock-data"):
+        train_argv.append("--mock-data")
+    parsed = {v.name: _validate(v, train_argv, own.nproc) for v in variants}
+    rtol = own.loss_rtol
+    if rtol is None:
+        any_dropout = any(a.hidden_dropout or a.attention_dropout for a in parsed.values())
+        rtol = 5e-2 if any_dropout else 1e-3
+    threads = own.threads_per_rank or max(1, (os.cpu_count() or 1) // own.nproc)
+    env = {"OMP_NUM_THREADS": str(threads)}
+    out = os.path.abspath(own.out)
+    os.makedirs(out, exist_ok=True)
+    progress = _progress
+
+    from ..testbed.calibrate import host_fingerprint
+
+    emulation = None
+    if profile is not None:
+        emulation = _emulation_info(profile, threads, env)
+    first = parsed[variants[0].name]
+    tokens = first.global_batch_size * first.seq_length
+    model = (
+        f"H={first.hidden_size}, L={first.num_layers}, heads={first.num_attention_heads}, "
+        f"seq={first.seq_length}, micro-batch={first.micro_batch_size}, global batch="
+        f"{first.global_batch_size}, TP={first.tensor_model_parallel_size}, "
+        f"PP={first.pipeline_model_parallel_size}, {own.nproc} ranks"
+    )
+    progress(
+        f"oases compare: {model}; variants {', '.join(v.name for v in variants)}; "
+        f"{own.warmup} warm-up + {own.iters} timed iterations each; output {out}"
+    )
+    if emulation:
+        progress(
+            f"  emulating {profile.name}: host {emulation['host_gflops']:.1f} GFLOP/s "
+            f"({emulation['host_source']}) => dilation D = {emulation['dilation']:.1f}"
+        )
+    else:
+        progress(
+            "  no --emulate-link: plain gloo on this host, not representative of a GPU cluster"
+        )
+
+    from .report import (
+        add_derived,
+        check_losses,
+        format_table,
+        plot_summary,
+        write_json,
+        write_markdown,
+    )
+    from .runner import run_variant
+
+    results = []
+    for i, v in enumerate(variants, 1):
+        args = parsed[v.name]
+        if not v.recompute and profile is not None:
+            need = estimate_memory_gb(args, recompute=False, dtype_bytes=profile.dtype_bytes)
+            if need > 0.9 * profile.memory_gb:
+                progress(
+                    f"[{i}/{len(variants)}] {v.name}: skipped, needs ~{need:.1f} GB per GPU "
+                    f"> 90 % of {profile.memory_gb:g} GB on {profile.gpu}"
+                )
+                results.append(
+                    {
+                        "name": v.name,
+                        "label": v.label,
+                        "paper": v.paper,
+                        "status": "skipped",
+                        "reason": f"does not fit (~{need:.0f} GB)",
+                    }
+                )
+                continue
+        progress(f"[{i}/{len(variants)}] {v.name} ({v.label}): {' '.join(v.flags)}")
+        r = run_variant(
+            v,
+            train_argv,
+            out,
+            own.nproc,
+            own.warmup,
+            own.iters,
+            emulate_link=own.emulate_link,
+            env=env,
+            timeout=own.timeout,
+            progress=progress,
+            tokens=tokens,
+        )
+        if r["status"] == "ok":
+            progress(
+                f"[{i}/{len(variants)}] {v.name}: {r['tokens_per_sec']:.1f} tokens/s "
+                f"({1e3 * r['mean_iteration_s']:.1f} ms/iteration, {r['wall_s']:.0f} s wall)"
+            )
+            if r.get("warning"):
+                progress(f"  warning: {r['warning']}")
+        else:
+            progress(f"[{i}/{len(variants)}] {v.name}: FAILED: {r.get('error')}")
+        results.append(r)
+
+    ref = add_derived(results)
+    bad = check_losses(results, ref, rtol)
+    for r in results:
+        if r["status"] == "ok" and r.get("trace_files"):
+            from ..viz.analysis import load_traces
+            from ..viz.timeline import plot_timeline
+
+            path = os.path.join(out, f"timeline-{r['name']}.png")
+            plot_timeline(
+                load_traces(r["trace_files"]),
+                path,
+                title=f"{r['name']} ({r['label']}), {model}"
+                + (f", emulated {profile.name}" if profile else ""),
+            )
+            r["timeline"] = path
+    chart = None
+    if any(r["status"] == "ok" for r in results):
+        chart = plot_summary(
+            results,
+            os.path.join(out, "throughput.png"),
+            title=model + (f", emulated {profile.name}" if profile else ""),
+        )
+    failed = [r["name"] for r in results if r["status"] == "failed"]
+    n_ok = sum(r["status"] == "ok" for r in results)
+    summary = (
+        f"all {n_ok} variants agree with {ref['name']} within rtol {rtol:g}"
+        if ref and not bad
+        else "; ".join(bad) or "no variant ran"
+    )
+    report = {
+        "command": "oases compare " + shlex.join(argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": host_fingerprint(),
+        "config": {
+            "model": model,
+            "train_argv": train_argv,
+            "nproc": own.nproc,
+            "threads_per_rank": threads,
+            "warmup": own.warmup,
+            "iters": own.iters,
+            "tokens_per_iteration": tokens,
+        },
+        "emulation": emulation,
+        "loss_check": {
+            "rtol": rtol,
+            "reference": ref["name"] if ref else None,
+            "ok": not bad,
+            "failures": bad,
+            "summary": summary,
+        },
+        "variants": results,
+        "chart": chart,
+    }
+    write_json(report, os.path.join(out, "results.json"))
+    write_markdown(report, os.path.join(out, "results.md"))
+    print("\n" + format_table(results), flush=True)
+    print(f"\nlosses: {summary}", flush=True)
+    wrote = ["results.json"] + (["throughput.png"] if chart else [])
+    wrote += [os.path.basename(r["timeline"]) for r in results if r.get("timeline")]
+    print(f"wrote {os.path.join(out, 'results.md')}, {', '.join(wrote)}", flush=True)
+    if failed:
+        print(f"oases compare: variant(s) failed: {', '.join(failed)}", file=sys.stderr, flush=True)
+    if bad:
+        print(
+            "oases compare: the variants' losses disagree (see above)", file=sys.stderr, flush=True
+        )
+    return 1 if failed or bad else 0
+
+
+def _progress(msg):
+    print(msg, flush=True)
+
+
+def _emulation_info(profile, threads, env):
+    """Fix the host rate once for all variants (so that every variant gets the same D)."""
+    if os.environ.get("OASES_EMULATE_DILATION"):
+        d = float(os.environ["OASES_EMULATE_DILATION"])
+        flops, source = profile.sustained_tflops * 1e12 / d, "OASES_EMULATE_DILATION"
+    elif os.environ.get("OASES_HOST_FLOPS"):
+        flops, source = float(os.environ["OASES_HOST_FLOPS"]), "OASES_HOST_FLOPS"
+    else:
+        from ..testbed.calibrate import host_flops
+
+        flops, info = host_flops(threads)
+        source = "cached calibration" if info["cached"] else "measured now"
+        env["OASES_HOST_FLOPS"] = repr(flops)
+    return {
+        "profile": profile.name,
+        "gpu": profile.gpu,
+        "dtype": profile.dtype,
+        "dtype_bytes": profile.dtype_bytes,
+        "target_tflops": profile.sustained_tflops,
+        "host_gflops": flops / 1e9,
+        "host_source": source,
+        "threads_per_rank": threads,
+        "dilation": profile.sustained_tflops * 1e12 / flops,
+    }

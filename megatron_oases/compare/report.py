@@ -1,0 +1,219 @@
+"""``oases compare`` outputs: results table (paper Table 3 style), results.json/.md, charts."""
+
+import json
+import os
+
+
+def _pct(x):
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def _num(x, fmt="{:.2f}"):
+    return "n/a" if x is None else fmt.format(x)
+
+
+def add_derived(results, reference="megatron"):
+    """Speedup over the reference variant (stock Megatron) and loss agreement, in place."""
+    ok = [r for r in results if r["status"] == "ok"]
+    ref = next((r for r in ok if r["name"] == reference), ok[0] if ok else None)
+    for r in results:
+        r["speedup"] = None
+        if r["status"] == "ok" and ref is not None:
+            r["speedup"] = r["tokens_per_sec"] / ref["tokens_per_sec"]
+    return ref
+
+
+def check_losses(results, ref, rtol):
+    """Max relative loss difference of every variant against ``ref``; returns the failures."""
+    bad = []
+    if ref is None:
+        return bad
+    for r in results:
+        if r["status"] != "ok":
+            continue
+        a, b = r["losses"], ref["losses"]
+        if len(a) != len(b):
+            r["loss_max_rel_diff"] = None
+            bad.append(f"{r['name']}: {len(a)} losses vs {len(b)} for {ref['name']}")
+            continue
+        diff = max((abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b)), default=0.0)
+        r["loss_max_rel_diff"] = diff
+        r["loss_agrees"] = diff <= rtol
+        if diff > rtol:
+            bad.append(
+                f"{r['name']}: lm loss differs from {ref['name']} by {diff:.2e} "
+                f"(relative, tolerance {rtol:g}): {a} vs {b}"
+            )
+    return bad
+
+
+def table_rows(results):
+    rows = []
+    for r in results:
+        t = r.get("trace") or {}
+        if r["status"] != "ok":
+            rows.append(
+                [
+                    r["name"],
+                    r["paper"],
+                    r["status"] + (f" ({r.get('reason')})" if r.get("reason") else ""),
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
+            continue
+        rows.append(
+            [
+                r["name"],
+                r["paper"],
+                f"{r['tokens_per_sec']:.1f}",
+                _num(r.get("speedup"), "{:.2f}x"),
+                f"{1e3 * r['mean_iteration_s']:.1f} ± {1e3 * r['stdev_iteration_s']:.1f}",
+                _pct(t.get("exposed_share")),
+                _num(t.get("efficiency")),
+                _num(t.get("compute_us") and t["compute_us"] / 1e3, "{:.1f}"),
+                _num(t.get("comm_us") and t["comm_us"] / 1e3, "{:.1f}"),
+                _num(r.get("loss_max_rel_diff"), "{:.1e}"),
+            ]
+        )
+    return rows
+
+
+HEADER = [
+    "variant",
+    "paper (Table 3)",
+    "tokens/s",
+    "speedup",
+    "iteration ms (mean ± sd)",
+    "exposed comm",
+    "efficiency",
+    "compute ms",
+    "comm ms",
+    "loss rel. diff",
+]
+
+
+def format_table(results):
+    rows = [HEADER] + table_rows(results)
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(HEADER))]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(results):
+    out = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    for row in table_rows(results):
+        out.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(out)
+
+
+def write_json(report, path):
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
+def write_markdown(report, path):
+    cfg = report["config"]
+    emu = report.get("emulation")
+    lines = [
+        f"# oases compare: {cfg['model']}",
+        "",
+        f"- date: {report['date']}",
+        f"- host: {report['host']['cpu']} ({report['host']['logical_cpus']} logical CPUs), "
+        f"torch {report['host']['torch']}, {cfg['nproc']} ranks x {cfg['threads_per_rank']} "
+        "thread(s)",
+        f"- command: `{report['command']}`",
+        f"- iterations: {cfg['warmup']} warm-up + {cfg['iters']} timed per variant; tokens/s = "
+        f"global batch x seq / mean timed iteration time",
+    ]
+    if emu:
+        lines.append(
+            f"- **emulated** interconnect `{emu['profile']}` ({emu['gpu']}): host "
+            f"{emu['host_gflops']:.1f} GFLOP/s, target {emu['target_tflops']:g} TFLOP/s "
+            f"{emu['dtype']} => dilation D = {emu['dilation']:.1f}; every collective runs on gloo and "
+            "completes no earlier than D x its ring alpha-beta time on the target link. Times are "
+            "host times (divide by D for target-GPU time)."
+        )
+    else:
+        lines.append(
+            "- no link emulation: plain gloo on this host (not representative of a GPU " "cluster)"
+        )
+    lines += [
+        f"- losses: {report['loss_check']['summary']}",
+        "",
+        markdown_table(report["variants"]),
+        "",
+        "exposed comm = time blocked on communication ÷ iteration time; efficiency = "
+        "max(compute, communication) ÷ iteration time (overlap bound ÷ measured), both from the "
+        "last iteration's trace, mean over ranks.",
+        "",
+    ]
+    for r in report["variants"]:
+        if r.get("timeline"):
+            lines.append(f"![{r['name']} timeline]({os.path.basename(r['timeline'])})")
+        if r["status"] == "failed":
+            lines += [f"**{r['name']} failed**: {r.get('error')}", "", "```"]
+            lines += r.get("log_tail", []) + ["```", ""]
+    if report.get("chart"):
+        lines += ["", f"![throughput]({os.path.basename(report['chart'])})"]
+    lines += [
+        "",
+        "Timings on a shared 2-core host are noisy (other processes compete for the "
+        "cores); repeat runs differ by several per cent.",
+        "",
+    ]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def plot_summary(results, path, title=""):
+    """Bar chart: tokens/s with speedups (left), iteration breakdown compute vs exposed (right)."""
+    from ..viz.timeline import _pyplot
+
+    plt = _pyplot()
+    ok = [r for r in results if r["status"] == "ok"]
+    names = [r["name"] for r in ok]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = ["#7b5ea7" if n.startswith("megatron") else "#1f77b4" for n in names]
+    bars = ax1.bar(names, [r["tokens_per_sec"] for r in ok], color=colors)
+    for b, r in zip(bars, ok):
+        if r.get("speedup") is not None:
+            ax1.text(
+                b.get_x() + b.get_width() / 2,
+                b.get_height(),
+                f"{r['speedup']:.2f}x",
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
+    ax1.set_ylabel("tokens/s (host time)")
+    ax1.set_title("throughput, speedup over stock")
+    ax1.tick_params(axis="x", labelrotation=20, labelsize=8)
+    busy, exposed = [], []
+    for r in ok:
+        t = r.get("trace")
+        T = r["mean_iteration_s"] * 1e3
+        share = t["exposed_share"] if t else 0.0
+        exposed.append(T * share)
+        busy.append(T * (1 - share))
+    ax2.bar(names, busy, color="#4c9f70", label="computing")
+    ax2.bar(names, exposed, bottom=busy, color="#d62728", label="exposed communication")
+    ax2.set_ylabel("iteration time (ms, host)")
+    ax2.set_title("iteration breakdown (Figure 2 style)")
+    ax2.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax2.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path

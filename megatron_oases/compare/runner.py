@@ -1,0 +1,173 @@
+"""Launch ``oases train`` once per variant (torchrun subprocess) and collect its metrics and trace."""
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from ..testing.distributed import find_free_port
+from ..viz.analysis import load_traces, run_metrics, trace_files
+
+_ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+).*?elapsed time per iteration \(ms\): ([\d.]+)")
+
+
+def train_command(variant, train_argv, vdir, nproc, iters, emulate_link=None):
+    """The torchrun command line of one variant."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(find_free_port()),
+        "-m",
+        "megatron_oases",
+        "train",
+        *train_argv,
+        *variant.flags,
+        "--train-iters",
+        str(iters),
+        "--log-interval",
+        "1",
+        "--log-json",
+        os.path.join(vdir, "golden.json"),
+        "--oases-trace",
+        os.path.join(vdir, "trace.rank{rank}.json"),
+    ]
+    if emulate_link:
+        cmd += ["--emulate-link", emulate_link]
+    return cmd
+
+
+_ERROR = re.compile(r"^(?:\[rank\d+\]: )?(?:oases train: error: .*|[\w.]*(?:Error|Exception)\b.*)$")
+
+
+def _first_error(lines):
+    """The first exception or ``oases train: error:`` line of a failed run's output."""
+    for line in lines:
+        m = _ERROR.match(line.strip())
+        if m and "ChildFailedError" not in line and "elastic" not in line:
+            return line.strip()
+    return None
+
+
+def _stream(proc, log_path, on_line):
+    with open(log_path, "w") as log:
+        for line in proc.stdout:
+            log.write(line)
+            log.flush()
+            on_line(line.rstrip("\n"))
+
+
+def run_variant(
+    variant,
+    train_argv,
+    out_dir,
+    nproc,
+    warmup,
+    iters,
+    emulate_link=None,
+    env=None,
+    timeout=1800,
+    progress=print,
+    tokens=None,
+):
+    """Run one variant; returns its result dict (status ok/failed, timings, losses, trace metrics)."""
+    vdir = os.path.join(out_dir, variant.name)
+    os.makedirs(vdir, exist_ok=True)
+    for f in trace_files(os.path.join(vdir, "trace.rank{rank}.json")) + [
+        os.path.join(vdir, "golden.json")
+    ]:
+        if os.path.exists(f):
+            os.remove(f)
+    total = warmup + iters
+    cmd = train_command(variant, train_argv, vdir, nproc, total, emulate_link)
+    result = {
+        "name": variant.name,
+        "label": variant.label,
+        "paper": variant.paper,
+        "flags": list(variant.flags),
+        "command": cmd,
+        "dir": vdir,
+        "status": "failed",
+    }
+    tail = []
+
+    def on_line(line):
+        tail.append(line)
+        del tail[:-200]
+        m = _ITER.search(line)
+        if m:
+            it, n, ms = int(m.group(1)), int(m.group(2)), float(m.group(3))
+            phase = "warm-up" if it <= warmup else "timed"
+            progress(f"  [{variant.name}] iteration {it}/{n} ({phase}): {ms:.1f} ms")
+        elif line.startswith("[oases]"):
+            progress(f"  [{variant.name}] {line[8:]}")
+
+    t0 = time.time()
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
+    reader = threading.Thread(
+        target=_stream, args=(proc, os.path.join(vdir, "log.txt"), on_line), daemon=True
+    )
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = None
+    reader.join(timeout=10)
+    result["wall_s"] = time.time() - t0
+    result["returncode"] = rc
+    if rc != 0:
+        why = f"timed out after {timeout}s" if rc is None else f"exit code {rc}"
+        cause = _first_error(tail)
+        result["error"] = f"oases train {why}{': ' + cause if cause else ''}; see " + os.path.join(
+            vdir, "log.txt"
+        )
+        result["log_tail"] = tail[-15:]
+        return result
+    golden_path = os.path.join(vdir, "golden.json")
+    try:
+        with open(golden_path) as f:
+            golden = json.load(f)
+    except (OSError, ValueError) as exc:
+        result["error"] = f"no metrics in {golden_path}: {exc}"
+        return result
+    times = golden["iteration-time"]["values"]
+    timed = times[warmup:] or times[-1:]
+    if tokens is None:  # global batch × seq length
+        tokens = golden["tokens-per-sec"]["values"][0] * times[0]
+    mean_t = statistics.fmean(timed)
+    result.update(
+        status="ok",
+        iteration_time_s=times,
+        timed_iterations=len(timed),
+        mean_iteration_s=mean_t,
+        median_iteration_s=statistics.median(timed),
+        stdev_iteration_s=statistics.stdev(timed) if len(timed) > 1 else 0.0,
+        tokens_per_iteration=round(tokens),
+        tokens_per_sec=tokens / mean_t,
+        losses=golden["lm loss"]["values"],
+    )
+    files = trace_files(os.path.join(vdir, "trace.rank{rank}.json"))
+    traces = load_traces(files)
+    result["trace_files"] = files
+    result["trace"] = run_metrics(traces) if traces else None
+    if not traces:
+        result["warning"] = "no trace written: exposed communication and efficiency unavailable"
+    return result

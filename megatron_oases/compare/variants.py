@@ -1,0 +1,116 @@
+"""The variants ``oases compare`` runs: stock Megatron and the Oases schedule ablation (paper Table 3)."""
+
+from dataclasses import dataclass
+
+from ..errors import OasesConfigError
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    flags: tuple
+    label: str
+    paper: str  # the closest column of the paper's Table 3
+    recompute: bool = True
+    available: bool = True
+    note: str = ""
+
+
+_FULL = ("--recompute-granularity", "full")
+VARIANTS = {
+    v.name: v
+    for v in (
+        Variant(
+            "megatron",
+            ("--oases-schedule", "off") + _FULL,
+            "stock Megatron-Core, full recompute",
+            "Megatron-LM",
+        ),
+        Variant(
+            "megatron-norecompute",
+            ("--oases-schedule", "off"),
+            "stock Megatron-Core, no recompute",
+            "-",
+            recompute=False,
+        ),
+        Variant(
+            "overlap",
+            ("--oases-schedule", "overlap") + _FULL,
+            "two sub-batches, per-pass overlap",
+            "Merak (pipelined passes)",
+        ),
+        Variant(
+            "cross-pass",
+            ("--oases-schedule", "cross-pass") + _FULL,
+            "+ recompute and backward merged",
+            "Cross-pass schedule",
+        ),
+        Variant(
+            "oases",
+            ("--oases-schedule", "oases") + _FULL,
+            "+ fine-grained recomputation",
+            "+ Fine-grained recomputation",
+        ),
+        Variant(
+            "oases+planner",
+            ("--oases-schedule", "oases") + _FULL,
+            "+ per-layer TMP planner",
+            "+ Planner (Oases)",
+            available=False,
+            note="the planner is not implemented yet",
+        ),
+    )
+}
+DEFAULT_VARIANTS = ("megatron", "megatron-norecompute", "overlap", "cross-pass", "oases")
+# Flags compare sets itself, per variant or per run.
+RESERVED = (
+    "--oases-schedule",
+    "--recompute-granularity",
+    "--recompute-method",
+    "--recompute-num-layers",
+    "--log-json",
+    "--oases-trace",
+    "--train-iters",
+    "--emulate-link",
+    "--save",
+    "--load",
+)
+
+
+def parse_variants(spec):
+    names = [s.strip() for s in (spec or ",".join(DEFAULT_VARIANTS)).split(",") if s.strip()]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise OasesConfigError(
+            f"unknown variant(s) {', '.join(unknown)}; choose from {', '.join(VARIANTS)}"
+        )
+    if len(set(names)) != len(names):
+        raise OasesConfigError(f"--variants lists a variant twice: {spec}")
+    for n in names:
+        if not VARIANTS[n].available:
+            raise OasesConfigError(f"variant {n} is not available: {VARIANTS[n].note}")
+    return [VARIANTS[n] for n in names]
+
+
+def estimate_memory_gb(args, recompute, dtype_bytes=2):
+    """Rough per-GPU memory of a run on the target (mixed precision + Adam), in GB.
+
+    Model states: 16 bytes per parameter shard (fp16 weight and gradient, fp32 master and two Adam
+    moments). Activations per layer and micro-batch (Korthikanti et al. 2022, TP without sequence
+    parallelism): ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes; with full recompute only each layer's
+    input (``2·s·b·h``) plus one layer's working set. 1F1B keeps up to PP micro-batches in flight.
+    """
+    t, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    h, s, b, a = args.hidden_size, args.seq_length, args.micro_batch_size, args.num_attention_heads
+    layers = args.num_layers // pp
+    ffn = args.ffn_hidden_size
+    per_layer_params = 4 * h * h + 2 * h * ffn * (1.5 if args.swiglu else 1.0)
+    params = layers * per_layer_params / t + args.padded_vocab_size * h / t
+    states = 16 * params
+    full_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * dtype_bytes / 2
+    in_flight = min(pp, args.num_microbatches)
+    if recompute:
+        act = in_flight * layers * dtype_bytes * s * b * h + full_layer
+    else:
+        act = in_flight * layers * full_layer
+    return (states + act) / 1e9

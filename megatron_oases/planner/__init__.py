@@ -1,0 +1,24 @@
+"""Oases parallel strategy planner (paper §4): overlap-aware cost model, ILP and DP solvers, plans.
+
+Public API::
+
+    predict(profile, degrees, schedule, global_batch, micro_batch)
+        -> {iteration_time_s, forward_s, backward_s, edges_s, peak_memory_bytes, per_layer}
+    make_plan(profile, global_batch_size=..., memory_gb=..., ...) -> (plan, problem, solution)
+    load_plan / save_plan / uniform_plan / validate_plan
+"""
+
+from .api import make_plan
+from .cost_model import build_problem, evaluate, predict
+from .plan_file import load_plan, save_plan, uniform_plan, validate_plan
+
+__all__ = [
+    "build_problem",
+    "evaluate",
+    "load_plan",
+    "make_plan",
+    "predict",
+    "save_plan",
+    "uniform_plan",
+    "validate_plan",
+]

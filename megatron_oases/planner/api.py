@@ -1,0 +1,260 @@
+"""Plan a per-layer TMP degree list: build the instance, solve (ILP or DP), verify, report."""
+
+import math
+import time
+
+from ..errors import OasesConfigError
+from ..profiler.format import Profile, load_profile, sha256_of
+from .cost_model import DEFAULT_GRANULE, DEFAULT_MARGIN, build_problem, decompose, evaluate
+from .dp import min_memory, solve_dp
+from .ilp import DEFAULT_TIME_LIMIT_S, solve_ilp
+from .plan_file import PLAN_VERSION
+
+SOLVERS = ("ilp", "dp")
+VERIFY_RTOL = 1e-6
+
+
+class PlannerVerificationError(RuntimeError):
+    """``--verify``: the ILP and the DP disagree (a bug, not a user error)."""
+
+
+def gb(nbytes):
+    return nbytes / 1e9
+
+
+def parse_pins(specs):
+    """``["0-3=4", "7=2,9=1"]`` → ``[(range(0, 4), 4), ([7], 2), ([9], 1)]``."""
+    pins = []
+    for spec in specs or ():
+        for part in str(spec).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                layers, degree = part.split("=")
+                if "-" in layers:
+                    a, b = layers.split("-")
+                    rng = list(range(int(a), int(b) + 1))
+                    if not rng:
+                        raise ValueError
+                else:
+                    rng = [int(layers)]
+                pins.append((rng, int(degree)))
+            except ValueError:
+                raise OasesConfigError(
+                    f"bad --pin {part!r}; use LAYER=DEGREE or FIRST-LAST=DEGREE, e.g. 0-3=4"
+                ) from None
+    return pins
+
+
+def parse_degrees(text):
+    if text is None:
+        return None
+    try:
+        out = sorted({int(x) for x in str(text).split(",") if x.strip()})
+    except ValueError:
+        raise OasesConfigError(f"bad --degrees {text!r}; use a comma list such as 1,2,4") from None
+    for d in out:
+        if d < 1 or d & (d - 1):
+            raise OasesConfigError(f"--degrees: {d} is not a power of two")
+    return out
+
+
+def _infeasible_message(problem):
+    need = min_memory(problem)
+    margin = problem.margin
+    have = problem.memory_bytes
+    if need is None:
+        return "no plan satisfies --pin and --max-switches together; relax one of them"
+    need_total = need * (1 + margin)
+    return (
+        f"no plan fits in {gb(have):.2f} GB (peak memory per rank + {margin:.0%} safety margin); "
+        f"the smallest memory that fits is {gb(need_total):.2f} GB"
+    )
+
+
+def solve(problem, solver="ilp", verify=False, time_limit_s=DEFAULT_TIME_LIMIT_S):
+    """Solve ``problem``; returns (Solution, verification dict or None). Raises OasesConfigError
+    when infeasible and PlannerVerificationError when ``verify`` finds a disagreement."""
+    if solver not in SOLVERS:
+        raise OasesConfigError(f"unknown solver {solver!r}; choose one of {', '.join(SOLVERS)}")
+    dec = decompose(problem)
+    runs = {}
+    order = [solver] + ([s for s in SOLVERS if s != solver] if verify else [])
+    for name in order:
+        if name == "ilp":
+            runs[name] = solve_ilp(problem, dec, time_limit_s=time_limit_s)
+        else:
+            runs[name] = solve_dp(problem, dec)
+    sol = runs[solver]
+    check = None
+    if verify:
+        a, b = runs["ilp"], runs["dp"]
+        check = {
+            "ilp": {"status": a.status, "objective": a.objective, "solve_time_s": a.solve_time_s},
+            "dp": {"status": b.status, "objective": b.objective, "solve_time_s": b.solve_time_s},
+        }
+        if a.feasible != b.feasible:
+            raise PlannerVerificationError(
+                f"--verify: ILP says {a.status}, DP says {b.status} — please report this instance"
+            )
+        if a.feasible:
+            if a.status != "optimal":
+                raise PlannerVerificationError(
+                    f"--verify: the ILP stopped with status {a.status} (raise --time-limit)"
+                )
+            diff = abs(a.objective - b.objective)
+            check["relative_difference"] = diff / max(abs(b.objective), 1e-30)
+            if diff > VERIFY_RTOL * max(abs(b.objective), 1e-30):
+                raise PlannerVerificationError(
+                    f"--verify: ILP objective {a.objective:.9g} s ≠ DP objective "
+                    f"{b.objective:.9g} s — please report this instance"
+                )
+        check["agree"] = True
+    if not sol.feasible:
+        if sol.status == "infeasible":
+            raise OasesConfigError(_infeasible_message(problem))
+        raise OasesConfigError(
+            f"the {solver} solver stopped with status {sol.status!r} "
+            f"({sol.info.get('lp_status', '')}); try --solver dp or a longer --time-limit"
+        )
+    return sol, check
+
+
+def uniform_costs(problem):
+    """{degree: evaluate(...) + fits} for every candidate degree usable on all layers."""
+    out = {}
+    for k, d in enumerate(problem.degrees):
+        ks = [k] * problem.num_layers
+        res = evaluate(problem, ks)
+        A, R, fixed, budget = problem.quantized()
+        fits = budget is None or problem.peak_memory_granules(ks) <= budget
+        out[d] = {
+            "iteration_time_s": res["iteration_time_s"],
+            "peak_memory_bytes_per_rank": res["peak_memory_bytes"],
+            "fits": bool(fits),
+        }
+    return out
+
+
+def make_plan(
+    profile,
+    *,
+    global_batch_size,
+    memory_gb=None,
+    schedule="oases",
+    micro_batch_size=None,
+    degrees=None,
+    pins=None,
+    max_switches=None,
+    recompute=None,
+    solver="ilp",
+    verify=False,
+    margin=DEFAULT_MARGIN,
+    granule=DEFAULT_GRANULE,
+    time_limit_s=DEFAULT_TIME_LIMIT_S,
+    profile_path=None,
+    grad_sync=False,
+):
+    """Returns (plan dict, problem, solution)."""
+    if not isinstance(profile, Profile):
+        profile_path = profile_path or profile
+        profile = load_profile(profile)
+    if memory_gb is None:
+        memory_gb = profile.data.get("memory_gb")
+    if memory_gb is None:
+        raise OasesConfigError("pass --memory GB (device memory per rank)")
+    if memory_gb <= 0:
+        raise OasesConfigError("--memory must be positive")
+    t_build = time.perf_counter()
+    problem = build_problem(
+        profile,
+        schedule=schedule,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        degrees=degrees,
+        recompute=recompute,
+        memory_gb=memory_gb,
+        margin=margin,
+        granule=granule,
+        pins=pins,
+        max_switches=max_switches,
+        grad_sync=grad_sync,
+    )
+    build_s = time.perf_counter() - t_build
+    sol, check = solve(problem, solver=solver, verify=verify, time_limit_s=time_limit_s)
+    res = evaluate(problem, sol.ks)
+    uniform = uniform_costs(problem)
+    T = problem.meta["tensor_model_parallel_size"]
+    fitting = [u["iteration_time_s"] for u in uniform.values() if u["fits"]]
+    speedup = {}
+    if T in uniform:
+        speedup[f"uniform_{T}"] = uniform[T]["iteration_time_s"] / res["iteration_time_s"]
+    if fitting:
+        speedup["best_fitting_uniform"] = min(fitting) / res["iteration_time_s"]
+    shape = profile.shape
+    tokens = global_batch_size * shape["seq_length"]
+    inputs = {
+        "profile_sha256": profile.sha256,
+        "schedule": schedule,
+        "recompute": problem.meta["recompute"],
+        "global_batch_size": global_batch_size,
+        "micro_batch_size": problem.meta["micro_batch_size"],
+        "memory_gb": memory_gb,
+        "margin": margin,
+        "granule": granule,
+        "degrees": problem.degrees,
+        "pins": [[list(l), d] for l, d in (pins or [])],
+        "max_switches": max_switches,
+        "grad_sync": bool(grad_sync),
+    }
+    plan = {
+        "version": PLAN_VERSION,
+        "tensor_model_parallel_size": T,
+        "data_parallel_size": problem.meta["data_parallel_size"],
+        "num_layers": problem.num_layers,
+        "degrees": [problem.degrees[k] for k in sol.ks],
+        "schedule": schedule,
+        "recompute": problem.meta["recompute"],
+        "global_batch_size": int(global_batch_size),
+        "micro_batch_size": problem.meta["micro_batch_size"],
+        "num_microbatches": problem.meta["num_microbatches"],
+        "predicted": {
+            "iteration_time_s": res["iteration_time_s"],
+            "forward_s": res["forward_s"],
+            "backward_s": res["backward_s"],
+            "edges_s": res["edges_s"],
+            "grad_sync_s": res["grad_sync_s"],
+            "grad_sync_included": res["grad_sync_included"],
+            "peak_memory_bytes_per_rank": res["peak_memory_bytes"],
+            "peak_memory_with_margin_bytes": res["peak_memory_bytes"] * (1 + margin),
+            "tokens_per_s": tokens / res["iteration_time_s"],
+            "per_layer": res["per_layer"],
+        },
+        "uniform": {str(d): u for d, u in uniform.items()},
+        "speedup": speedup,
+        "objective": sol.objective,
+        "objective_units": "seconds per iteration (eq. 5)",
+        "solver": sol.solver,
+        "solve_time_s": sol.solve_time_s,
+        "build_time_s": build_s,
+        "status": sol.status,
+        "verify": check,
+        "memory_gb": memory_gb,
+        "memory_margin": margin,
+        "memory_granule_bytes": granule,
+        "constraints": {
+            "degrees": problem.degrees,
+            "pins": inputs["pins"],
+            "max_switches": max_switches,
+            "excluded_degrees": problem.meta["excluded_degrees"],
+        },
+        "input_hash": sha256_of(inputs),
+        "profile": profile_path or profile.path,
+        "profile_sha256": profile.sha256,
+        "profile_kind": profile.data.get("kind"),
+        "cluster": profile.data.get("cluster"),
+        "model": shape.get("name"),
+    }
+    assert math.isclose(plan["objective"], res["iteration_time_s"], rel_tol=1e-9, abs_tol=1e-12)
+    return plan, problem, sol

@@ -1,0 +1,123 @@
+"""The plan file: one TMP degree per transformer layer, editable JSON.
+
+Keys the per-layer TMP runtime reads: ``version`` (1), ``tensor_model_parallel_size`` (the TMP
+domain T), ``degrees`` (one per layer, powers of two dividing T), ``schedule``,
+``global_batch_size``, ``micro_batch_size``. Everything else (``predicted``, ``objective``,
+``solver``, ``solve_time_s``, ``status``, ``input_hash``, ``profile`` …) documents how it was made.
+A uniform plan (:func:`uniform_plan`) is a valid plan file too.
+"""
+
+import json
+
+from ..errors import OasesConfigError
+
+PLAN_VERSION = 1
+SCHEDULES = ("off", "overlap", "cross-pass", "oases")
+
+
+def _fail(source, msg):
+    raise OasesConfigError(f"{source}: {msg}")
+
+
+def _is_int(x):
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source="plan"):
+    """Check a plan dict; return it. Every problem is one :class:`OasesConfigError` line."""
+    if not isinstance(plan, dict):
+        _fail(source, "a plan must be a JSON object")
+    if plan.get("version") != PLAN_VERSION:
+        _fail(source, f"unsupported plan version {plan.get('version')!r} (expected {PLAN_VERSION})")
+    T = plan.get("tensor_model_parallel_size")
+    if not _is_int(T) or T < 1:
+        _fail(source, f"tensor_model_parallel_size must be a positive integer, got {T!r}")
+    if tensor_model_parallel_size is not None and T != int(tensor_model_parallel_size):
+        _fail(
+            source,
+            f"plan is for a TMP domain of {T} but --tensor-model-parallel-size is "
+            f"{tensor_model_parallel_size}; re-plan or change the flag",
+        )
+    degrees = plan.get("degrees")
+    if not isinstance(degrees, list) or not degrees:
+        _fail(source, "degrees must be a non-empty list with one TMP degree per layer")
+    if num_layers is not None and len(degrees) != int(num_layers):
+        _fail(source, f"degrees has {len(degrees)} entries but the model has {num_layers} layers")
+    for i, d in enumerate(degrees):
+        if not _is_int(d) or d < 1:
+            _fail(source, f"layer {i}: degree {d!r} is not a positive integer")
+        if d & (d - 1):
+            _fail(source, f"layer {i}: degree {d} is not a power of two")
+        if d > T:
+            _fail(source, f"layer {i}: degree {d} exceeds tensor_model_parallel_size {T}")
+        if T % d:
+            _fail(source, f"layer {i}: degree {d} does not divide tensor_model_parallel_size {T}")
+    schedule = plan.get("schedule")
+    if schedule is not None and schedule not in SCHEDULES:
+        _fail(source, f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    for key in ("global_batch_size", "micro_batch_size"):
+        v = plan.get(key)
+        if v is not None and (not _is_int(v) or v < 1):
+            _fail(source, f"{key} must be a positive integer or null, got {v!r}")
+    return plan
+
+
+def load_plan(path, num_layers=None, tensor_model_parallel_size=None):
+    try:
+        with open(path) as f:
+            plan = json.load(f)
+    except FileNotFoundError:
+        raise OasesConfigError(f"plan file {path} not found") from None
+    except json.JSONDecodeError as exc:
+        raise OasesConfigError(
+            f"plan file {path} is not valid JSON ({exc.msg} at line {exc.lineno})"
+        ) from None
+    return validate_plan(plan, num_layers, tensor_model_parallel_size, source=str(path))
+
+
+def uniform_plan(num_layers, tensor_model_parallel_size, degree=None, schedule="oases",
+                 global_batch_size=None, micro_batch_size=None):
+    """Every layer at ``degree`` (default: T) — what plain Megatron TMP does."""
+    T = int(tensor_model_parallel_size)
+    degree = T if degree is None else int(degree)
+    plan = {
+        "version": PLAN_VERSION,
+        "tensor_model_parallel_size": T,
+        "degrees": [degree] * int(num_layers),
+        "schedule": schedule,
+        "global_batch_size": global_batch_size,
+        "micro_batch_size": micro_batch_size,
+        "predicted": None,
+        "objective": None,
+        "solver": "uniform",
+        "solve_time_s": 0.0,
+        "status": "uniform",
+        "input_hash": None,
+        "profile": None,
+    }
+    return validate_plan(plan, source="uniform plan")
+
+
+def _dumps(obj, indent=0):
+    """JSON with scalar lists and flat dicts on one line (easy to edit ``degrees`` by hand)."""
+    pad = "  " * indent
+    if isinstance(obj, dict):
+        if not obj:
+            return "{}"
+        if all(not isinstance(v, (dict, list)) for v in obj.values()) and indent > 0:
+            return json.dumps(obj)
+        items = [f'{pad}  {json.dumps(k)}: {_dumps(v, indent + 1)}' for k, v in obj.items()]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(obj, list):
+        if all(not isinstance(v, (dict, list)) for v in obj):
+            return json.dumps(obj)
+        items = [f"{pad}  {_dumps(v, indent + 1)}" for v in obj]
+        return "[\n" + ",\n".join(items) + f"\n{pad}]"
+    return json.dumps(obj)
+
+
+def save_plan(plan, path):
+    validate_plan(plan, source=str(path))
+    with open(path, "w") as f:
+        f.write(_dumps(plan) + "\n")
+    return path

@@ -1,0 +1,169 @@
+"""``oases profile --analytic --cluster PROFILE``: a profile from FLOP counts and a cluster profile.
+
+Compute: block FLOPs (``layer_math``) at the cluster's sustained TFLOP/s; recompute = forward,
+backward = 2 × forward. Communication: the cluster's ring α–β model for each group (placement rules
+of :mod:`megatron_oases.testbed.clusters`). Memory: ``layer_math`` counts. Nothing is measured, so
+paper-scale clusters can be planned on a laptop.
+"""
+
+import time
+
+from ..testbed.clusters import load_cluster
+from . import layer_math
+from .format import PROFILE_VERSION, gather_ranks, ranks_key, tp_ranks
+from .model_config import shape_of
+
+SAMPLE_POINTS = (1, 2, 4, 8, 16, 32, 64)
+COMM_POINTS = (1 << 16, 1 << 20, 1 << 24, 1 << 28)
+# Framework constant per GPU: CUDA context, cuBLAS workspaces, NCCL buffers (measured ~0.6–1 GB on
+# PyTorch/NCCL; we count 1 GiB).
+GPU_OVERHEAD_BYTES = 1 << 30
+
+
+def candidate_degrees(args, tp):
+    """Powers of two up to T that divide T, the heads, query groups, hidden and FFN sizes."""
+    out, d = [], 1
+    while d <= tp:
+        if (
+            tp % d == 0
+            and args.num_attention_heads % d == 0
+            and args.num_query_groups % d == 0
+            and args.ffn_hidden_size % d == 0
+            and args.hidden_size % d == 0
+        ):
+            out.append(d)
+        d *= 2
+    return out
+
+
+def state_bytes_per_param(dtype_bytes):
+    """Megatron mixed precision with Adam: 16-bit param + fp32 main grad + fp32 master + 2 fp32
+    moments = 18 B; fp32 training: param + grad + 2 moments = 16 B."""
+    return 18 if dtype_bytes == 2 else 16
+
+
+def memory_section(shape, tp, degrees, dtype_bytes, overhead_bytes):
+    per_param = state_bytes_per_param(dtype_bytes)
+    return {
+        "state_bytes_per_layer": {
+            str(d): layer_math.layer_params(shape, d) * per_param for d in degrees
+        },
+        "fixed_state_bytes": layer_math.fixed_params(shape, tp) * per_param,
+        "layer_activation_bytes_per_sample": {
+            str(d): layer_math.layer_activation_bytes(shape, d, dtype_bytes) for d in degrees
+        },
+        "checkpoint_bytes_per_sample": {
+            "layer_input": layer_math.hidden_bytes(shape, dtype_bytes),
+            "block_inputs": 2 * layer_math.hidden_bytes(shape, dtype_bytes),
+        },
+        "backward_transient_bytes_per_sample": {
+            str(d): layer_math.backward_transient_bytes(shape, d, dtype_bytes) for d in degrees
+        },
+        "fixed_activation_bytes_per_sample": layer_math.logits_bytes(shape, tp, dtype_bytes)
+        + 2 * layer_math.hidden_bytes(shape, dtype_bytes),
+        "overhead_bytes": overhead_bytes,
+    }
+
+
+def comm_groups(degrees):
+    """{"all_reduce": [ranks...], "all_gather": [ranks...]} every plan over ``degrees`` may use."""
+    reduce = [tp_ranks(d) for d in degrees if d > 1]
+    gather = []
+    for i, d1 in enumerate(degrees):
+        for d2 in degrees[i + 1:]:
+            gather.append(gather_ranks(d1, d2))
+    top = max(degrees)
+    for d in degrees:  # embedding/output layer boundary re-shards (domain T ↔ layer degree)
+        if d < top:
+            gather.append(gather_ranks(d, top))
+    uniq = {}
+    for g in gather:
+        uniq[ranks_key(g)] = g
+    return {"all_reduce": reduce, "all_gather": list(uniq.values())}
+
+
+def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHEAD_BYTES):
+    cluster = load_cluster(cluster_name)
+    tp = args.tensor_model_parallel_size
+    shape = shape_of(args)
+    shape["name"] = getattr(args, "name", None)
+    degrees = degrees or candidate_degrees(args, tp)
+    p = cluster.dtype_bytes
+    rate = cluster.sustained_tflops * 1e12
+
+    compute = {}
+    for block in layer_math.BLOCKS:
+        compute[block] = {}
+        for d in degrees:
+            fwd = layer_math.block_flops_forward(shape, block, d) / rate
+            compute[block][str(d)] = {
+                "forward_s": [[n, fwd * n] for n in SAMPLE_POINTS],
+                "recompute_s": [[n, fwd * n] for n in SAMPLE_POINTS],
+                "backward_s": [[n, 2 * fwd * n] for n in SAMPLE_POINTS],
+            }
+
+    comm = {"all_reduce": {}, "all_gather": {}}
+    groups = comm_groups(degrees + ([tp] if tp not in degrees else []))
+    for kind, fn in (("all_reduce", cluster.all_reduce_time), ("all_gather", cluster.all_gather_time)):
+        for ranks in groups[kind]:
+            pts = [[n, fn(n, ranks)] for n in COMM_POINTS]
+            # The ring model is exactly α + β·n: read α and β off two points.
+            (n0, t0), (n1, t1) = pts[0], pts[-1]
+            beta = (t1 - t0) / (n1 - n0)
+            comm[kind][ranks_key(ranks)] = {
+                "alpha_s": t0 - beta * n0,
+                "beta_s_per_byte": beta,
+                "points": pts,
+                "link": _link_name(cluster, ranks),
+            }
+
+    head = layer_math.head_flops_forward(shape, tp) / rate
+    fixed_compute = {"forward_s_per_sample": head, "backward_s_per_sample": 2 * head}
+    grad_sync = grad_sync_section(cluster, shape, tp, args.data_parallel_size, degrees, p)
+
+    return {
+        "version": PROFILE_VERSION,
+        "kind": "analytic",
+        "model": shape,
+        "tensor_model_parallel_size": tp,
+        "data_parallel_size": args.data_parallel_size,
+        "degrees": degrees,
+        "dtype_bytes": p,
+        "state_bytes_per_param": state_bytes_per_param(p),
+        "cluster": cluster.name,
+        "memory_gb": cluster.memory_gb,
+        "hardware": {"cluster": cluster.name, "gpu": cluster.gpu,
+                     "sustained_tflops": cluster.sustained_tflops},
+        "compute": compute,
+        "fixed_compute": fixed_compute,
+        "comm": comm,
+        "grad_sync": grad_sync,
+        "memory": memory_section(shape, tp, degrees, p, overhead_bytes),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+
+
+def grad_sync_section(cluster, shape, tp, dp, degrees, dtype_bytes):
+    """Data-parallel gradient all-reduce of one layer at degree d: its ``params/d`` gradients (model
+    dtype) over the ``dp·T/d`` replicas of that shard — ranks ``0, d, 2d, …`` of the whole job."""
+    fits, nbytes = {}, {}
+    for d in degrees:
+        ranks = list(range(0, tp * dp, d))
+        nbytes[str(d)] = layer_math.layer_params(shape, d) * dtype_bytes
+        if len(ranks) <= 1:
+            fits[str(d)] = {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "replicas": len(ranks)}
+            continue
+        n0, n1 = COMM_POINTS[0], COMM_POINTS[-1]
+        t0, t1 = cluster.all_reduce_time(n0, ranks), cluster.all_reduce_time(n1, ranks)
+        beta = (t1 - t0) / (n1 - n0)
+        fits[str(d)] = {"alpha_s": t0 - beta * n0, "beta_s_per_byte": beta, "replicas": len(ranks),
+                        "link": _link_name(cluster, ranks)}
+    return {"bytes_per_layer": nbytes, "all_reduce": fits}
+
+
+def _link_name(cluster, ranks):
+    link = cluster.link_for(ranks)
+    for name in ("nvlink", "intra_node", "inter_node"):
+        if getattr(cluster, name) is link:
+            return name
+    return "?"

@@ -1,0 +1,112 @@
+"""``oases profile``: per-block compute, communication and memory per TMP degree for the planner.
+
+    oases profile --model configs/models/X.yaml --out profile.json              # measured (gloo)
+    oases profile --model X.yaml --emulate-link rtx3090-pcie --out profile.json  # measured, emulated
+    oases profile --model X.yaml --analytic --cluster rtx3090-nvlink --out profile.json
+
+Measured profiles time one Megatron TransformerLayer per degree on real process groups (spawning
+``--nproc`` gloo ranks unless already launched by torchrun) and are cached by hardware fingerprint
+and shape hash; analytic ones come from FLOP counts and a cluster profile.
+"""
+
+import argparse
+import os
+
+from ..errors import OasesConfigError
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="oases profile",
+        description="Profile one transformer layer per candidate TMP degree for `oases plan`.",
+    )
+    p.add_argument("--model", required=True, metavar="PATH[:NAME]",
+                   help="model YAML (Megatron-LM argument names); PATH:NAME picks from a 'models:' map")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a model setting, e.g. --set num_layers=48")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
+                   help="TMP domain T (default: the model file's)")
+    p.add_argument("--data-parallel-size", type=int, default=None)
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="samples per TMP domain per micro-batch whose sub-batches are measured")
+    p.add_argument("--degrees", default=None, help="candidate degrees (default: powers of two ≤ T)")
+    p.add_argument("--analytic", action="store_true", help="from FLOP counts and --cluster")
+    p.add_argument("--cluster", default=None, metavar="PROFILE",
+                   help="cluster profile (configs/clusters/PROFILE.yaml) for --analytic")
+    p.add_argument("--emulate-link", default=None, metavar="PROFILE",
+                   help="measured: emulate a cluster's links on gloo (testbed)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="measured: ranks to spawn (default T); ignored under torchrun")
+    p.add_argument("--repeats", type=int, default=3, help="measured: timed repetitions (median)")
+    p.add_argument("--cache-dir", default=None,
+                   help="measured-profile cache (default $OASES_CACHE_DIR or ~/.cache/megatron-oases)")
+    p.add_argument("--no-cache", action="store_true", help="measure even if a cached profile matches")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    return p
+
+
+def _overrides(items):
+    import yaml
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise OasesConfigError(f"bad --set {item!r}; use KEY=VALUE")
+        k, v = item.split("=", 1)
+        out[k.strip().replace("-", "_")] = yaml.safe_load(v)
+    return out
+
+
+def main(argv):
+    args = build_parser().parse_args(argv)
+    from ..planner.api import parse_degrees
+    from .format import save_profile
+    from .model_config import model_args, read_model_file
+
+    flat = read_model_file(args.model)
+    flat.update(_overrides(args.set))
+    if args.tensor_model_parallel_size:
+        flat["tensor_model_parallel_size"] = args.tensor_model_parallel_size
+    if args.data_parallel_size:
+        flat["data_parallel_size"] = args.data_parallel_size
+        flat.pop("world_size", None)
+    if args.micro_batch_size:
+        flat["micro_batch_size"] = args.micro_batch_size
+    margs = model_args(flat)
+    degrees = parse_degrees(args.degrees)
+    T = margs.tensor_model_parallel_size
+    if degrees:
+        for d in degrees:
+            if d > T or T % d:
+                raise OasesConfigError(f"--degrees: {d} does not divide the TMP domain T={T}")
+
+    if args.analytic:
+        if not args.cluster:
+            raise OasesConfigError("--analytic needs --cluster PROFILE (see configs/clusters/)")
+        if args.emulate_link:
+            raise OasesConfigError("--emulate-link applies to measured profiles; drop --analytic")
+        from .analytic import analytic_profile
+
+        data = analytic_profile(margs, args.cluster, degrees=degrees)
+    else:
+        if args.cluster:
+            raise OasesConfigError("--cluster needs --analytic (measured profiles use this machine)")
+        from .measured import measured_profile
+
+        data = measured_profile(
+            margs,
+            degrees=degrees,
+            nproc=args.nproc,
+            emulate_link=args.emulate_link,
+            repeats=args.repeats,
+            cache_dir=args.cache_dir,
+            use_cache=not args.no_cache,
+        )
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    save_profile(data, args.out)
+    src = "cache" if data.get("from_cache") else data["kind"]
+    print(
+        f"wrote {args.out}: {data['model'].get('name')} ({src}), T={data['tensor_model_parallel_size']},"
+        f" degrees {data['degrees']}"
+    )
+    return 0

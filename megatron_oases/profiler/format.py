@@ -1,0 +1,216 @@
+"""The profile file (``oases profile --out profile.json``) and its reader.
+
+A profile describes one transformer layer (all layers of a GPT model are alike) for every candidate
+TMP degree ``d`` (powers of two up to the TMP domain ``T``)::
+
+    {
+      "version": 1, "kind": "analytic" | "measured",
+      "model": {shape fields, "name"}, "tensor_model_parallel_size": T, "data_parallel_size": D,
+      "degrees": [1, 2, 4], "dtype_bytes": 2, "state_bytes_per_param": 18,
+      "cluster": "rtx3090-pcie" | null, "hardware": {fingerprint}, "cache_key": "...",
+      "compute": {                      # seconds per rank, keyed by samples per (sub-)batch
+        "attention": {"4": {"forward_s": [[n, t], ...], "recompute_s": [...], "backward_s": [...]}},
+        "mlp": {...}},
+      "fixed_compute": {"forward_s_per_sample": t, "backward_s_per_sample": t},  # output layer
+      "grad_sync": {"bytes_per_layer": {"4": b}, "all_reduce": {"4": {α, β}}},  # DP, optional
+      "comm": {                         # ring α–β fits, keyed by the group's ranks inside the domain
+        "all_reduce": {"0,1,2,3": {"alpha_s": a, "beta_s_per_byte": b, "points": [[bytes, t]]}},
+        "all_gather": {"0,2": {...}}},  # all-gather: bytes = gathered output per rank
+      "memory": {
+        "state_bytes_per_layer": {"4": bytes},   # params + grads + optimizer state, per rank
+        "fixed_state_bytes": bytes,              # embeddings, final norm (at T), per rank
+        "layer_activation_bytes_per_sample": {"4": bytes},  # saved by a layer forward, no recompute
+        "checkpoint_bytes_per_sample": {"layer_input": b, "block_inputs": b},
+        "backward_transient_bytes_per_sample": {"4": bytes},
+        "fixed_activation_bytes_per_sample": bytes,  # logits/loss at T, per sample of the micro-batch
+        "overhead_bytes": bytes}                 # framework/context constant
+    }
+
+Degree ``d`` groups are the contiguous ranks ``[0, d)`` of the domain; a re-shard from degree ``d1``
+to ``d2 > d1`` all-gathers over ranks ``0, d1, 2·d1, …`` (``d2/d1`` of them).
+"""
+
+import bisect
+import hashlib
+import json
+
+from ..errors import OasesConfigError
+
+PROFILE_VERSION = 1
+PHASES = ("forward_s", "recompute_s", "backward_s")
+
+
+def ranks_key(ranks):
+    return ",".join(str(int(r)) for r in ranks)
+
+
+def tp_ranks(degree):
+    return list(range(degree))
+
+
+def gather_ranks(d_small, d_large):
+    return list(range(0, d_large, d_small))
+
+
+def interpolate(points, x):
+    """Piecewise-linear through ``points`` ([[x, y], ...]); linear extrapolation at both ends."""
+    pts = sorted((float(a), float(b)) for a, b in points)
+    if not pts:
+        raise ValueError("no points")
+    if len(pts) == 1:
+        x0, y0 = pts[0]
+        return y0 * x / x0 if x0 else y0
+    xs = [p[0] for p in pts]
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return pts[i][1]
+    i = min(max(i, 1), len(pts) - 1)
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def canonical_json(obj):
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def sha256_of(obj):
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+class Profile:
+    """Read access to a profile dict (see module docstring)."""
+
+    def __init__(self, data, path=None):
+        self.data = data
+        self.path = path
+        self._check()
+
+    # ------------------------------------------------------------------ basics
+    def _check(self):
+        d = self.data
+        if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION:
+            raise OasesConfigError(
+                f"{self.path or 'profile'}: not an oases profile (version {PROFILE_VERSION}); "
+                "create one with `oases profile`"
+            )
+        for key in ("model", "tensor_model_parallel_size", "degrees", "compute", "comm", "memory"):
+            if key not in d:
+                raise OasesConfigError(f"{self.path or 'profile'}: missing key {key!r}")
+
+    @property
+    def shape(self):
+        return self.data["model"]
+
+    @property
+    def num_layers(self):
+        return int(self.shape["num_layers"])
+
+    @property
+    def tp(self):
+        return int(self.data["tensor_model_parallel_size"])
+
+    @property
+    def dp(self):
+        return int(self.data.get("data_parallel_size", 1))
+
+    @property
+    def degrees(self):
+        return [int(x) for x in self.data["degrees"]]
+
+    @property
+    def dtype_bytes(self):
+        return int(self.data.get("dtype_bytes", 2))
+
+    @property
+    def sha256(self):
+        return sha256_of(self.data)
+
+    # ------------------------------------------------------------------ costs
+    def compute_time(self, block, phase, degree, samples):
+        try:
+            pts = self.data["compute"][block][str(degree)][phase]
+        except KeyError:
+            raise OasesConfigError(
+                f"profile has no {block} {phase} time for TMP degree {degree}; re-run oases profile "
+                "with that degree"
+            ) from None
+        return interpolate(pts, samples)
+
+    def _comm(self, kind, ranks, nbytes):
+        if len(ranks) <= 1 or nbytes <= 0:
+            return 0.0
+        key = ranks_key(ranks)
+        fit = self.data["comm"].get(kind, {}).get(key)
+        if fit is None:
+            raise OasesConfigError(
+                f"profile has no {kind} fit for ranks [{key}]; re-run oases profile with the "
+                "degrees you plan with"
+            )
+        return float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
+
+    def all_reduce_time(self, ranks, nbytes):
+        return self._comm("all_reduce", ranks, nbytes)
+
+    def all_gather_time(self, ranks, nbytes_out):
+        return self._comm("all_gather", ranks, nbytes_out)
+
+    def fixed_compute(self, phase):
+        """Seconds per sample outside the layers (output layer), 0 when the profile lacks it."""
+        return float(self.data.get("fixed_compute", {}).get(f"{phase}_s_per_sample", 0.0))
+
+    def grad_sync_time(self, degree):
+        """Data-parallel gradient all-reduce of one layer at ``degree`` (None: not in profile)."""
+        gs = self.data.get("grad_sync")
+        if not gs:
+            return None
+        fit = gs["all_reduce"].get(str(degree))
+        if fit is None:
+            return None
+        nbytes = float(gs["bytes_per_layer"][str(degree)])
+        return float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
+
+    def mem(self, key, degree=None):
+        value = self.data["memory"][key]
+        if degree is not None:
+            try:
+                value = value[str(degree)]
+            except KeyError:
+                raise OasesConfigError(
+                    f"profile has no memory entry {key!r} for TMP degree {degree}"
+                ) from None
+        return float(value)
+
+
+def load_profile(path):
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise OasesConfigError(f"profile {path} not found; create it with `oases profile`") from None
+    except json.JSONDecodeError as exc:
+        raise OasesConfigError(f"profile {path} is not valid JSON ({exc.msg} at line {exc.lineno})")
+    return Profile(data, path=path)
+
+
+def save_profile(data, path):
+    Profile(data, path=path)  # validate
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+def fit_alpha_beta(points):
+    """Least-squares t = α + β·n over [[n, t], ...] with α, β ≥ 0."""
+    import numpy as np
+
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    if len(x) == 1:
+        return 0.0, float(y[0] / x[0]) if x[0] else 0.0
+    A = np.stack([np.ones_like(x), x], axis=1)
+    (alpha, beta), *_ = np.linalg.lstsq(A, y, rcond=None)
+    if beta < 0:
+        alpha, beta = float(y.mean()), 0.0
+    if alpha < 0:
+        alpha, beta = 0.0, float((x @ y) / (x @ x))
+    return float(alpha), float(beta)

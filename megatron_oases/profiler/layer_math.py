@@ -1,0 +1,126 @@
+"""Closed-form counts for one Megatron GPT transformer layer (local spec, no sequence parallelism).
+
+All counts are *per rank* of a TMP group of degree ``d`` and per sample (one sequence of
+``seq_length`` tokens); callers multiply by the samples a group processes. A layer is two blocks:
+
+* ``attention``: input LayerNorm, QKV (column-parallel), core attention, projection (row-parallel),
+  then its all-reduce;
+* ``mlp``: pre-MLP LayerNorm, fc1 (column-parallel), activation, fc2 (row-parallel), then its
+  all-reduce.
+
+Activation bytes follow Korthikanti et al. ("Reducing activation recomputation", §4.1), generalised
+to GQA, any FFN width, SwiGLU and any dtype, with Megatron's TP division: tensors inside the
+column→row span are divided by ``d``; LayerNorm inputs, the QKV/fc1 inputs and the dropout masks after
+the row-parallel all-reduce are replicated (not divided).
+"""
+
+BLOCKS = ("attention", "mlp")
+
+
+def _dims(shape):
+    h = shape["hidden_size"]
+    a = shape["num_attention_heads"]
+    g = shape.get("num_query_groups") or a
+    kv = shape.get("kv_channels") or h // a
+    ffn = shape["ffn_hidden_size"]
+    fc1 = ffn * (2 if shape.get("swiglu") else 1)
+    return h, a, g, kv, ffn, fc1
+
+
+def block_flops_forward(shape, block, degree):
+    """Forward FLOPs of one block per rank per sample (GEMMs and attention matmuls, full s×s)."""
+    h, a, g, kv, ffn, fc1 = _dims(shape)
+    s = shape["seq_length"]
+    if block == "attention":
+        qkv = 2 * s * h * kv * (a + 2 * g)
+        core = 2 * 2 * s * s * kv * a  # QK^T and AV; the local spec computes the full square
+        proj = 2 * s * kv * a * h
+        return (qkv + core + proj) / degree
+    if block == "mlp":
+        return (2 * s * h * fc1 + 2 * s * ffn * h) / degree
+    raise ValueError(block)
+
+
+def block_params(shape, block, degree):
+    """(parameters per rank) of one block at TMP degree ``degree``."""
+    h, a, g, kv, ffn, fc1 = _dims(shape)
+    bias = not shape.get("disable_bias_linear")
+    norm = 2 * h if shape.get("normalization", "LayerNorm") == "LayerNorm" else h
+    if block == "attention":
+        split = h * kv * (a + 2 * g) + kv * a * h + (kv * (a + 2 * g) if bias else 0)
+        replicated = norm + (h if bias else 0)
+    elif block == "mlp":
+        split = h * fc1 + ffn * h + (fc1 if bias else 0)
+        replicated = norm + (h if bias else 0)
+    else:
+        raise ValueError(block)
+    return split / degree + replicated
+
+
+def layer_params(shape, degree):
+    return sum(block_params(shape, b, degree) for b in BLOCKS)
+
+
+def fixed_params(shape, tp):
+    """Embedding (vocab-parallel at T), position embedding, final norm, untied output layer."""
+    h = shape["hidden_size"]
+    v = shape["padded_vocab_size"]
+    n = v * h / tp
+    if shape.get("position_embedding_type", "learned_absolute") == "learned_absolute":
+        n += shape["seq_length"] * h
+    n += 2 * h if shape.get("normalization", "LayerNorm") == "LayerNorm" else h
+    if shape.get("untie_embeddings_and_output_weights"):
+        n += v * h / tp
+    return n
+
+
+def block_activation_bytes(shape, block, degree, dtype_bytes):
+    """Bytes a block's forward saves for backward (no recompute), per rank per sample."""
+    h, a, g, kv, ffn, fc1 = _dims(shape)
+    s, p = shape["seq_length"], dtype_bytes
+    drop_mask = 1 if shape.get("hidden_dropout", 0.0) > 0 else 0
+    attn_mask = 1 if shape.get("attention_dropout", 0.0) > 0 else 0
+    if block == "attention":
+        replicated = p * s * h * 2 + drop_mask * s * h  # LN input, QKV input; dropout mask
+        split = (
+            p * s * kv * (a + 2 * g)  # Q, K, V
+            + p * a * s * s  # softmax output
+            + attn_mask * a * s * s  # attention-dropout mask
+            + (p * a * s * s if attn_mask else 0)  # dropout output (input of AV)
+            + p * s * kv * a  # projection input
+        )
+    elif block == "mlp":
+        replicated = p * s * h * 2 + drop_mask * s * h  # LN input, fc1 input; dropout mask
+        split = p * s * fc1 + p * s * ffn  # activation input, fc2 input
+    else:
+        raise ValueError(block)
+    return split / degree + replicated
+
+
+def layer_activation_bytes(shape, degree, dtype_bytes):
+    return sum(block_activation_bytes(shape, b, degree, dtype_bytes) for b in BLOCKS)
+
+
+def backward_transient_bytes(shape, degree, dtype_bytes):
+    """Working set of a layer's backward beyond its saved activations, per rank per sample:
+    the attention-score gradient (two s×s tensors per local head) and four hidden-sized grads."""
+    h, a, g, kv, ffn, fc1 = _dims(shape)
+    s, p = shape["seq_length"], dtype_bytes
+    return 2 * p * a * s * s / degree + 4 * p * s * h + p * s * fc1 / degree
+
+
+def hidden_bytes(shape, dtype_bytes):
+    """One [s, 1, h] hidden-state tensor: the layer input / a block input, per sample."""
+    return shape["seq_length"] * shape["hidden_size"] * dtype_bytes
+
+
+def logits_bytes(shape, tp, dtype_bytes):
+    """Output layer and vocab-parallel cross entropy per sample at TMP T: logits in the model dtype
+    plus fp32 softmax and its gradient."""
+    return shape["seq_length"] * shape["padded_vocab_size"] / tp * (dtype_bytes + 4 + 4)
+
+
+def head_flops_forward(shape, tp):
+    """Forward FLOPs per rank per sample outside the transformer layers: the output layer (logits
+    GEMM, vocab-parallel at T). Embedding lookups are memory-bound and not counted."""
+    return 2 * shape["seq_length"] * shape["hidden_size"] * shape["padded_vocab_size"] / tp

@@ -1,0 +1,112 @@
+"""A Megatron ``TransformerLayer`` seen as two blocks (paper §4.1: computation then all-reduce).
+
+Block ``j`` of a stage is layer ``j // 2``'s attention (even j) or MLP (odd j) half:
+
+    H_j ──ln_j──▶ L_j ──main_j──▶ partial_j ══all-reduce══▶ R_j ──bda_j(R_j, bias_j, H_j)──▶ H_{j+1}
+
+``main_j`` is ``self_attention`` or ``mlp`` with TMP communication deferred (see :mod:`.comm`):
+its forward all-reduce follows it, and its backward all-reduce is on the gradient of ``L_j``.
+Everything is called through the layer's own submodules, so Megatron's numerics (fused or not,
+LayerNorm/RMSNorm, SwiGLU, GQA, RoPE, dropout) are unchanged.
+"""
+
+import torch
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+
+from ..errors import OasesConfigError
+
+
+class LayerBlocks:
+    """The blocks of a stage's layers plus the per-forward arguments (mask, RoPE)."""
+
+    def __init__(self, layers, attention_mask=None, rotary_pos_emb=None, attention_bias=None):
+        self.layers = list(layers)
+        self.attention_mask = attention_mask
+        self.rotary_pos_emb = rotary_pos_emb
+        self.attention_bias = attention_bias
+        for layer in self.layers:
+            check_layer(layer)
+
+    @property
+    def num_blocks(self):
+        return 2 * len(self.layers)
+
+    def layer(self, j):
+        return self.layers[j // 2]
+
+    @staticmethod
+    def kind(j):
+        return "attention" if j % 2 == 0 else "mlp"
+
+    def global_layer(self, j):
+        return self.layer(j).layer_number - 1
+
+    def ln(self, j, h):
+        layer = self.layer(j)
+        return layer.input_layernorm(h) if j % 2 == 0 else layer.pre_mlp_layernorm(h)
+
+    def main(self, j, x, mask=None):
+        """Partial (pre-all-reduce) output and bias of the attention / MLP block."""
+        layer = self.layer(j)
+        if j % 2 == 0:
+            return layer.self_attention(
+                x,
+                attention_mask=mask,
+                rotary_pos_emb=self.rotary_pos_emb,
+                attention_bias=self.attention_bias,
+            )
+        return layer.mlp(x)
+
+    def bda(self, j, reduced, bias, residual):
+        """Bias-dropout-add: residual + dropout(reduced + bias) — affine in (reduced, residual)."""
+        layer = self.layer(j)
+        fn = layer.self_attn_bda if j % 2 == 0 else layer.mlp_bda
+        return fn(layer.training, layer.config.bias_dropout_fusion)(
+            (reduced, bias), residual, layer.hidden_dropout
+        )
+
+
+def check_layer(layer):
+    """Reject layer structures the schedule does not model, with the fix in the message."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    if not isinstance(layer, TransformerLayer):
+        raise OasesConfigError(
+            f"--oases-schedule supports Megatron TransformerLayer only, got {type(layer).__name__}; "
+            "use --oases-schedule off"
+        )
+    if getattr(layer, "is_moe_layer", False):
+        raise OasesConfigError("MoE layers are not supported by --oases-schedule; use off")
+    for name in ("pre_cross_attn_layernorm", "cross_attention"):
+        if not isinstance(getattr(layer, name), (IdentityOp, IdentityFuncOp)):
+            raise OasesConfigError(
+                "cross-attention layers are not supported by --oases-schedule; use off"
+            )
+    config = layer.config
+    if config.sequence_parallel:
+        raise OasesConfigError("sequence parallelism is not supported; drop --sequence-parallel")
+    if getattr(config, "transformer_impl", "local") != "local":
+        raise OasesConfigError("--oases-schedule needs --transformer-impl local (TE linears "
+                               "communicate on their own)")
+    for lin in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
+        if not getattr(lin, "skip_bias_add", True) and lin.bias is not None:
+            raise OasesConfigError("row-parallel linears must use skip_bias_add (Megatron's "
+                                   "default); cannot defer their all-reduce otherwise")
+
+
+def split_sizes(batch, parts=2):
+    """Sub-batch sizes along the batch dim, larger first: 3 → [2, 1]."""
+    if batch < parts:
+        raise OasesConfigError(
+            f"micro-batch {batch} cannot be split; use --micro-batch-size ≥ {parts} or "
+            "--oases-schedule off"
+        )
+    base, extra = divmod(batch, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def split_mask(mask, sizes, batch):
+    """Split an attention mask along batch when it is per-sample; share it otherwise."""
+    if mask is None or mask.dim() == 0 or mask.size(0) != batch or batch == 1:
+        return [mask] * len(sizes)
+    return list(torch.split(mask, sizes, dim=0))

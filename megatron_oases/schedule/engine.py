@@ -1,0 +1,302 @@
+"""The overlapped TMP schedule of one pipeline stage's transformer layers (paper §3).
+
+:class:`ScheduledLayers` is one autograd node over all layers of a stage. Its forward splits the
+micro-batch into two sub-batches along the batch dim of [s, b, h] and runs them through
+:func:`.executor.run_programs`; its backward builds the backward programs for the schedule:
+
+``overlap``      forward keeps per-block autograd graphs; backward walks them, no recomputation.
+``cross-pass``   forward saves each layer's input (Megatron's full/uniform recompute); backward
+                 recomputes a layer (issuing its forward all-reduces again, asynchronously) and
+                 runs its backward in *one* op sequence per sub-batch — no barrier between the
+                 recompute and backward passes or between layers (Fig. 3c).
+``oases``        fine-grained recomputation (Fig. 3d): forward saves every block's input H_j, i.e.
+                 recomputation starts right after each forward all-reduce, so the recompute
+                 sequence is ln_j → main_j and issues **no** all-reduce (eq. 1). The
+                 bias-dropout-add between blocks is affine, so its backward is recomputed from the
+                 RNG state alone (dropout of a probe tensor), without the all-reduced input.
+
+RNG: every op that may be recomputed snapshots Megatron's RNG states (CPU, device and tracker)
+before it runs in forward, and recomputation restores exactly that snapshot — per sub-batch, so
+dropout masks in recompute equal those of the forward.
+"""
+
+import contextlib
+
+import torch
+from megatron.core.tensor_parallel.random import _get_all_rng_states, _set_all_rng_states
+
+from .blocks import split_mask, split_sizes
+from .executor import Comm, Compute, run_programs
+
+SCHEDULES = ("overlap", "cross-pass", "oases")
+
+
+def _snapshot():
+    cpu, dev, tracker = _get_all_rng_states()
+    return cpu, dev, dict(tracker)
+
+
+@contextlib.contextmanager
+def _rng(snapshot):
+    """Run with a saved RNG snapshot, then return to the current RNG state."""
+    current = _snapshot()
+    cpu, dev, tracker = snapshot
+    _set_all_rng_states(cpu, dev, dict(tracker))
+    try:
+        yield
+    finally:
+        cpu, dev, tracker = current
+        _set_all_rng_states(cpu, dev, dict(tracker))
+
+
+def _leaf(t):
+    return t.detach().requires_grad_()
+
+
+def _backward(outputs, grads):
+    torch.autograd.backward(outputs, grads)
+
+
+class SubBatch:
+    """Everything one sub-batch carries through a micro-batch's forward and backward."""
+
+    def __init__(self, index, hidden, mask):
+        self.index, self.input, self.mask = index, hidden, mask
+        self.H, self.L, self.Lout, self.P, self.B, self.R, self.hout = ({} for _ in range(7))
+        self.buf, self.rng, self.gR, self.gL, self.gH = ({} for _ in range(5))
+        self.output = None
+
+
+class ScheduledLayers:
+    """One micro-batch through a stage's blocks under ``mode``; owns no global state."""
+
+    def __init__(self, blocks, mode, microbatch=-1):
+        assert mode in SCHEDULES, mode
+        self.blocks, self.mode, self.microbatch = blocks, mode, microbatch
+        self.keep_graph = mode == "overlap"
+        self.sbs = []
+
+    # ------------------------------------------------------------------ helpers
+    def _labels(self, j, pass_):
+        b = self.blocks
+        return dict(pass_=pass_, layer=b.global_layer(j), block=b.kind(j))
+
+    def _group(self, j):
+        return self.blocks.layer(j).self_attention.linear_proj.tp_group
+
+    def _comm(self, sb, key_store, j, result_store, pass_):
+        return Comm(
+            get=lambda: key_store.pop(j),
+            done=lambda t: result_store.__setitem__(j, t),
+            group=self._group(j),
+            **_pass_labels(self._labels(j, pass_)),
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden):
+        s, b, h = hidden.shape
+        sizes = split_sizes(b)
+        masks = split_mask(self.blocks.attention_mask, sizes, b)
+        grad_ctx = torch.enable_grad() if self.keep_graph else torch.no_grad()
+        with grad_ctx:
+            pieces = torch.split(hidden.detach(), sizes, dim=1)
+            self.sbs = [
+                SubBatch(i, _leaf(p) if self.keep_graph else p, m)
+                for i, (p, m) in enumerate(zip(pieces, masks))
+            ]
+            run_programs([self._forward_program(sb) for sb in self.sbs],
+                         labels=dict(microbatch=self.microbatch))
+        return torch.cat([sb.output.detach() for sb in self.sbs], dim=1)
+
+    def _forward_program(self, sb):
+        J = self.blocks.num_blocks
+        ops = []
+        for j in range(J):
+            ops.append(Compute(lambda j=j: self._fwd_block(sb, j),
+                               **_pass_labels(self._labels(j, "forward"))))
+            ops.append(self._comm(sb, sb.buf, j, sb.R, "forward"))
+        ops.append(Compute(lambda: self._fwd_tail(sb), **_pass_labels(self._labels(J - 1, "forward"))))
+        return ops
+
+    def _bda_forward(self, sb, j):
+        """H_{j+1} = bda_j(R_j, bias_j, H_j) in forward, recording what backward needs."""
+        recompute = not self.keep_graph
+        if recompute:
+            sb.rng[("bda", j)] = _snapshot()
+            out = self.blocks.bda(j, sb.R.pop(j), sb.B[j], sb.H[j])
+            if self.mode == "cross-pass" and j % 2 == 1:
+                sb.H.pop(j)  # layer-granular checkpoint: keep only layer inputs
+            return out
+        R = sb.R[j] = _leaf(sb.R[j])
+        out = sb.hout[j] = self.blocks.bda(j, R, sb.B[j], sb.H[j])
+        return out
+
+    def _fwd_block(self, sb, j):
+        if j == 0:
+            H = sb.input
+        else:
+            out = self._bda_forward(sb, j - 1)
+            H = _leaf(out) if self.keep_graph else out
+        sb.H[j] = H  # cross-pass drops odd blocks' H again after bda_j (layer inputs only)
+        if self.keep_graph:
+            Lout = sb.Lout[j] = self.blocks.ln(j, H)
+            L = sb.L[j] = _leaf(Lout)
+        else:
+            sb.rng[("main", j)] = _snapshot()
+            L = self.blocks.ln(j, H)
+        P, sb.B[j] = self.blocks.main(j, L, sb.mask)
+        if self.keep_graph:
+            sb.P[j] = P
+        sb.buf[j] = P.detach()
+
+    def _fwd_tail(self, sb):
+        sb.output = self._bda_forward(sb, self.blocks.num_blocks - 1)
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, grad_output):
+        sizes = [sb.input.size(1) for sb in self.sbs]
+        grads = torch.split(grad_output.contiguous(), sizes, dim=1)
+        J = self.blocks.num_blocks
+        builders = {"overlap": self._overlap_backward, "cross-pass": self._crosspass_backward,
+                    "oases": self._oases_backward}
+        with torch.enable_grad():
+            for sb, g in zip(self.sbs, grads):
+                sb.gH[J] = g
+            run_programs([builders[self.mode](sb) for sb in self.sbs],
+                         labels=dict(microbatch=self.microbatch))
+        out = torch.cat([sb.gH.pop(0) for sb in self.sbs], dim=1)
+        self.sbs = []
+        return out
+
+    def _bwd_comm(self, sb, j):
+        return Comm(get=lambda: sb.gL.pop(j), done=lambda t: sb.gL.__setitem__(j, t),
+                    group=self._group(j), **_pass_labels(self._labels(j, "backward")))
+
+    # overlap: graphs kept from forward ------------------------------------------
+    def _overlap_backward(self, sb):
+        J = self.blocks.num_blocks
+        ops = [Compute(lambda: self._ov_bda(sb, J - 1), **_pass_labels(self._labels(J - 1, "backward")))]
+        for j in reversed(range(J)):
+            lab = _pass_labels(self._labels(j, "backward"))
+            ops.append(Compute(lambda j=j: self._ov_main(sb, j), **lab))
+            ops.append(self._bwd_comm(sb, j))
+            ops.append(Compute(lambda j=j: self._ov_ln(sb, j), **lab))
+            if j > 0:
+                ops.append(Compute(lambda j=j: self._ov_bda(sb, j - 1),
+                                   **_pass_labels(self._labels(j - 1, "backward"))))
+        return ops
+
+    def _ov_bda(self, sb, j):
+        _backward(sb.hout.pop(j), sb.gH.pop(j + 1))
+        sb.gR[j] = sb.R.pop(j).grad
+
+    def _ov_main(self, sb, j):
+        _backward(sb.P.pop(j), sb.gR.pop(j))
+        sb.gL[j] = sb.L.pop(j).grad
+
+    def _ov_ln(self, sb, j):
+        _backward(sb.Lout.pop(j), sb.gL.pop(j))
+        sb.gH[j] = sb.H.pop(j).grad
+
+    # oases: fine-grained recomputation, no all-reduce in recompute ----------------
+    def _oases_backward(self, sb):
+        J = self.blocks.num_blocks
+        ops = [Compute(lambda: self._probe_bda(sb, J - 1),
+                       **_pass_labels(self._labels(J - 1, "backward")))]
+        for j in reversed(range(J)):
+            ops.append(Compute(lambda j=j: self._recompute_block(sb, j),
+                               **_pass_labels(self._labels(j, "recompute"))))
+            ops.append(Compute(lambda j=j: self._ov_main(sb, j),
+                               **_pass_labels(self._labels(j, "backward"))))
+            ops.append(self._bwd_comm(sb, j))
+            ops.append(Compute(lambda j=j: self._rc_ln(sb, j),
+                               **_pass_labels(self._labels(j, "backward"))))
+            if j > 0:
+                ops.append(Compute(lambda j=j: self._probe_bda(sb, j - 1),
+                                   **_pass_labels(self._labels(j - 1, "backward"))))
+        return ops
+
+    def _probe_bda(self, sb, j):
+        """Backward of bda_j from its RNG snapshot: bda is affine, so a zero probe input gives the
+        exact gradients (dropout mask · g for R_j and bias, identity for the residual)."""
+        g = sb.gH.pop(j + 1)
+        probe = torch.zeros_like(g, requires_grad=True)
+        with _rng(sb.rng.pop(("bda", j))):
+            out = self.blocks.bda(j, probe, sb.B[j], torch.zeros_like(g))
+        _backward(out, g)
+        sb.gR[j] = probe.grad
+        sb.gH[j] = g  # residual path; the ln path is added by _rc_ln
+
+    def _recompute_block(self, sb, j):
+        H = sb.H[j] = _leaf(sb.H[j])
+        with _rng(sb.rng.pop(("main", j))):
+            Lout = sb.Lout[j] = self.blocks.ln(j, H)
+            L = sb.L[j] = _leaf(Lout)
+            sb.P[j], _ = self.blocks.main(j, L, sb.mask)
+
+    def _rc_ln(self, sb, j):
+        _backward(sb.Lout.pop(j), sb.gL.pop(j))
+        g_ln = sb.H.pop(j).grad
+        sb.gH[j] = g_ln if j not in sb.gH else sb.gH[j] + g_ln
+
+    # cross-pass: layer recompute (with its all-reduces) merged with backward --------
+    def _crosspass_backward(self, sb):
+        ops = []
+        for layer in reversed(range(self.blocks.num_blocks // 2)):
+            a, m = 2 * layer, 2 * layer + 1
+            la_r, lm_r = (_pass_labels(self._labels(j, "recompute")) for j in (a, m))
+            la_b, lm_b = (_pass_labels(self._labels(j, "backward")) for j in (a, m))
+            ops += [
+                Compute(lambda a=a: self._recompute_block(sb, a), **la_r),
+                Comm(get=lambda a=a: sb.P[a].detach(),
+                     done=lambda t, a=a: sb.R.__setitem__(a, t), group=self._group(a), **la_r),
+                Compute(lambda a=a, m=m: self._cp_mid(sb, a, m), **lm_r),
+                Comm(get=lambda m=m: sb.P[m].detach(),
+                     done=lambda t, m=m: sb.R.__setitem__(m, t), group=self._group(m), **lm_r),
+                Compute(lambda m=m: self._cp_tail(sb, m), **lm_r),
+                Compute(lambda m=m: self._ov_bda(sb, m), **lm_b),
+                Compute(lambda m=m: self._ov_main(sb, m), **lm_b),
+                self._bwd_comm(sb, m),
+                Compute(lambda m=m: self._ov_ln(sb, m), **lm_b),
+                Compute(lambda a=a: self._ov_bda(sb, a), **la_b),
+                Compute(lambda a=a: self._ov_main(sb, a), **la_b),
+                self._bwd_comm(sb, a),
+                Compute(lambda a=a: self._rc_ln(sb, a), **la_b),
+            ]
+        return ops
+
+    def _cp_mid(self, sb, a, m):
+        """Recompute bda_a (needs the recomputed all-reduce) and block m up to its partial sum."""
+        R = sb.R[a] = _leaf(sb.R[a])
+        with _rng(sb.rng.pop(("bda", a))):
+            h = sb.hout[a] = self.blocks.bda(a, R, sb.B[a], sb.H[a])
+        sb.H[m] = h
+        self._recompute_block(sb, m)
+
+    def _cp_tail(self, sb, m):
+        R = sb.R[m] = _leaf(sb.R[m])
+        with _rng(sb.rng.pop(("bda", m))):
+            sb.hout[m] = self.blocks.bda(m, R, sb.B[m], sb.H[m])
+
+
+
+def _pass_labels(labels):
+    """Tracer labels: ``pass`` is a keyword, so it travels as ``pass_`` until here."""
+    out = dict(labels)
+    out["pass"] = out.pop("pass_")
+    return out
+
+
+class ScheduledLayersFunction(torch.autograd.Function):
+    """Autograd node over a stage's layers; parameters get their gradients from the inner backward
+    calls (as in Megatron's CheckpointFunction), so Megatron DDP's grad hooks fire as usual."""
+
+    @staticmethod
+    def forward(ctx, run, hidden):
+        ctx.run = run
+        return run.forward(hidden)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        run, ctx.run = ctx.run, None
+        return None, run.backward(grad_output)

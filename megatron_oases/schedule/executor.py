@@ -1,0 +1,100 @@
+"""Two-sub-batch executor: the paper's Algorithms 1 and 2 over generic op programs.
+
+Each sub-batch has a *program*: a list of :class:`Compute` and :class:`Comm` ops with data
+dependencies only inside the program. The executor runs sub-batch x's computes until its next
+communication, starts that all-reduce asynchronously, and switches to the other sub-batch, whose
+compute then hides x's transfer ("whenever meeting a communication operator, start it
+asynchronously and switch the sub-batch"). Before issuing a new all-reduce it waits for the one in
+flight (one communication channel, as NCCL serialises collectives on a communicator), and before
+running x's computes it waits for x's own pending all-reduce (data dependence).
+
+Ordering assumption for GPUs: collectives are issued on the TP group's NCCL stream and computes on
+the default stream in program order; the overlap needs them on different streams, which is what
+``async_op=True`` gives (``CUDA_DEVICE_MAX_CONNECTIONS=1`` keeps launch order = issue order).
+"""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from . import trace as trace_mod
+from .comm import deferred_tmp_comm
+
+
+class Compute:
+    __slots__ = ("fn", "labels")
+
+    def __init__(self, fn, **labels):
+        self.fn, self.labels = fn, labels
+
+
+class Comm:
+    """All-reduce ``get()`` in place on ``group``; ``done(tensor)`` runs when it has completed."""
+
+    __slots__ = ("get", "done", "group", "labels")
+
+    def __init__(self, get, done, group, **labels):
+        self.get, self.done, self.group, self.labels = get, done, group, labels
+
+
+class _InFlight:
+    __slots__ = ("sub_batch", "work", "tensor", "op")
+
+    def __init__(self, sub_batch, work, tensor, op):
+        self.sub_batch, self.work, self.tensor, self.op = sub_batch, work, tensor, op
+
+    def finish(self):
+        if self.work is not None:
+            self.work.wait()
+        self.op.done(self.tensor)
+
+
+def _issue(sub_batch, op, tracer):
+    tensor = op.get()
+    if op.group is None or dist.get_world_size(op.group) == 1:
+        return _InFlight(sub_batch, None, tensor, op)
+    ctx = tracer.context(sub_batch=sub_batch, **op.labels) if tracer else contextlib.nullcontext()
+    with ctx:
+        work = dist.all_reduce(tensor, group=op.group, async_op=True)
+    return _InFlight(sub_batch, work, tensor, op)
+
+
+def _run_compute(sub_batch, op, tracer):
+    with deferred_tmp_comm():
+        if tracer is None:
+            op.fn()
+        else:
+            with tracer.compute(sub_batch=sub_batch, **op.labels):
+                op.fn()
+
+
+def run_programs(programs, labels=None):
+    """Execute the sub-batch programs interleaved (Alg. 1/2); returns when all are done."""
+    tracer = trace_mod.active_tracer()
+    outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
+    n = len(programs)
+    pos = [0] * n
+    in_flight = None
+    x = 0
+    with outer:
+        while True:
+            if in_flight is not None and in_flight.sub_batch == x:
+                in_flight.finish()
+                in_flight = None
+            prog = programs[x]
+            while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
+                _run_compute(x, prog[pos[x]], tracer)
+                pos[x] += 1
+            if pos[x] < len(prog):  # a Comm: one channel, so retire the one in flight first
+                if in_flight is not None:
+                    in_flight.finish()
+                in_flight = _issue(x, prog[pos[x]], tracer)
+                pos[x] += 1
+            remaining = [i for i in range(n) if pos[i] < len(programs[i])]
+            if not remaining:
+                break
+            y = (x + 1) % n
+            x = y if y in remaining else remaining[0]
+        if in_flight is not None:
+            in_flight.finish()

@@ -1,0 +1,118 @@
+"""The ``oases-trace`` patch: record compute segments and TMP communication per rank.
+
+Replaced symbols: ``torch.distributed.all_reduce`` (records issue / wait / completion; async ops
+return a work wrapper), ``TransformerLayer.forward`` (labels stock Megatron's forward and
+recompute communication with the layer, and its backward communication via gradient hooks on the
+layer output/input). The schedule engine labels its own ops explicitly. The trace of the last
+iteration is written when the patch is uninstalled (end of training).
+
+Pass detection for stock Megatron: inside an autograd graph task a collective belongs to the
+recompute if Megatron's checkpointing flag is set (``CheckpointFunction.backward``), else to the
+backward; outside it belongs to the forward.
+"""
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from ..patches.registry import Patch
+from .trace import _ACTIVE, Tracer, trace_path
+
+
+class _TracedWork:
+    """Wraps an async work handle so the tracer sees when it is waited on and completes."""
+
+    def __init__(self, work, tracer, rec):
+        self._work, self._tracer, self._rec, self._done = work, tracer, rec, False
+
+    def wait(self, *args, **kwargs):
+        if self._done:
+            return True
+        self._tracer.comm_wait(self._rec)
+        out = self._work.wait(*args, **kwargs)
+        self._tracer.comm_done(self._rec)
+        self._done = True
+        return out
+
+    def is_completed(self):
+        return self._work.is_completed()
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _stock_pass():
+    if torch._C._current_graph_task_id() == -1:
+        return "forward"
+    return "recompute" if mrandom.is_checkpointing() else "backward"
+
+
+class TracePatch(Patch):
+    def __init__(self, args):
+        self.path = args.oases_trace
+        self.schedule = getattr(args, "oases_schedule", "off")
+        self.tracer = None
+        self._bwd_layer = -1
+        orig_all_reduce = dist.all_reduce
+        orig_layer_forward = TransformerLayer.forward
+        patch = self
+
+        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            tracer = patch.tracer
+            if tracer is None:
+                return orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
+            labels = {}
+            if tracer.current["sub_batch"] < 0:  # stock code path: infer pass and layer
+                p = _stock_pass()
+                labels["pass"] = p
+                if p == "backward":
+                    labels["layer"] = patch._bwd_layer
+            with tracer.context(**labels):
+                rec = tracer.comm_issue("all_reduce", tensor.numel() * tensor.element_size(),
+                                        dist.get_world_size(group), async_op)
+            work = orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
+            if async_op:
+                return _TracedWork(work, tracer, rec)
+            tracer.comm_done(rec)
+            return work
+
+        def layer_forward(self_layer, *args, **kwargs):
+            tracer = patch.tracer
+            if tracer is None:
+                return orig_layer_forward(self_layer, *args, **kwargs)
+            number = self_layer.layer_number - 1
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            with tracer.context(layer=number, block="layer"):
+                out = orig_layer_forward(self_layer, *args, **kwargs)
+            if torch.is_grad_enabled():
+                patch._hook(out[0] if isinstance(out, tuple) else out, number)
+                patch._hook(hidden, -1)
+            return out
+
+        super().__init__(
+            "oases-trace",
+            replacements=[(dist, "all_reduce", all_reduce),
+                          (TransformerLayer, "forward", layer_forward)],
+            on_install=self._start,
+            on_uninstall=self._finish,
+        )
+
+    def _hook(self, tensor, layer):
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            def set_layer(grad):
+                self._bwd_layer = layer
+            tensor.register_hook(set_layer)
+
+    def _start(self):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.tracer = Tracer(rank, world, self.schedule)
+        _ACTIVE.append(self.tracer)
+
+    def _finish(self):
+        if self.tracer in _ACTIVE:
+            _ACTIVE.remove(self.tracer)
+        if self.tracer is not None and self.tracer.events:
+            self.tracer.dump(trace_path(self.path, self.tracer.rank))
+        self.tracer = None

@@ -1,0 +1,34 @@
+"""``python -m megatron_oases.viz TRACE [TRACE...] -o timeline.png``: metrics and a timeline PNG."""
+
+import argparse
+import json
+import sys
+
+from .analysis import load_traces, run_metrics, trace_files
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m megatron_oases.viz", description=__doc__)
+    parser.add_argument(
+        "traces", nargs="+", help="trace files, a directory, a glob or a {rank} pattern"
+    )
+    parser.add_argument("-o", "--out", default=None, help="timeline PNG to write")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args(argv)
+    files = [f for p in args.traces for f in trace_files(p)]
+    traces = load_traces(files)
+    if not traces:
+        print(f"no trace files found in {args.traces}", file=sys.stderr)
+        return 2
+    m = run_metrics(traces)
+    print(json.dumps({k: v for k, v in m.items() if k != "ranks"}, indent=1))
+    if args.out:
+        from .timeline import plot_timeline
+
+        plot_timeline(traces, args.out, title=args.title)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Metrics from schedule traces (:mod:`megatron_oases.schedule.trace` format), per rank and per run.
+
+Per rank, over the traced iteration (``T`` = ``metadata.iteration_time_us``):
+
+* ``compute_us``: length of the union of compute events (tid 0). When a trace has no compute events
+  (a tracer that records communication only), the rank's busy time ``T − exposed`` is used instead:
+  a CPU rank is either computing or blocked in a communication.
+* ``comm_us``: length of the union of communication intervals ``[issue_us, end]`` (tid 1), where
+  ``end`` is ``model_done_us`` when the tracer recorded the emulator's modelled completion and
+  ``done_us`` otherwise (an async op waited late would otherwise look longer than its transfer).
+* ``exposed_us``: length of the union of *blocked* intervals ``[wait_us, done_us]`` (the rank waits in
+  a synchronous collective or in ``Work.wait()``) minus compute intervals; ``exposed_share`` = it ÷ T.
+* ``efficiency`` = overlap bound ÷ measured time = ``max(compute_us, comm_us) ÷ T`` (1.0: everything
+  that could hide did hide; the paper's Table 2 reports SM efficiency, which this approximates).
+
+A run's value is the mean over ranks (per-rank values are kept).
+"""
+
+import glob
+import json
+import os
+
+
+def union(intervals):
+    """Merge ``[(start, end)]`` into sorted disjoint intervals."""
+    out = []
+    for s, e in sorted((float(s), float(e)) for s, e in intervals if e > s):
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1][1] = e
+        else:
+            out.append([s, e])
+    return [tuple(x) for x in out]
+
+
+def length(intervals):
+    return sum(e - s for s, e in union(intervals))
+
+
+def subtract(intervals, minus):
+    """``intervals`` minus ``minus`` (both lists of (start, end)); returns disjoint intervals."""
+    a, b = union(intervals), union(minus)
+    out, j = [], 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def compute_events(trace):
+    return [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("cat") == "compute"
+        or (e.get("cat") != "comm" and e.get("tid") == 0 and e.get("ph") == "X")
+    ]
+
+
+def comm_events(trace):
+    return [
+        e
+        for e in trace.get("traceEvents", [])
+        if e.get("cat") == "comm"
+        or (e.get("cat") != "compute" and e.get("tid") == 1 and e.get("ph") == "X")
+    ]
+
+
+def comm_interval(ev):
+    a = ev.get("args", {})
+    issue = a.get("issue_us", ev["ts"])
+    done = a.get("done_us", ev["ts"] + ev["dur"])
+    end = a.get("model_done_us")
+    end = done if end is None else min(float(end), done)
+    return issue, max(issue, end)
+
+
+def blocked_interval(ev):
+    a = ev.get("args", {})
+    issue = a.get("issue_us", ev["ts"])
+    done = a.get("done_us", ev["ts"] + ev["dur"])
+    wait = a.get("wait_us")
+    wait = issue if wait is None else wait
+    return min(max(wait, issue), done), done
+
+
+def iteration_us(trace):
+    md = trace.get("metadata", {})
+    t = md.get("iteration_time_us")
+    if t:
+        return float(t)
+    ends = [e["ts"] + e["dur"] for e in trace.get("traceEvents", [])]
+    return max(ends, default=0.0)
+
+
+def rank_metrics(trace):
+    """Metrics of one rank's trace (see module docstring)."""
+    T = iteration_us(trace)
+    comp = [(e["ts"], e["ts"] + e["dur"]) for e in compute_events(trace)]
+    comms = comm_events(trace)
+    comm = [comm_interval(e) for e in comms]
+    blocked = [blocked_interval(e) for e in comms]
+    exposed = length(subtract(blocked, comp))
+    traced_compute = length(comp)
+    compute = traced_compute if comp else max(0.0, T - exposed)
+    comm_us = length(comm)
+    md = trace.get("metadata", {})
+    return {
+        "rank": md.get("rank"),
+        "schedule": md.get("schedule"),
+        "iteration_us": T,
+        "compute_us": compute,
+        "compute_source": "trace" if comp else "busy",
+        "comm_us": comm_us,
+        "exposed_us": exposed,
+        "exposed_share": exposed / T if T else 0.0,
+        "efficiency": max(compute, comm_us) / T if T else 0.0,
+        "num_comm": len(comms),
+        "comm_bytes": sum(int(e.get("args", {}).get("bytes", 0)) for e in comms),
+    }
+
+
+def run_metrics(traces):
+    """Mean of :func:`rank_metrics` over ranks, plus the per-rank list under ``ranks``."""
+    per = [rank_metrics(t) for t in traces]
+    if not per:
+        return None
+    keys = ("iteration_us", "compute_us", "comm_us", "exposed_us", "exposed_share", "efficiency")
+    out = {k: sum(p[k] for p in per) / len(per) for k in keys}
+    out["ranks"] = per
+    out["num_ranks"] = len(per)
+    return out
+
+
+def trace_files(pattern):
+    """Trace files of a run: a ``{rank}`` pattern, a glob, a directory, or one file."""
+    if os.path.isdir(pattern):
+        files = glob.glob(os.path.join(pattern, "*.json"))
+    elif "{rank}" in pattern:
+        files = glob.glob(pattern.replace("{rank}", "*"))
+    elif any(c in pattern for c in "*?["):
+        files = glob.glob(pattern)
+    elif os.path.exists(pattern):
+        files = [pattern]
+    else:
+        root, ext = os.path.splitext(pattern)
+        files = glob.glob(f"{root}.rank*{ext or '.json'}")
+    return sorted(files)
+
+
+def load_traces(paths):
+    """Load trace files (paths, or one pattern accepted by :func:`trace_files`), sorted by rank."""
+    if isinstance(paths, str):
+        paths = trace_files(paths)
+    traces = []
+    for p in paths:
+        with open(p) as f:
+            t = json.load(f)
+        if isinstance(t, dict) and "traceEvents" in t:
+            traces.append(t)
+    return sorted(traces, key=lambda t: t.get("metadata", {}).get("rank", 0))
