@@ -1,0 +1,21 @@
+#!/bin/bash
+# Local CPU demo, no SLURM and no GPU: 2 gloo ranks train the tiny model (configs/models/tiny-cpu.yaml)
+# with `oases train`, TP=2, through the same launcher the SLURM jobs use, and print the golden values.
+#
+#   bash launch_scripts/run_cpu_demo.sh
+#   OASES_SCHEDULE=oases EXTRA_ARGS="--recompute-granularity full" bash launch_scripts/run_cpu_demo.sh
+#   bash launch_scripts/compare_vs_megatron.sh     # the whole cpu-demo matrix, also without SLURM
+set -euo pipefail
+OASES_ROOT=${OASES_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+PYTHON=${PYTHON:-python3}
+export OASES_ROOT PYTHON
+export DEVICE=cpu ENTRY=oases-train
+export MODEL=${MODEL:-tiny-cpu} GPUS_PER_NODE=${GPUS_PER_NODE:-2} TRAIN_ITERS=${TRAIN_ITERS:-10}
+export OASES_SCHEDULE=${OASES_SCHEDULE:-off}
+export LOG_JSON=${LOG_JSON:-${OASES_ROOT}/out/cpu-demo-${OASES_SCHEDULE}.json}
+# Not inside a SLURM allocation even when called from one: run torchrun locally.
+unset SLURM_JOB_ID SLURM_JOB_NODELIST SLURM_JOB_NUM_NODES
+bash "${OASES_ROOT}/launch_scripts/slurm_pretrain_gpt_oases.sh"
+echo "cpu demo: golden values in ${LOG_JSON}"
+"${PYTHON}" -c "import json, sys; d = json.load(open(sys.argv[1])); \
+print('lm loss:', ' '.join(f'{v:.4f}' for v in d['lm loss']['values']))" "${LOG_JSON}"

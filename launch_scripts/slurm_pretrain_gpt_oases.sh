@@ -1,0 +1,163 @@
+#!/bin/bash
+# GPT pretraining with Oases on SLURM, Megatron-LM style: one srun task per node, each running torchrun
+# over that node's GPUS_PER_NODE ranks. Outside SLURM it runs torchrun once, locally (CPU demo, tests).
+#
+#   sbatch --nodes 4 launch_scripts/slurm_pretrain_gpt_oases.sh                     # from the repo root
+#   MODEL=gpt-18.4b OASES_SCHEDULE=oases EXTRA_ARGS="--recompute-granularity full --bf16" \
+#       sbatch --nodes 4 launch_scripts/slurm_pretrain_gpt_oases.sh
+#
+# Environment (upper case, all optional):
+#   ENTRY            oases-train (default): `python -m megatron_oases train` (Megatron-Core, mock data)
+#                    pretrain-gpt-oases: Megatron-LM's pretrain_gpt.py machinery + --oases-* flags
+#                                        (`oases-pretrain-gpt`; needs MEGATRON_LM_DIR, tag core_v0.16.0)
+#                    pretrain-gpt: ${MEGATRON_LM_DIR}/pretrain_gpt.py with patches/ applied
+#   MODEL            configs/models/<MODEL>.yaml or a path (default tiny-cpu)
+#   TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE   override the model config
+#   TRAIN_ITERS (100), LR (1.0e-4), OASES_SCHEDULE (off|overlap|cross-pass|oases), LOG_JSON (path)
+#   EXTRA_ARGS       more flags, space-separated, appended last (they win over earlier ones)
+#   GPUS_PER_NODE    ranks per node (default 8 with GPUs, 2 on CPU); NUM_NODES (the allocation's)
+#   DEVICE           auto|cuda|cpu (cpu ⇒ --distributed-backend gloo)
+#   MASTER_ADDR, MASTER_PORT, DIST_TIMEOUT_MINUTES (10), PYTHON (python3), OASES_ROOT (repo root)
+#
+#SBATCH --job-name=oases-pretrain-gpt
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --time=01:00:00
+#SBATCH --output=slurm-%x-%j.out
+
+set -euo pipefail
+
+# Under sbatch this file runs from a spool copy: find the repo from the submit directory.
+OASES_ROOT=${OASES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
+if [[ ! -d "${OASES_ROOT}/configs/models" ]]; then
+    echo "error: OASES_ROOT=${OASES_ROOT} has no configs/models; submit from the megatron-oases" \
+        "checkout or set OASES_ROOT" >&2
+    exit 2
+fi
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH="${OASES_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
+cfg() { "${PYTHON}" -m megatron_oases.megatron_lm "$@"; }
+
+# ------------------------------------------------------------------------------------- runtime
+DEVICE=${DEVICE:-auto}
+if [[ "${DEVICE}" == auto ]]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        DEVICE=cuda
+    else
+        DEVICE=cpu
+    fi
+fi
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # launch order of TP communication kernels (Megatron-LM)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+if [[ "${DEVICE}" == cuda ]]; then
+    GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+else
+    GPUS_PER_NODE=${GPUS_PER_NODE:-2}
+fi
+NUM_NODES=${NUM_NODES:-${SLURM_JOB_NUM_NODES:-1}}
+if [[ -z "${MASTER_ADDR:-}" ]]; then
+    if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+        MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)
+    else
+        MASTER_ADDR=127.0.0.1
+    fi
+fi
+MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-$$} % 20000))}
+WORLD_SIZE=$((GPUS_PER_NODE * NUM_NODES))
+DIST_TIMEOUT_MINUTES=${DIST_TIMEOUT_MINUTES:-10}
+
+# ------------------------------------------------------------------------------------- program
+ENTRY=${ENTRY:-oases-train}
+MODEL=${MODEL:-tiny-cpu}
+case "${ENTRY}" in
+    oases-train)
+        PROGRAM=(-m megatron_oases train)
+        DATA_ARGS=(--mock-data)
+        ;;
+    pretrain-gpt-oases)
+        : "${MEGATRON_LM_DIR:?ENTRY=pretrain-gpt-oases needs MEGATRON_LM_DIR (Megatron-LM core_v0.16.0)}"
+        export MEGATRON_LM_DIR PYTHONPATH="${MEGATRON_LM_DIR}:${PYTHONPATH}"
+        PROGRAM=(-m megatron_oases.pretrain_gpt_oases)
+        DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)
+        ;;
+    pretrain-gpt)
+        : "${MEGATRON_LM_DIR:?ENTRY=pretrain-gpt needs MEGATRON_LM_DIR (patched, see patches/)}"
+        export PYTHONPATH="${MEGATRON_LM_DIR}:${PYTHONPATH}"
+        PROGRAM=("${MEGATRON_LM_DIR}/pretrain_gpt.py")
+        DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)
+        ;;
+    *)
+        echo "error: ENTRY=${ENTRY}: choose oases-train, pretrain-gpt-oases or pretrain-gpt" >&2
+        exit 2
+        ;;
+esac
+
+TP=${TP:-$(cfg get "${MODEL}" parallel.tensor-model-parallel-size 1)}
+PP=${PP:-$(cfg get "${MODEL}" parallel.pipeline-model-parallel-size 1)}
+MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-$(cfg get "${MODEL}" training.micro-batch-size 2)}
+GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-$(cfg get "${MODEL}" training.global-batch-size \
+    $((MICRO_BATCH_SIZE * WORLD_SIZE / (TP * PP))))}
+TRAIN_ITERS=${TRAIN_ITERS:-100}
+LR=${LR:-1.0e-4}
+OASES_SCHEDULE=${OASES_SCHEDULE:-off}
+LOG_JSON=${LOG_JSON:-${OASES_ROOT}/out/${SLURM_JOB_NAME:-oases}-${SLURM_JOB_ID:-local}.json}
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+
+DISTRIBUTED_ARGS=(
+    --nproc_per_node "${GPUS_PER_NODE}"
+    --nnodes "${NUM_NODES}"
+    --master_addr "${MASTER_ADDR}"
+    --master_port "${MASTER_PORT}"
+)
+read -r -a GPT_MODEL_ARGS <<< "$(cfg flags "${MODEL}" --section model)"
+MODEL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size "${TP}"
+    --pipeline-model-parallel-size "${PP}"
+    --transformer-impl local
+    --distributed-timeout-minutes "${DIST_TIMEOUT_MINUTES}"
+)
+if [[ "${DEVICE}" == cpu ]]; then
+    MODEL_PARALLEL_ARGS+=(--distributed-backend gloo)
+fi
+TRAINING_ARGS=(
+    --micro-batch-size "${MICRO_BATCH_SIZE}"
+    --global-batch-size "${GLOBAL_BATCH_SIZE}"
+    --train-iters "${TRAIN_ITERS}"
+    --lr "${LR}"
+    --min-lr "$("${PYTHON}" -c "print(float('${LR}') / 10)")"
+    --weight-decay 0.1
+    --adam-beta1 0.9
+    --adam-beta2 0.95
+    --clip-grad 1.0
+    --init-method-std 0.02
+)
+OASES_ARGS=(--oases-schedule "${OASES_SCHEDULE}")
+LOGGING_ARGS=(--log-interval 1 --log-json "${LOG_JSON}")
+
+CMD=(
+    "${PROGRAM[@]}"
+    "${GPT_MODEL_ARGS[@]}"
+    "${MODEL_PARALLEL_ARGS[@]}"
+    "${TRAINING_ARGS[@]}"
+    "${DATA_ARGS[@]}"
+    "${OASES_ARGS[@]}"
+    "${LOGGING_ARGS[@]}"
+    "${EXTRA[@]}"
+)
+
+mkdir -p "$(dirname "${LOG_JSON}")"
+echo "oases launch: entry=${ENTRY} model=${MODEL} device=${DEVICE} nodes=${NUM_NODES}" \
+    "ranks/node=${GPUS_PER_NODE} world=${WORLD_SIZE} TP=${TP} PP=${PP} schedule=${OASES_SCHEDULE}" \
+    "master=${MASTER_ADDR}:${MASTER_PORT} json=${LOG_JSON}"
+echo "oases launch: ${CMD[*]}"
+
+if [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    # One task per node; torchrun there gets its node rank from SLURM. --kill-on-bad-exit ends every
+    # node's torchrun when one fails (torchrun itself stops its other ranks when one of them dies).
+    srun --nodes="${NUM_NODES}" --ntasks-per-node=1 --kill-on-bad-exit=1 --input=none \
+        bash -c 'exec "$0" -m torch.distributed.run --node_rank "${SLURM_NODEID}" "$@"' \
+        "${PYTHON}" "${DISTRIBUTED_ARGS[@]}" "${CMD[@]}"
+else
+    "${PYTHON}" -m torch.distributed.run --node_rank 0 "${DISTRIBUTED_ARGS[@]}" "${CMD[@]}" </dev/null
+fi
