@@ -199,6 +199,17 @@ def validate_megatron_args(args):
         )
     if getattr(args, "num_experts", None):
         raise OasesConfigError(f"--oases-schedule {schedule} does not support MoE (--num-experts)")
+    if getattr(args, "micro_batch_size", 2) is None:
+        raise OasesConfigError(
+            f"--oases-schedule {schedule} splits each micro-batch in two; set --micro-batch-size ≥ 2"
+        )
+    try:  # the schedule's own rules (recompute method, micro-batch split) when it is importable
+        from ..schedule.patch import validate_schedule_args
+    except ImportError:
+        validate_schedule_args = None
+    if validate_schedule_args is not None:
+        validate_schedule_args(args)
+        return args
     if (
         schedule in ("cross-pass", "oases")
         and getattr(args, "recompute_granularity", None) != "full"
