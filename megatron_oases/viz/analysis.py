@@ -2,14 +2,15 @@
 
 Per rank, over the traced iteration (``T`` = ``metadata.iteration_time_us``):
 
-* ``compute_us``: length of the union of compute events (tid 0). When a trace has no compute events
-  (a tracer that records communication only), the rank's busy time ``T − exposed`` is used instead:
-  a CPU rank is either computing or blocked in a communication.
+* ``compute_us``: the rank's busy time ``T − exposed_us``. A CPU rank runs one thread: whenever it is
+  not blocked in a communication it is computing (layers, embedding, loss, optimizer, host overhead).
+  This is the same for every variant, whatever its tracer labels. ``traced_compute_us`` is the length
+  of the union of labelled compute events (tid 0), for the timeline; it can be smaller.
 * ``comm_us``: length of the union of communication intervals ``[issue_us, end]`` (tid 1), where
   ``end`` is ``model_done_us`` when the tracer recorded the emulator's modelled completion and
   ``done_us`` otherwise (an async op waited late would otherwise look longer than its transfer).
 * ``exposed_us``: length of the union of *blocked* intervals ``[wait_us, done_us]`` (the rank waits in
-  a synchronous collective or in ``Work.wait()``) minus compute intervals; ``exposed_share`` = it ÷ T.
+  a synchronous collective or in ``Work.wait()``); ``exposed_share`` = it ÷ T.
 * ``efficiency`` = overlap bound ÷ measured time = ``max(compute_us, comm_us) ÷ T`` (1.0: everything
   that could hide did hide; the paper's Table 2 reports SM efficiency, which this approximates).
 
@@ -108,9 +109,9 @@ def rank_metrics(trace):
     comms = comm_events(trace)
     comm = [comm_interval(e) for e in comms]
     blocked = [blocked_interval(e) for e in comms]
-    exposed = length(subtract(blocked, comp))
+    exposed = length(blocked)
     traced_compute = length(comp)
-    compute = traced_compute if comp else max(0.0, T - exposed)
+    compute = max(0.0, T - exposed)
     comm_us = length(comm)
     md = trace.get("metadata", {})
     return {
@@ -118,7 +119,7 @@ def rank_metrics(trace):
         "schedule": md.get("schedule"),
         "iteration_us": T,
         "compute_us": compute,
-        "compute_source": "trace" if comp else "busy",
+        "traced_compute_us": traced_compute,
         "comm_us": comm_us,
         "exposed_us": exposed,
         "exposed_share": exposed / T if T else 0.0,

@@ -16,7 +16,7 @@ from .analysis import (
     compute_events,
     iteration_us,
     rank_metrics,
-    subtract,
+    union,
 )
 
 BASE = {-1: (0.46, 0.33, 0.67), 0: (0.12, 0.47, 0.71), 1: (1.0, 0.50, 0.05)}
@@ -88,8 +88,7 @@ def plot_timeline(traces, path, title=None):
                 linewidth=0.3,
             )
             used.add((a.get("sub_batch", -1), a.get("pass")))
-        comp_iv = [(e["ts"], e["ts"] + e["dur"]) for e in comps]
-        exposed = subtract([blocked_interval(e) for e in comms], comp_iv)
+        exposed = union([blocked_interval(e) for e in comms])
         if exposed:
             ax.broken_barh(
                 [(s / 1e3, (e - s) / 1e3) for s, e in exposed],
