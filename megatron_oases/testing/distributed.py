@@ -4,6 +4,7 @@ Modelled on nanotron's helpers: spawn, a free port, a hard timeout so a hang fai
 rank's return value (or traceback) sent back to the parent through a queue.
 """
 
+import io
 import multiprocessing as mp
 import os
 import socket
@@ -36,7 +37,10 @@ def _worker(rank, world_size, port, fn, args, queue):
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=120))
         result = fn(*args)
-        queue.put((rank, True, result))
+        # Serialise here: tensors sent through a Queue use shared-memory fds that die with us.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -76,7 +80,9 @@ def run_distributed(fn, world_size, *args, timeout=300):
                     f"(ranks done: {sorted(results)}, failed: {[r for r, _ in errors]})"
                 )
             if ok:
-                results[rank] = payload
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append((rank, payload))
                 break  # one rank failed: the others may hang on a collective

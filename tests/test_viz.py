@@ -1,0 +1,111 @@
+"""Trace analysis (exposed communication, comm union, efficiency) and the timeline PNG."""
+
+import json
+
+import pytest
+
+from megatron_oases.schedule.trace import Tracer, trace_path
+from megatron_oases.viz import analysis
+from megatron_oases.viz.__main__ import main as viz_main
+from megatron_oases.viz.timeline import plot_timeline
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _ev(cat, ts, dur, **args):
+    tid = 0 if cat == "compute" else 1
+    return {"name": cat, "cat": cat, "ph": "X", "pid": 0, "tid": tid, "ts": ts, "dur": dur,
+            "args": args}
+
+
+def _comm(issue, wait, done, sb=-1, p="forward", **extra):
+    return _ev("comm", issue, done - issue, op="all_reduce", bytes=8, group_size=2, sub_batch=sb,
+               issue_us=issue, wait_us=wait, done_us=done, **{"pass": p}, **extra)
+
+
+def _trace(events, T, rank=0, schedule="off"):
+    return {"traceEvents": events,
+            "metadata": {"rank": rank, "world_size": 2, "schedule": schedule, "iteration": 3,
+                         "iteration_time_us": T}}
+
+
+def test_interval_helpers():
+    assert analysis.union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+    assert analysis.length([(0, 2), (1, 3), (10, 11)]) == 4
+    assert analysis.subtract([(0, 10)], [(2, 3), (5, 7)]) == [(0, 2), (3, 5), (7, 10)]
+    assert analysis.subtract([(0, 4), (6, 8)], [(3, 7)]) == [(0, 3), (7, 8)]
+
+
+def test_stock_metrics_sync_communication_is_all_exposed():
+    # compute 100, sync comm 60, compute 100, sync comm 60 (+ 10 of other host time): T = 330.
+    ev = [_ev("compute", 0, 100, sub_batch=-1), _comm(100, 100, 160),
+          _ev("compute", 160, 100, sub_batch=-1), _comm(260, 260, 320)]
+    m = analysis.rank_metrics(_trace(ev, 330))
+    assert m["exposed_us"] == 120 and m["comm_us"] == 120
+    assert m["exposed_share"] == pytest.approx(120 / 330)
+    assert m["compute_us"] == 210 and m["traced_compute_us"] == 200
+    assert m["efficiency"] == pytest.approx(210 / 330)
+
+
+def test_overlapped_metrics_hidden_communication():
+    # Two sub-batches: each comm runs under the other's compute; only the last one is waited on.
+    ev = [_ev("compute", 0, 100, sub_batch=0), _comm(100, 200, 200, sb=0),
+          _ev("compute", 100, 100, sub_batch=1), _comm(200, 200, 260, sb=1)]
+    m = analysis.rank_metrics(_trace(ev, 260, schedule="oases"))
+    assert m["exposed_us"] == 60 and m["comm_us"] == 160 and m["compute_us"] == 200
+    assert m["efficiency"] == pytest.approx(200 / 260)
+
+
+def test_modelled_completion_bounds_the_comm_interval():
+    # Waited late (done at 500) but the emulator says the transfer ended at 150.
+    ev = [_comm(100, 500, 500, model_done_us=150)]
+    m = analysis.rank_metrics(_trace(ev, 600))
+    assert m["comm_us"] == 50 and m["exposed_us"] == 0
+
+
+def test_run_metrics_average_ranks():
+    a = _trace([_comm(0, 0, 50)], 100, rank=0)
+    b = _trace([_comm(0, 0, 30)], 100, rank=1)
+    m = analysis.run_metrics([a, b])
+    assert m["exposed_share"] == pytest.approx(0.4) and m["num_ranks"] == 2
+    assert [r["rank"] for r in m["ranks"]] == [0, 1]
+    assert analysis.run_metrics([]) is None
+
+
+def _tracer_trace(rank, path_pattern):
+    """A trace written by the project's own Tracer (format compatibility)."""
+    tr = Tracer(rank=rank, world_size=2, schedule="oases")
+    tr.start_iteration(3)
+    for p in ("forward", "recompute", "backward"):
+        for sb in (0, 1):
+            with tr.compute(**{"pass": p, "layer": 0, "block": "attention", "sub_batch": sb}):
+                pass
+            with tr.context(**{"pass": p, "sub_batch": sb}):
+                rec = tr.comm_issue("all_reduce", 1024, 2, True)
+            tr.comm_wait(rec)
+            tr.comm_done(rec)
+    tr.end_iteration()
+    path = trace_path(path_pattern, rank)
+    tr.dump(path)
+    return path
+
+
+def test_timeline_png_and_cli(tmp_path, capsys):
+    pattern = str(tmp_path / "t.rank{rank}.json")
+    files = [_tracer_trace(r, pattern) for r in (0, 1)]
+    traces = analysis.load_traces(pattern)
+    assert len(traces) == 2 and analysis.trace_files(pattern) == sorted(files)
+    m = analysis.run_metrics(traces)
+    assert 0.0 <= m["exposed_share"] <= 1.0 and m["iteration_us"] > 0
+    out = plot_timeline(traces, str(tmp_path / "timeline.png"), title="test")
+    with open(out, "rb") as f:
+        data = f.read()
+    assert data.startswith(PNG) and len(data) > 10_000
+    # Stock-style trace without compute events still plots.
+    stock = [_trace([_comm(0, 0, 50), _comm(60, 60, 90)], 100, rank=r) for r in (0, 1)]
+    assert plot_timeline(stock, str(tmp_path / "stock.png"))
+    assert viz_main([pattern, "-o", str(tmp_path / "cli.png")]) == 0
+    assert (tmp_path / "cli.png").read_bytes().startswith(PNG)
+    printed = capsys.readouterr().out
+    assert json.loads(printed[: printed.rindex("}") + 1])["num_ranks"] == 2
+    assert viz_main([str(tmp_path / "missing.json")]) == 2
