@@ -252,8 +252,13 @@ FAKE_FILES = {
         ''',
 }
 
-FAKE_MODULES = ("megatron.training", "megatron.post_training", "pretrain_gpt", "gpt_builders",
-                "model_provider")
+FAKE_MODULES = (
+    "megatron.training",
+    "megatron.post_training",
+    "pretrain_gpt",
+    "gpt_builders",
+    "model_provider",
+)
 
 
 def write_fake_megatron_lm(root):
@@ -300,8 +305,11 @@ def megatron_style_parse(argv, extra_args_provider=None):
     """Parse exactly the way Megatron-LM's ``parse_args`` does (allow_abbrev=False, provider hook)."""
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     g = parser.add_argument_group(title="transformer configuration")
-    g.add_argument("--transformer-impl", default="transformer_engine",
-                   choices=["local", "transformer_engine", "inference_optimized"])
+    g.add_argument(
+        "--transformer-impl",
+        default="transformer_engine",
+        choices=["local", "transformer_engine", "inference_optimized"],
+    )
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
@@ -325,19 +333,30 @@ def test_chained_provider_keeps_existing_provider():
 
     def modelopt_provider(parser):
         calls.append("modelopt")
-        parser.add_argument_group("modelopt").add_argument("--export-te-mcore-model",
-                                                           action="store_true")
+        parser.add_argument_group("modelopt").add_argument(
+            "--export-te-mcore-model", action="store_true"
+        )
         return parser
 
     def provider_returning_none(parser):  # tolerated: the parser is kept
         calls.append("none")
         parser.add_argument("--my-fork-flag", type=int, default=3)
 
-    provider = megatron_lm.chain_extra_args_providers(modelopt_provider, None,
-                                                      provider_returning_none, megatron_lm.add_args)
+    provider = megatron_lm.chain_extra_args_providers(
+        modelopt_provider, None, provider_returning_none, megatron_lm.add_args
+    )
     parser, args = megatron_style_parse(
-        ["--export-te-mcore-model", "--oases-schedule", "overlap", "--micro-batch-size", "2",
-         "--log-json", "g.json", "--my-fork-flag", "5"],
+        [
+            "--export-te-mcore-model",
+            "--oases-schedule",
+            "overlap",
+            "--micro-batch-size",
+            "2",
+            "--log-json",
+            "g.json",
+            "--my-fork-flag",
+            "5",
+        ],
         provider,
     )
     assert calls == ["modelopt", "none"]
@@ -362,7 +381,10 @@ def test_add_oases_args_does_not_clash_with_megatron_flag_names():
     "argv,expected",
     [
         ([], ["--transformer-impl", "local"]),
-        (["--transformer-impl", "local", "--lr", "1"], ["--transformer-impl", "local", "--lr", "1"]),
+        (
+            ["--transformer-impl", "local", "--lr", "1"],
+            ["--transformer-impl", "local", "--lr", "1"],
+        ),
         (["--transformer-impl=local"], ["--transformer-impl=local"]),
     ],
 )
@@ -370,8 +392,10 @@ def test_force_local_transformer_impl(argv, expected):
     assert megatron_lm.force_local_transformer_impl(argv) == expected
 
 
-@pytest.mark.parametrize("argv", [["--transformer-impl", "transformer_engine"],
-                                  ["--transformer-impl=inference_optimized"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--transformer-impl", "transformer_engine"], ["--transformer-impl=inference_optimized"]],
+)
 def test_force_local_transformer_impl_rejects_other_values(argv):
     with pytest.raises(OasesConfigError, match="use --transformer-impl local"):
         megatron_lm.force_local_transformer_impl(argv)
@@ -381,13 +405,25 @@ def test_force_local_transformer_impl_rejects_other_values(argv):
     "argv,match",
     [
         (["--transformer-impl", "transformer_engine"], "use --transformer-impl local"),
-        (["--oases-schedule", "oases", "--micro-batch-size", "2"],
-         "add --recompute-granularity full"),
+        (
+            ["--oases-schedule", "oases", "--micro-batch-size", "2"],
+            "add --recompute-granularity full",
+        ),
         (["--oases-schedule", "overlap", "--micro-batch-size", "1"], "cannot be split"),
         (["--oases-schedule", "overlap"], "set --micro-batch-size"),
-        (["--oases-schedule", "cross-pass", "--micro-batch-size", "2",
-          "--recompute-granularity", "full", "--recompute-method", "block"],
-         "--recompute-method uniform"),
+        (
+            [
+                "--oases-schedule",
+                "cross-pass",
+                "--micro-batch-size",
+                "2",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "block",
+            ],
+            "--recompute-method uniform",
+        ),
     ],
 )
 def test_validate_megatron_args_rejects(argv, match):
@@ -401,9 +437,20 @@ def test_validate_megatron_args_accepts():
     for argv in (
         ["--transformer-impl", "local"],
         ["--transformer-impl", "local", "--oases-schedule", "overlap", "--micro-batch-size", "2"],
-        ["--transformer-impl", "local", "--oases-schedule", "oases", "--micro-batch-size", "4",
-         "--recompute-granularity", "full", "--recompute-method", "uniform",
-         "--recompute-num-layers", "1"],
+        [
+            "--transformer-impl",
+            "local",
+            "--oases-schedule",
+            "oases",
+            "--micro-batch-size",
+            "4",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
     ):
         _, args = megatron_style_parse(argv, megatron_lm.extra_args_provider(None))
         assert megatron_lm.validate_megatron_args(args) is args
@@ -431,8 +478,9 @@ def recording_patch(monkeypatch):
 
 def test_wrap_builder_installs_patches_once_before_the_model(recording_patch):
     seen, target = recording_patch
-    _, args = megatron_style_parse(["--transformer-impl", "local"],
-                                   megatron_lm.extra_args_provider(None))
+    _, args = megatron_style_parse(
+        ["--transformer-impl", "local"], megatron_lm.extra_args_provider(None)
+    )
     built = []
 
     def gpt_builder(args, pre_process, post_process, vp_stage=None, config=None):
@@ -468,8 +516,12 @@ def test_golden_values_recorder(tmp_path):
     rec.write()
     with open(path) as f:
         data = json.load(f)
-    assert data["lm loss"] == {"start_step": 1, "end_step": 2, "step_interval": 1,
-                               "values": [5.0, 4.5]}
+    assert data["lm loss"] == {
+        "start_step": 1,
+        "end_step": 2,
+        "step_interval": 1,
+        "values": [5.0, 4.5],
+    }
     assert data["iteration-time"]["values"] == [None, 0.25]
     assert data["mem-allocated-bytes"]["values"] == [None, 100]
 
@@ -484,8 +536,22 @@ def test_golden_values_patch_wraps_training_log(tmp_path):
     patch.install()
     try:
         for it in (1, 2, 3):
-            assert module.training_log({"lm loss": torch.tensor([3.0 - it])}, {}, 1e-4, it, 1.0,
-                                       True, 0, 1.0, None, None, None) == "flag"
+            assert (
+                module.training_log(
+                    {"lm loss": torch.tensor([3.0 - it])},
+                    {},
+                    1e-4,
+                    it,
+                    1.0,
+                    True,
+                    0,
+                    1.0,
+                    None,
+                    None,
+                    None,
+                )
+                == "flag"
+            )
         module.training_log({}, {}, 1e-4, 4, 1.0, True, 0, 1.0, None, None, None)
     finally:
         patch.uninstall()
@@ -497,8 +563,9 @@ def test_golden_values_patch_wraps_training_log(tmp_path):
 # ------------------------------------------------------------------- oases-pretrain-gpt / run
 
 
-def test_pretrain_gpt_oases_on_megatron_lm_shaped_checkout(fake_megatron_lm, recording_patch,
-                                                           tmp_path):
+def test_pretrain_gpt_oases_on_megatron_lm_shaped_checkout(
+    fake_megatron_lm, recording_patch, tmp_path
+):
     from megatron_oases import pretrain_gpt_oases
 
     seen, target = recording_patch
@@ -551,22 +618,39 @@ def _one_error_line(proc, prefix):
     [
         (["-m", "megatron_oases.pretrain_gpt_oases"], "oases-pretrain-gpt: error: "),
         (["-m", "megatron_oases", "run"], "oases run: error: "),
-        (["-c", "import sys; from megatron_oases.pretrain_gpt_oases import console_main; "
-                "sys.exit(console_main())"], "oases-pretrain-gpt: error: "),
+        (
+            [
+                "-c",
+                "import sys; from megatron_oases.pretrain_gpt_oases import console_main; "
+                "sys.exit(console_main())",
+            ],
+            "oases-pretrain-gpt: error: ",
+        ),
     ],
 )
 def test_without_megatron_lm_one_clear_line(cmd, prefix):
-    proc = subprocess.run([sys.executable, *cmd, *TINY], capture_output=True, text=True,
-                          timeout=120, env=_clean_env(), cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, *cmd, *TINY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(),
+        cwd=REPO,
+    )
     line = _one_error_line(proc, prefix)
     assert "Megatron-LM is not importable" in line and "core_v0.16.0" in line
     assert "git clone --branch core_v0.16.0 https://github.com/NVIDIA/Megatron-LM" in line
 
 
 def test_megatron_lm_dir_without_pretrain_gpt(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "megatron_oases.pretrain_gpt_oases", *TINY],
-                          capture_output=True, text=True, timeout=120,
-                          env=_clean_env(MEGATRON_LM_DIR=str(tmp_path)), cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_oases.pretrain_gpt_oases", *TINY],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_clean_env(MEGATRON_LM_DIR=str(tmp_path)),
+        cwd=REPO,
+    )
     line = _one_error_line(proc, "oases-pretrain-gpt: error: ")
     assert "has no pretrain_gpt.py" in line and "core_v0.16.0" in line
 
@@ -608,13 +692,24 @@ def test_patch_applies_and_patched_script_runs(tmp_path):
     assert check.returncode == 0, check.stderr
     assert _git("apply", PATCH, cwd=root).returncode == 0
     assert _git("apply", "-R", "--check", PATCH, cwd=root).returncode == 0
-    env = _clean_env(PYTHONPATH=os.pathsep.join([root, REPO]))
+    # Megatron-Core's import-time warnings (no TE/Apex) would precede our line, as in Megatron-LM.
+    env = _clean_env(PYTHONPATH=os.pathsep.join([root, REPO]), PYTHONWARNINGS="ignore")
     golden = str(tmp_path / "golden.json")
     record = str(tmp_path / "record.json")
     proc = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *TINY, "--log-json", golden,
-         "--oases-schedule", "overlap"],
-        cwd=root, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "pretrain_gpt.py",
+            *TINY,
+            "--log-json",
+            golden,
+            "--oases-schedule",
+            "overlap",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env=dict(env, FAKE_MEGATRON_RECORD=record),
     )
     assert proc.returncode == 0, proc.stderr
@@ -630,7 +725,10 @@ def test_patch_applies_and_patched_script_runs(tmp_path):
     os.remove(record)
     proc = subprocess.run(
         [sys.executable, "pretrain_gpt.py", *TINY, "--oases-schedule", "cross-pass"],
-        cwd=root, capture_output=True, text=True, timeout=120,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env=dict(env, FAKE_MEGATRON_RECORD=record),
     )
     line = _one_error_line(proc, "pretrain_gpt.py: error: ")
@@ -640,12 +738,17 @@ def test_patch_applies_and_patched_script_runs(tmp_path):
 # ------------------------------------------------------------------------- configs and scripts
 
 TABLE4 = {  # H: (L, heads, TMP, DP, global batch) — Oases paper, Appendix B.2
-    1024: (24, 16, 2, 16, 256), 2048: (24, 32, 4, 8, 128), 3072: (24, 48, 4, 8, 32),
-    4096: (16, 64, 4, 8, 32), 6144: (16, 96, 8, 4, 8), 8192: (8, 128, 8, 4, 8),
+    1024: (24, 16, 2, 16, 256),
+    2048: (24, 32, 4, 8, 128),
+    3072: (24, 48, 4, 8, 32),
+    4096: (16, 64, 4, 8, 32),
+    6144: (16, 96, 8, 4, 8),
+    8192: (8, 128, 8, 4, 8),
     12288: (4, 192, 8, 4, 8),
 }
 TABLE5 = {  # name: (H, L, heads, PP, TP, DP, micro-batch, billions of parameters)
-    "gpt-18.4b": (6144, 40, 48, 4, 4, 2, 2, 18.4), "gpt-39.1b": (8192, 48, 64, 4, 8, 1, 2, 39.1),
+    "gpt-18.4b": (6144, 40, 48, 4, 4, 2, 2, 18.4),
+    "gpt-39.1b": (8192, 48, 64, 4, 8, 1, 2, 39.1),
 }
 
 
@@ -672,8 +775,7 @@ def test_table5_model_configs(name):
     cfg = configs.load_model_config(name)
     m = cfg["model"]
     assert (m["hidden-size"], m["num-layers"], m["num-attention-heads"]) == (hidden, layers, heads)
-    assert cfg["parallel"] == {"tensor-model-parallel-size": tp,
-                               "pipeline-model-parallel-size": pp}
+    assert cfg["parallel"] == {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp}
     assert cfg["training"]["micro-batch-size"] == mbs
     assert configs.parameter_count(cfg) / 1e9 == pytest.approx(billions, abs=0.1)
     assert _validated(cfg, world_size=pp * tp * dp).data_parallel_size == dp
@@ -683,7 +785,13 @@ def test_tiny_cpu_config_and_flag_rendering():
     cfg = configs.load_model_config("tiny-cpu")
     assert _validated(cfg, world_size=2).tensor_model_parallel_size == 2
     assert configs.to_flags({"a_b": 1, "swiglu": True, "bias": False, "x": None, "l": [1, 2]}) == [
-        "--a-b", "1", "--swiglu", "--l", "1", "2"]
+        "--a-b",
+        "1",
+        "--swiglu",
+        "--l",
+        "1",
+        "2",
+    ]
     with pytest.raises(OasesConfigError, match="unknown model config 'nope'"):
         configs.load_model_config("nope")
 
@@ -697,27 +805,46 @@ def test_compare_matrix_runs_are_valid_oases_train_flags():
         assert any(r["variant"] == matrix["baseline"] for r in runs)
         cfg = configs.load_model_config(matrix["model"])
         for run in runs:
-            extra = ["--tensor-model-parallel-size", str(run["tp"]),
-                     "--pipeline-model-parallel-size", str(run["pp"]),
-                     "--oases-schedule", run["schedule"], *run["args"]]
+            extra = [
+                "--tensor-model-parallel-size",
+                str(run["tp"]),
+                "--pipeline-model-parallel-size",
+                str(run["pp"]),
+                "--oases-schedule",
+                run["schedule"],
+                *run["args"],
+            ]
             _validated(cfg, world_size=matrix["gpus-per-node"], extra=extra)
     for name in ("paper-h4096-l16", "paper-gpt-18.4b"):
         matrix = configs.load_matrix(path, name)
         configs.load_model_config(matrix["model"])
         assert len(configs.expand_matrix(matrix)) == len(matrix["layouts"]) * len(
-            matrix["variants"])
+            matrix["variants"]
+        )
     assert configs.load_matrix(path)["name"] == "cpu-demo"
 
 
 def test_summary_table(tmp_path):
     def golden(losses, times):
         p = tmp_path / f"g{len(os.listdir(tmp_path))}.json"
-        p.write_text(json.dumps({
-            "lm loss": {"start_step": 1, "end_step": len(losses), "step_interval": 1,
-                        "values": losses},
-            "iteration-time": {"start_step": 1, "end_step": len(times), "step_interval": 1,
-                               "values": times},
-        }))
+        p.write_text(
+            json.dumps(
+                {
+                    "lm loss": {
+                        "start_step": 1,
+                        "end_step": len(losses),
+                        "step_interval": 1,
+                        "values": losses,
+                    },
+                    "iteration-time": {
+                        "start_step": 1,
+                        "end_step": len(times),
+                        "step_interval": 1,
+                        "values": times,
+                    },
+                }
+            )
+        )
         return str(p)
 
     runs = tmp_path / "runs.tsv"
@@ -730,16 +857,31 @@ def test_summary_table(tmp_path):
     table = configs.summary_table(configs.read_runs_file(str(runs)), baseline="megatron")
     lines = table.splitlines()
     assert lines[0].startswith("| run | schedule | TP | PP | status |") and len(lines) == 5
-    assert lines[2].split("|")[1:-1] == [" megatron-tp2-pp1 ", " off ", " 2 ", " 1 ", " ok ",
-                                         " 3 ", " 4.000000 ", " 200.0 ", " - ", " 1.00 "]
+    assert lines[2].split("|")[1:-1] == [
+        " megatron-tp2-pp1 ",
+        " off ",
+        " 2 ",
+        " 1 ",
+        " ok ",
+        " 3 ",
+        " 4.000000 ",
+        " 200.0 ",
+        " - ",
+        " 1.00 ",
+    ]
     assert "| 100.0 | - | 2.00 |" in lines[3]
     assert "| failed(1) | 0 | - | - | - | - |" in lines[4]
 
 
 def test_helper_cli_for_bash():
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "megatron_oases.megatron_lm", *args],
-                              capture_output=True, text=True, timeout=60, cwd=REPO)
+        return subprocess.run(
+            [sys.executable, "-m", "megatron_oases.megatron_lm", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
 
     out = run("flags", "tiny-cpu", "--section", "model")
     assert out.returncode == 0 and out.stdout.split()[:2] == ["--num-layers", "2"]
@@ -747,10 +889,14 @@ def test_helper_cli_for_bash():
     assert run("get", "tiny-cpu", "training.nope", "7").stdout.strip() == "7"
     out = run("matrix", "configs/compare_matrix.yaml", "ci")
     lines = out.stdout.strip().splitlines()
-    assert [ln.split("\t")[:4] for ln in lines] == [["megatron-tp2-pp1", "2", "1", "off"],
-                                                   ["oases-tp2-pp1", "2", "1", "oases"]]
-    assert run("matrix", "configs/compare_matrix.yaml", "ci", "--field", "baseline"
-               ).stdout.strip() == "megatron"
+    assert [ln.split("\t")[:4] for ln in lines] == [
+        ["megatron-tp2-pp1", "2", "1", "off"],
+        ["oases-tp2-pp1", "2", "1", "oases"],
+    ]
+    assert (
+        run("matrix", "configs/compare_matrix.yaml", "ci", "--field", "baseline").stdout.strip()
+        == "megatron"
+    )
     bad = run("matrix", "configs/compare_matrix.yaml", "nope")
     assert bad.returncode == 2 and "no matrix 'nope'" in bad.stderr
 
@@ -760,10 +906,21 @@ def test_helper_cli_for_bash():
 def test_cpu_demo_script(tmp_path):
     """launch_scripts/run_cpu_demo.sh: 2 gloo ranks, tiny model, no SLURM."""
     golden = str(tmp_path / "demo.json")
-    env = dict(os.environ, PYTHON=sys.executable, TRAIN_ITERS="2", LOG_JSON=golden,
-               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    proc = subprocess.run(["bash", os.path.join(REPO, "launch_scripts", "run_cpu_demo.sh")],
-                          capture_output=True, text=True, timeout=230, env=env, cwd=str(tmp_path))
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        TRAIN_ITERS="2",
+        LOG_JSON=golden,
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+    )
+    proc = subprocess.run(
+        ["bash", os.path.join(REPO, "launch_scripts", "run_cpu_demo.sh")],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        env=env,
+        cwd=str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "entry=oases-train model=tiny-cpu device=cpu" in proc.stdout
     assert re.search(r"^lm loss: [\d.]+ [\d.]+$", proc.stdout, re.M), proc.stdout
@@ -778,8 +935,18 @@ def test_launch_scripts_are_valid_bash():
         assert subprocess.run(["bash", "-n", path], capture_output=True).returncode == 0
     with open(os.path.join(REPO, "launch_scripts", "slurm_pretrain_gpt_oases.sh")) as f:
         text = f.read()
-    for needle in ("#SBATCH", "scontrol show hostnames", "GPUS_PER_NODE", "NUM_NODES",
-                   "CUDA_DEVICE_MAX_CONNECTIONS", "--kill-on-bad-exit", "DISTRIBUTED_ARGS=(",
-                   "GPT_MODEL_ARGS", "MODEL_PARALLEL_ARGS=(", "TRAINING_ARGS=(", "OASES_ARGS=("):
+    for needle in (
+        "#SBATCH",
+        "scontrol show hostnames",
+        "GPUS_PER_NODE",
+        "NUM_NODES",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "--kill-on-bad-exit",
+        "DISTRIBUTED_ARGS=(",
+        "GPT_MODEL_ARGS",
+        "MODEL_PARALLEL_ARGS=(",
+        "TRAINING_ARGS=(",
+        "OASES_ARGS=(",
+    ):
         assert needle in text, needle
     assert shutil.which("bash")

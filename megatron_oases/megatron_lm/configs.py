@@ -159,9 +159,12 @@ def matrix_tsv(matrix):
 # ----------------------------------------------------------------------------------------- summary
 
 
-def _values(golden, key):
-    entry = golden.get(key) or {}
-    return [v for v in entry.get("values") or [] if v is not None and not _isnan(v)]
+def _values(golden, key, skip_first=False):
+    """Finite values of one golden-values series; ``skip_first`` drops iteration 1 (warm-up)."""
+    raw = list((golden.get(key) or {}).get("values") or [])
+    if skip_first and len(raw) > 1:
+        raw = raw[1:]
+    return [v for v in raw if v is not None and not _isnan(v)]
 
 
 def _isnan(v):
@@ -195,13 +198,11 @@ def summarize_run(name, tp, pp, schedule, status, json_path):
         row["status"] = "no-json"
     if golden:
         losses = _values(golden, "lm loss")
-        times = _values(golden, "iteration-time")
+        times = _values(golden, "iteration-time", skip_first=True)
         row["iters"] = len((golden.get("lm loss") or {}).get("values") or [])
         row["loss"] = losses[-1] if losses else None
-        steady = times[1:] if len(times) > 1 else times  # first iteration carries warm-up
-        row["iter_ms"] = 1000 * sum(steady) / len(steady) if steady else None
-        tflops = _values(golden, "throughput")
-        tflops = tflops[1:] if len(tflops) > 1 else tflops
+        row["iter_ms"] = 1000 * sum(times) / len(times) if times else None
+        tflops = _values(golden, "throughput", skip_first=True)
         row["tflops"] = sum(tflops) / len(tflops) if tflops else None
     return row
 
