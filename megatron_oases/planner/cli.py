@@ -1,8 +1,8 @@
 """``oases plan``: choose a TMP degree per layer from a profile (Oases §4), write an editable plan.
 
-    oases plan --profile profile.json --global-batch-size 128 --memory 24 --out plan.json
-    oases plan ... --degrees 2,4 --pin 0-3=4 --max-switches 1 --verify
-    oases plan --profile profile.json --evaluate plan.json     # re-predict an (edited) plan
+oases plan --profile profile.json --global-batch-size 128 --memory 24 --out plan.json
+oases plan ... --degrees 2,4 --pin 0-3=4 --max-switches 1 --verify
+oases plan --profile profile.json --evaluate plan.json     # re-predict an (edited) plan
 """
 
 import argparse
@@ -21,37 +21,88 @@ def build_parser():
         "model (eq. 3–6): ILP (PuLP/CBC) or exact DP; writes an editable JSON plan.",
     )
     p.add_argument("--profile", required=True, help="profile.json from `oases profile`")
-    p.add_argument("--global-batch-size", type=int, help="global batch (required unless --evaluate)")
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="per TMP domain; default: global batch / DP (no accumulation)")
-    p.add_argument("--memory", type=float, default=None, metavar="GB",
-                   help="device memory per rank in GB (1e9 bytes); default: the profile's cluster")
+    p.add_argument(
+        "--global-batch-size", type=int, help="global batch (required unless --evaluate)"
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="per TMP domain; default: global batch / DP (no accumulation)",
+    )
+    p.add_argument(
+        "--memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="device memory per rank in GB (1e9 bytes); default: the profile's cluster",
+    )
     p.add_argument("--schedule", choices=SCHEDULES, default="oases")
-    p.add_argument("--no-recompute", action="store_true",
-                   help="off/overlap schedules without full recompute (more activation memory)")
-    p.add_argument("--grad-sync", action="store_true",
-                   help="add each layer's exposed data-parallel gradient all-reduce (params/d over "
-                   "D·T/d replicas) to the objective; not in the paper's eq. 5; analytic profiles")
+    p.add_argument(
+        "--no-recompute",
+        action="store_true",
+        help="off/overlap schedules without full recompute (more activation memory)",
+    )
+    p.add_argument(
+        "--grad-sync",
+        action="store_true",
+        help="add each layer's exposed data-parallel gradient all-reduce (params/d over "
+        "D·T/d replicas) to the objective; not in the paper's eq. 5; analytic profiles",
+    )
     p.add_argument("--degrees", default=None, help="candidate degrees, e.g. 1,2,4 (default: all)")
-    p.add_argument("--pin", action="append", default=[], metavar="LAYERS=DEGREE",
-                   help="fix layers to a degree, e.g. 0-3=4 (repeatable, or comma list)")
-    p.add_argument("--max-switches", type=int, default=None,
-                   help="at most K degree changes along the layer chain")
-    p.add_argument("--solver", choices=("ilp", "dp"), default="ilp",
-                   help="ilp: eq. 5–6 in PuLP/CBC (default); dp: exact dynamic program")
-    p.add_argument("--verify", action="store_true",
-                   help="run both the ILP and the DP; fail unless their objectives agree")
-    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
-                   help=f"memory safety margin (default {DEFAULT_MARGIN:.2f} = predicted × 1.10)")
-    p.add_argument("--granule-mb", type=float, default=1.0,
-                   help="memory discretisation in MiB (rounded up; default 1)")
-    p.add_argument("--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S,
-                   help="ILP time limit in seconds")
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="LAYERS=DEGREE",
+        help="fix layers to a degree, e.g. 0-3=4 (repeatable, or comma list)",
+    )
+    p.add_argument(
+        "--max-switches",
+        type=int,
+        default=None,
+        help="at most K degree changes along the layer chain",
+    )
+    p.add_argument(
+        "--solver",
+        choices=("dp", "ilp"),
+        default="dp",
+        help="dp: exact dynamic program over the layer chain (default, fast); ilp: eq. 5–6 "
+        "in PuLP/CBC (slow on large memory-bound instances; see --time-limit)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="run both the ILP and the DP; fail unless their objectives agree",
+    )
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help=f"memory safety margin (default {DEFAULT_MARGIN:.2f} = predicted × 1.10)",
+    )
+    p.add_argument(
+        "--granule-mb",
+        type=float,
+        default=1.0,
+        help="memory discretisation in MiB (rounded up; default 1)",
+    )
+    p.add_argument(
+        "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="ILP time limit in seconds"
+    )
     p.add_argument("--out", default=None, help="write the plan JSON here")
-    p.add_argument("--evaluate", default=None, metavar="PLAN",
-                   help="predict an existing plan file instead of solving")
-    p.add_argument("--max-rows", type=int, default=40,
-                   help="explanation rows (layers near degree changes are kept); 0 = all")
+    p.add_argument(
+        "--evaluate",
+        default=None,
+        metavar="PLAN",
+        help="predict an existing plan file instead of solving",
+    )
+    p.add_argument(
+        "--max-rows",
+        type=int,
+        default=40,
+        help="explanation rows (layers near degree changes are kept); 0 = all",
+    )
     p.add_argument("--quiet", action="store_true", help="no table, only the summary")
     p.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
     return p
@@ -70,11 +121,16 @@ def _evaluate(args):
     schedule = plan.get("schedule") or args.schedule
     recompute = plan.get("recompute", not args.no_recompute)
     problem = build_problem(
-        profile, schedule=schedule, global_batch_size=gbs,
+        profile,
+        schedule=schedule,
+        global_batch_size=gbs,
         micro_batch_size=args.micro_batch_size or plan.get("micro_batch_size"),
-        degrees=sorted(set(plan["degrees"])), recompute=recompute,
+        degrees=sorted(set(plan["degrees"])),
+        recompute=recompute,
         memory_gb=args.memory or plan.get("memory_gb") or profile.data.get("memory_gb"),
-        margin=args.margin, num_layers=len(plan["degrees"]), grad_sync=args.grad_sync,
+        margin=args.margin,
+        num_layers=len(plan["degrees"]),
+        grad_sync=args.grad_sync,
     )
     ks = problem.index(plan["degrees"])
     res = evaluate(problem, ks)
@@ -85,8 +141,11 @@ def _evaluate(args):
         f"{res['edges_s'] * 1e3:.2f}); peak memory {res['peak_memory_bytes'] / 1e9:.2f} GB per rank"
     )
     if not problem.feasible(ks):
-        print(f"warning: needs more than {problem.memory_bytes / 1e9:g} GB with the "
-              f"{problem.margin:.0%} margin", file=sys.stderr)
+        print(
+            f"warning: needs more than {problem.memory_bytes / 1e9:g} GB with the "
+            f"{problem.margin:.0%} margin",
+            file=sys.stderr,
+        )
     if not args.quiet:
         print(explanation_table(problem, ks, res, max_rows=args.max_rows or None))
     if args.json:

@@ -136,8 +136,10 @@ class ChainProblem:
     def peak_memory_granules(self, ks):
         A, R, fixed, _ = self.quantized()
         rows = range(self.num_layers)
-        return fixed + int(sum(A[l, k] for l, k in zip(rows, ks))) + int(
-            max(R[l, k] for l, k in zip(rows, ks))
+        return (
+            fixed
+            + int(sum(A[l, k] for l, k in zip(rows, ks)))
+            + int(max(R[l, k] for l, k in zip(rows, ks)))
         )
 
     def switches(self, ks):
@@ -266,8 +268,10 @@ def decompose(problem):
     P = np.zeros((max(L - 1, 0), K, K))
     kk = np.arange(K)
 
-    for passes, gather in ((problem.forward, problem.gather_fwd),
-                           (problem.backward, problem.gather_bwd)):
+    for passes, gather in (
+        (problem.forward, problem.gather_fwd),
+        (problem.backward, problem.gather_bwd),
+    ):
         prev_last = None
         for seg in passes:
             if prev_last is not None and prev_last.layer != seg[0].layer:
@@ -319,9 +323,10 @@ def _add_gather(P, gather, lp, lc, K):
 
 
 def objective(U, P, ks):
-    return float(sum(U[l, k] for l, k in enumerate(ks)) + sum(
-        P[l, ks[l], ks[l + 1]] for l in range(len(ks) - 1)
-    ))
+    return float(
+        sum(U[l, k] for l, k in enumerate(ks))
+        + sum(P[l, ks[l], ks[l + 1]] for l in range(len(ks) - 1))
+    )
 
 
 # ====================================================================== building from a profile
@@ -349,7 +354,9 @@ def build_problem(
 ):
     """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.profiler.format.Profile`)."""
     if schedule not in SCHEDULES:
-        raise OasesConfigError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        raise OasesConfigError(
+            f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}"
+        )
     if recompute is None:
         recompute = True
     if schedule in RECOMPUTE_SCHEDULES and not recompute:
@@ -398,7 +405,9 @@ def build_problem(
             "raise --micro-batch-size"
         )
     if degrees and len(usable) < len(cand):
-        raise OasesConfigError("; ".join(why) + "; drop it from --degrees or raise --micro-batch-size")
+        raise OasesConfigError(
+            "; ".join(why) + "; drop it from --degrees or raise --micro-batch-size"
+        )
     degs = usable
     K = len(degs)
     hid = shape["seq_length"] * shape["hidden_size"] * p  # bytes per sample of a hidden state
@@ -449,10 +458,12 @@ def build_problem(
         backward = [seg]
     else:  # overlap with recompute: recompute pass and backward pass per layer, barriers between
         for l in reversed(range(L)):
-            backward.append([blk(l, "attention.R", R["attention"], ar),
-                             blk(l, "mlp.R", R["mlp"], ar)])
-            backward.append([blk(l, "mlp.B", B["mlp"], ar),
-                             blk(l, "attention.B", B["attention"], ar)])
+            backward.append(
+                [blk(l, "attention.R", R["attention"], ar), blk(l, "mlp.R", R["mlp"], ar)]
+            )
+            backward.append(
+                [blk(l, "mlp.B", B["mlp"], ar), blk(l, "attention.B", B["attention"], ar)]
+            )
 
     # re-shard all-gathers between adjacent layers (same for every boundary: layers are alike)
     g = np.zeros((K, K))

@@ -46,7 +46,11 @@ def runner_ups(problem, ks, decomposition=None):
             alt[l] = cand["k"]
             ev = evaluate(problem, alt)
             parts = []
-            for key, label in (("forward_s", "fwd"), ("backward_s", "bwd"), ("edges_s", "re-shard")):
+            for key, label in (
+                ("forward_s", "fwd"),
+                ("backward_s", "bwd"),
+                ("edges_s", "re-shard"),
+            ):
                 d = ev[key] - base_eval[key]
                 if abs(d) > 1e-9:
                     parts.append(f"{label} {d * 1e3:+.2f} ms")
@@ -122,7 +126,11 @@ def summary(plan):
         f"predicted iteration {p['iteration_time_s'] * 1e3:.2f} ms = forward "
         f"{p['forward_s'] * 1e3:.2f} + backward {p['backward_s'] * 1e3:.2f} + re-shard "
         f"{p['edges_s'] * 1e3:.2f} ms"
-        + (f" + DP grad sync {p['grad_sync_s'] * 1e3:.2f} ms" if p.get("grad_sync_included") else "")
+        + (
+            f" + DP grad sync {p['grad_sync_s'] * 1e3:.2f} ms"
+            if p.get("grad_sync_included")
+            else ""
+        )
         + f"; {p['tokens_per_s'] / 1e3:.1f} k tokens/s (whole job)",
         f"peak memory per rank {p['peak_memory_bytes_per_rank'] / 1e9:.2f} GB "
         f"(+{plan['memory_margin']:.0%} margin = {p['peak_memory_with_margin_bytes'] / 1e9:.2f} GB"
@@ -138,14 +146,21 @@ def summary(plan):
         lines.append("uniform: " + "; ".join(uni))
     if plan.get("speedup"):
         lines.append(
-            "speedup: " + ", ".join(f"{k.replace('_', ' ')} {v:.3f}×" for k, v in plan["speedup"].items())
+            "speedup: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.3f}×" for k, v in plan["speedup"].items())
         )
-    lines.append(
-        f"solver {plan['solver']} ({plan['status']}) in {plan['solve_time_s'] * 1e3:.1f} ms"
-        + (
-            f"; verified: ILP {plan['verify']['ilp']['objective'] * 1e3:.4f} ms = DP "
-            f"{plan['verify']['dp']['objective'] * 1e3:.4f} ms"
-            if plan.get("verify") else ""
-        )
-    )
+    line = f"solver {plan['solver']} ({plan['status']}) in {plan['solve_time_s'] * 1e3:.1f} ms"
+    v = plan.get("verify")
+    if v:
+        ilp, dp = v["ilp"], v["dp"]
+        if v.get("agree") is True and ilp["objective"] is not None:
+            line += (
+                f"; verified: ILP {ilp['objective'] * 1e3:.4f} ms ({ilp['solve_time_s']:.2f} s) = "
+                f"DP {dp['objective'] * 1e3:.4f} ms ({dp['solve_time_s']:.3f} s)"
+            )
+        elif v.get("agree") is True:
+            line += "; verified: ILP and DP both infeasible"
+        else:
+            line += f"; verification {v['agree']}: {v.get('note', '')}"
+    lines.append(line)
     return "\n".join(lines)

@@ -43,12 +43,15 @@ def solve_ilp(problem, decomposition=None, time_limit_s=DEFAULT_TIME_LIMIT_S, ms
     scale = 1e6 / max(max(mags), 1e-30)
 
     prob = pulp.LpProblem("oases_plan", pulp.LpMinimize)
-    s = [{k: pulp.LpVariable(f"s_{l}_{k}", cat="Binary") for k in range(K) if allowed[l, k]}
-         for l in range(L)]
+    s = [
+        {k: pulp.LpVariable(f"s_{l}_{k}", cat="Binary") for k in range(K) if allowed[l, k]}
+        for l in range(L)
+    ]
     e = []
     for l in range(L - 1):
-        e.append({(i, j): pulp.LpVariable(f"e_{l}_{i}_{j}", lowBound=0)
-                  for i in s[l] for j in s[l + 1]})
+        e.append(
+            {(i, j): pulp.LpVariable(f"e_{l}_{i}_{j}", lowBound=0) for i in s[l] for j in s[l + 1]}
+        )
     terms = [(v, float(U[l, k]) * scale) for l in range(L) for k, v in s[l].items()]
     terms += [(v, float(P[l, i, j]) * scale) for l in range(L - 1) for (i, j), v in e[l].items()]
     prob += pulp.LpAffineExpression(terms)

@@ -75,8 +75,14 @@ def load_plan(path, num_layers=None, tensor_model_parallel_size=None):
     return validate_plan(plan, num_layers, tensor_model_parallel_size, source=str(path))
 
 
-def uniform_plan(num_layers, tensor_model_parallel_size, degree=None, schedule="oases",
-                 global_batch_size=None, micro_batch_size=None):
+def uniform_plan(
+    num_layers,
+    tensor_model_parallel_size,
+    degree=None,
+    schedule="oases",
+    global_batch_size=None,
+    micro_batch_size=None,
+):
     """Every layer at ``degree`` (default: T) — what plain Megatron TMP does."""
     T = int(tensor_model_parallel_size)
     degree = T if degree is None else int(degree)

@@ -5,8 +5,17 @@ import numpy as np
 from .cost_model import Block, ChainProblem
 
 
-def random_problem(rng, num_layers, degrees=(1, 2, 4), subs=None, backward="random",
-                   memory="random", pins=True, switches=True, homogeneous=False):
+def random_problem(
+    rng,
+    num_layers,
+    degrees=(1, 2, 4),
+    subs=None,
+    backward="random",
+    memory="random",
+    pins=True,
+    switches=True,
+    homogeneous=False,
+):
     """A :class:`ChainProblem` with random compute/comm/gather/memory tables.
 
     ``backward``: 'oases' (2 blocks/layer, one segment), 'cross-pass' (4 blocks/layer, one segment),
@@ -38,8 +47,13 @@ def random_problem(rng, num_layers, degrees=(1, 2, 4), subs=None, backward="rand
     if backward == "oases":
         back = [[b for l in reversed(range(L)) for b in (blk(l, "m.RB"), blk(l, "a.RB"))]]
     elif backward == "cross-pass":
-        back = [[b for l in reversed(range(L))
-                 for b in (blk(l, "a.R"), blk(l, "m.R"), blk(l, "m.B"), blk(l, "a.B"))]]
+        back = [
+            [
+                b
+                for l in reversed(range(L))
+                for b in (blk(l, "a.R"), blk(l, "m.R"), blk(l, "m.B"), blk(l, "a.B"))
+            ]
+        ]
     else:
         back = []
         for l in reversed(range(L)):

@@ -70,7 +70,7 @@ def comm_groups(degrees):
     reduce = [tp_ranks(d) for d in degrees if d > 1]
     gather = []
     for i, d1 in enumerate(degrees):
-        for d2 in degrees[i + 1:]:
+        for d2 in degrees[i + 1 :]:
             gather.append(gather_ranks(d1, d2))
     top = max(degrees)
     for d in degrees:  # embedding/output layer boundary re-shards (domain T ↔ layer degree)
@@ -104,7 +104,10 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
 
     comm = {"all_reduce": {}, "all_gather": {}}
     groups = comm_groups(degrees + ([tp] if tp not in degrees else []))
-    for kind, fn in (("all_reduce", cluster.all_reduce_time), ("all_gather", cluster.all_gather_time)):
+    for kind, fn in (
+        ("all_reduce", cluster.all_reduce_time),
+        ("all_gather", cluster.all_gather_time),
+    ):
         for ranks in groups[kind]:
             pts = [[n, fn(n, ranks)] for n in COMM_POINTS]
             # The ring model is exactly α + β·n: read α and β off two points.
@@ -132,8 +135,11 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
         "state_bytes_per_param": state_bytes_per_param(p),
         "cluster": cluster.name,
         "memory_gb": cluster.memory_gb,
-        "hardware": {"cluster": cluster.name, "gpu": cluster.gpu,
-                     "sustained_tflops": cluster.sustained_tflops},
+        "hardware": {
+            "cluster": cluster.name,
+            "gpu": cluster.gpu,
+            "sustained_tflops": cluster.sustained_tflops,
+        },
         "compute": compute,
         "fixed_compute": fixed_compute,
         "comm": comm,
@@ -156,8 +162,12 @@ def grad_sync_section(cluster, shape, tp, dp, degrees, dtype_bytes):
         n0, n1 = COMM_POINTS[0], COMM_POINTS[-1]
         t0, t1 = cluster.all_reduce_time(n0, ranks), cluster.all_reduce_time(n1, ranks)
         beta = (t1 - t0) / (n1 - n0)
-        fits[str(d)] = {"alpha_s": t0 - beta * n0, "beta_s_per_byte": beta, "replicas": len(ranks),
-                        "link": _link_name(cluster, ranks)}
+        fits[str(d)] = {
+            "alpha_s": t0 - beta * n0,
+            "beta_s_per_byte": beta,
+            "replicas": len(ranks),
+            "link": _link_name(cluster, ranks),
+        }
     return {"bytes_per_layer": nbytes, "all_reduce": fits}
 
 

@@ -20,27 +20,61 @@ def build_parser():
         prog="oases profile",
         description="Profile one transformer layer per candidate TMP degree for `oases plan`.",
     )
-    p.add_argument("--model", required=True, metavar="PATH[:NAME]",
-                   help="model YAML (Megatron-LM argument names); PATH:NAME picks from a 'models:' map")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a model setting, e.g. --set num_layers=48")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=None,
-                   help="TMP domain T (default: the model file's)")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="PATH[:NAME]",
+        help="model YAML (Megatron-LM argument names); PATH:NAME picks from a 'models:' map",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model setting, e.g. --set num_layers=48",
+    )
+    p.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=None,
+        help="TMP domain T (default: the model file's)",
+    )
     p.add_argument("--data-parallel-size", type=int, default=None)
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="samples per TMP domain per micro-batch whose sub-batches are measured")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="samples per TMP domain per micro-batch whose sub-batches are measured",
+    )
     p.add_argument("--degrees", default=None, help="candidate degrees (default: powers of two ≤ T)")
     p.add_argument("--analytic", action="store_true", help="from FLOP counts and --cluster")
-    p.add_argument("--cluster", default=None, metavar="PROFILE",
-                   help="cluster profile (configs/clusters/PROFILE.yaml) for --analytic")
-    p.add_argument("--emulate-link", default=None, metavar="PROFILE",
-                   help="measured: emulate a cluster's links on gloo (testbed)")
-    p.add_argument("--nproc", type=int, default=None,
-                   help="measured: ranks to spawn (default T); ignored under torchrun")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        metavar="PROFILE",
+        help="cluster profile (configs/clusters/PROFILE.yaml) for --analytic",
+    )
+    p.add_argument(
+        "--emulate-link",
+        default=None,
+        metavar="PROFILE",
+        help="measured: emulate a cluster's links on gloo (testbed)",
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="measured: ranks to spawn (default T); ignored under torchrun",
+    )
     p.add_argument("--repeats", type=int, default=3, help="measured: timed repetitions (median)")
-    p.add_argument("--cache-dir", default=None,
-                   help="measured-profile cache (default $OASES_CACHE_DIR or ~/.cache/megatron-oases)")
-    p.add_argument("--no-cache", action="store_true", help="measure even if a cached profile matches")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="measured-profile cache (default $OASES_CACHE_DIR or ~/.cache/megatron-oases)",
+    )
+    p.add_argument(
+        "--no-cache", action="store_true", help="measure even if a cached profile matches"
+    )
     p.add_argument("--out", required=True, help="profile JSON to write")
     return p
 
@@ -90,7 +124,9 @@ def main(argv):
         data = analytic_profile(margs, args.cluster, degrees=degrees)
     else:
         if args.cluster:
-            raise OasesConfigError("--cluster needs --analytic (measured profiles use this machine)")
+            raise OasesConfigError(
+                "--cluster needs --analytic (measured profiles use this machine)"
+            )
         from .measured import measured_profile
 
         data = measured_profile(

@@ -186,7 +186,9 @@ def load_profile(path):
         with open(path) as f:
             data = json.load(f)
     except FileNotFoundError:
-        raise OasesConfigError(f"profile {path} not found; create it with `oases profile`") from None
+        raise OasesConfigError(
+            f"profile {path} not found; create it with `oases profile`"
+        ) from None
     except json.JSONDecodeError as exc:
         raise OasesConfigError(f"profile {path} is not valid JSON ({exc.msg} at line {exc.lineno})")
     return Profile(data, path=path)

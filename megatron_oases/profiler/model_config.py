@@ -64,7 +64,9 @@ def read_model_file(spec):
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
-        raise OasesConfigError(f"model file {path} must hold a mapping of Megatron-LM argument names")
+        raise OasesConfigError(
+            f"model file {path} must hold a mapping of Megatron-LM argument names"
+        )
     if "models" in raw:
         models = raw["models"]
         if name is None:
@@ -73,7 +75,9 @@ def read_model_file(spec):
                 f"(one of {', '.join(models)})"
             )
         if name not in models:
-            raise OasesConfigError(f"no model {name!r} in {path}; choose one of {', '.join(models)}")
+            raise OasesConfigError(
+                f"no model {name!r} in {path}; choose one of {', '.join(models)}"
+            )
         raw = models[name]
     elif name is not None:
         raise OasesConfigError(f"{path} holds one model; drop ':{name}'")
@@ -95,7 +99,9 @@ def model_args(flat, overrides=None):
         if key in _EXTRA_KEYS:
             continue
         if key not in known:
-            raise OasesConfigError(f"unknown model setting {key!r} (use Megatron-LM argument names)")
+            raise OasesConfigError(
+                f"unknown model setting {key!r} (use Megatron-LM argument names)"
+            )
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             if value:
