@@ -721,18 +721,24 @@ def test_patch_applies_and_patched_script_runs(tmp_path):
     assert "megatron-lm-golden-values" in rec["model"]["patches_at_build"]
     with open(golden) as f:
         assert json.load(f)["lm loss"]["values"] == [6.0, 5.0, 4.0]
-    # A bad combination: one line, exit 2, before pretrain.
-    os.remove(record)
-    proc = subprocess.run(
-        [sys.executable, "pretrain_gpt.py", *TINY, "--oases-schedule", "cross-pass"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=dict(env, FAKE_MEGATRON_RECORD=record),
+
+
+def test_prepare_or_exit_one_line_exit_2(fake_megatron_lm, capsys):
+    """What the patched pretrain_gpt.py calls before pretrain(): bad flags ⇒ one line, exit 2."""
+    sys.argv[:] = ["pretrain_gpt.py", *TINY, "--oases-schedule", "cross-pass"]
+    with pytest.raises(SystemExit) as exc:
+        megatron_lm.prepare_or_exit(None)
+    assert exc.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert err == [
+        "pretrain_gpt.py: error: --oases-schedule cross-pass merges recompute with backward; add "
+        "--recompute-granularity full or use --oases-schedule overlap"
+    ]
+    sys.argv[:] = ["pretrain_gpt.py", *TINY]
+    provider = megatron_lm.prepare_or_exit(None)
+    assert sys.argv[-2:] == ["--transformer-impl", "local"] and provider.providers[-1] is (
+        megatron_lm.add_args
     )
-    line = _one_error_line(proc, "pretrain_gpt.py: error: ")
-    assert "add --recompute-granularity full" in line and not os.path.exists(record)
 
 
 # ------------------------------------------------------------------------- configs and scripts
