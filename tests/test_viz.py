@@ -14,19 +14,46 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def _ev(cat, ts, dur, **args):
     tid = 0 if cat == "compute" else 1
-    return {"name": cat, "cat": cat, "ph": "X", "pid": 0, "tid": tid, "ts": ts, "dur": dur,
-            "args": args}
+    return {
+        "name": cat,
+        "cat": cat,
+        "ph": "X",
+        "pid": 0,
+        "tid": tid,
+        "ts": ts,
+        "dur": dur,
+        "args": args,
+    }
 
 
 def _comm(issue, wait, done, sb=-1, p="forward", **extra):
-    return _ev("comm", issue, done - issue, op="all_reduce", bytes=8, group_size=2, sub_batch=sb,
-               issue_us=issue, wait_us=wait, done_us=done, **{"pass": p}, **extra)
+    return _ev(
+        "comm",
+        issue,
+        done - issue,
+        op="all_reduce",
+        bytes=8,
+        group_size=2,
+        sub_batch=sb,
+        issue_us=issue,
+        wait_us=wait,
+        done_us=done,
+        **{"pass": p},
+        **extra,
+    )
 
 
 def _trace(events, T, rank=0, schedule="off"):
-    return {"traceEvents": events,
-            "metadata": {"rank": rank, "world_size": 2, "schedule": schedule, "iteration": 3,
-                         "iteration_time_us": T}}
+    return {
+        "traceEvents": events,
+        "metadata": {
+            "rank": rank,
+            "world_size": 2,
+            "schedule": schedule,
+            "iteration": 3,
+            "iteration_time_us": T,
+        },
+    }
 
 
 def test_interval_helpers():
@@ -38,8 +65,12 @@ def test_interval_helpers():
 
 def test_stock_metrics_sync_communication_is_all_exposed():
     # compute 100, sync comm 60, compute 100, sync comm 60 (+ 10 of other host time): T = 330.
-    ev = [_ev("compute", 0, 100, sub_batch=-1), _comm(100, 100, 160),
-          _ev("compute", 160, 100, sub_batch=-1), _comm(260, 260, 320)]
+    ev = [
+        _ev("compute", 0, 100, sub_batch=-1),
+        _comm(100, 100, 160),
+        _ev("compute", 160, 100, sub_batch=-1),
+        _comm(260, 260, 320),
+    ]
     m = analysis.rank_metrics(_trace(ev, 330))
     assert m["exposed_us"] == 120 and m["comm_us"] == 120
     assert m["exposed_share"] == pytest.approx(120 / 330)
@@ -49,8 +80,12 @@ def test_stock_metrics_sync_communication_is_all_exposed():
 
 def test_overlapped_metrics_hidden_communication():
     # Two sub-batches: each comm runs under the other's compute; only the last one is waited on.
-    ev = [_ev("compute", 0, 100, sub_batch=0), _comm(100, 200, 200, sb=0),
-          _ev("compute", 100, 100, sub_batch=1), _comm(200, 200, 260, sb=1)]
+    ev = [
+        _ev("compute", 0, 100, sub_batch=0),
+        _comm(100, 200, 200, sb=0),
+        _ev("compute", 100, 100, sub_batch=1),
+        _comm(200, 200, 260, sb=1),
+    ]
     m = analysis.rank_metrics(_trace(ev, 260, schedule="oases"))
     assert m["exposed_us"] == 60 and m["comm_us"] == 160 and m["compute_us"] == 200
     assert m["efficiency"] == pytest.approx(200 / 260)
