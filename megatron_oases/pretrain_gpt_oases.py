@@ -1,6 +1,7 @@
-"""``oases-pretrain-gpt`` / ``oases run``: Megatron-LM's ``pretrain_gpt.py`` with the ``--oases-*`` flags.
+"""``oases-pretrain-gpt`` / ``oases run``: Megatron-LM's ``pretrain_gpt.py`` + ``--oases-*`` flags.
 
-For users with a Megatron-LM checkout (tag ``core_v0.16.0``) on ``PYTHONPATH`` (or ``MEGATRON_LM_DIR``).
+For users with a Megatron-LM checkout (tag ``core_v0.16.0``) on ``PYTHONPATH`` (or in
+``MEGATRON_LM_DIR``).
 Reuses ``pretrain_gpt``'s ``forward_step``, dataset provider, ``model_provider``/``gpt_builder`` and
 ``get_embedding_ranks`` as they are; adds, through :mod:`megatron_oases.megatron_lm`:
 
@@ -10,8 +11,9 @@ Reuses ``pretrain_gpt``'s ``forward_step``, dataset provider, ``model_provider``
 * validation of those flags right after parsing (one error line, exit 2, before any process group);
 * the patch install before the model is built (first ``gpt_builder`` call), reverted at exit.
 
-Launch like ``pretrain_gpt.py``: ``torchrun --nproc_per_node 8 -m megatron_oases.pretrain_gpt_oases ...``
-or ``torchrun ... $(which oases-pretrain-gpt) ...``.
+Launch like ``pretrain_gpt.py``:
+``torchrun --nproc_per_node 8 -m megatron_oases.pretrain_gpt_oases ...`` or
+``torchrun ... $(which oases-pretrain-gpt) ...``.
 """
 
 import sys
@@ -24,14 +26,14 @@ PROG = "oases-pretrain-gpt"
 
 
 def _existing_extra_args_provider(pretrain_gpt):
-    """What ``pretrain_gpt.py``'s ``__main__`` passes: ``add_modelopt_args`` when ModelOpt imports."""
+    """What ``pretrain_gpt.py``'s ``__main__`` passes: ``add_modelopt_args`` if ModelOpt imports."""
     if getattr(pretrain_gpt, "has_nvidia_modelopt", False):
         return getattr(pretrain_gpt, "add_modelopt_args", None)
     return None
 
 
 def run(argv):
-    """Run ``pretrain_gpt``'s ``__main__`` block with our additions; argv excludes the program name."""
+    """Run ``pretrain_gpt``'s ``__main__`` block with our additions (argv without the program)."""
     pretrain_gpt = megatron_lm.import_pretrain_gpt()
     from megatron.core.enums import ModelType
 

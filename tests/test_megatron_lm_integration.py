@@ -1,12 +1,13 @@
-"""Megatron-LM integration: flag chaining, install hook, oases-pretrain-gpt, patches/, configs, scripts.
+"""Megatron-LM integration: flag chaining, install hook, oases-pretrain-gpt, patches/, configs.
 
-Megatron-LM itself (``megatron.training``, ``pretrain_gpt.py``) is not on PyPI for megatron-core 0.16, so
-these tests build a stand-in checkout in a temp dir: the module names, functions and argparse shape
-that ``pretrain_gpt.py`` at ``core_v0.16.0`` uses (``parse_args(extra_args_provider)`` on an
-``ArgumentParser(allow_abbrev=False)``, ``--transformer-impl`` defaulting to ``transformer_engine``,
-``add_modelopt_args`` as the existing provider, ``pretrain(...)`` building the model through
-``model_provider(gpt_builder)`` and logging through ``training.training_log``). Its ``__main__`` block
-keeps the real file's lines so that ``patches/pretrain_gpt.oases.patch`` applies to it.
+Megatron-LM itself (``megatron.training``, ``pretrain_gpt.py``) is not on PyPI for megatron-core
+0.16, so these tests build a stand-in checkout in a temp dir: the module names, functions and
+argparse shape that ``pretrain_gpt.py`` at ``core_v0.16.0`` uses (``parse_args(extra_args_provider)``
+on an ``ArgumentParser(allow_abbrev=False)``, ``--transformer-impl`` defaulting to
+``transformer_engine``, ``add_modelopt_args`` as the existing provider, ``pretrain(...)`` building
+the model through ``model_provider(gpt_builder)`` and logging through ``training.training_log``).
+Its ``__main__`` block keeps the real file's lines so that ``patches/pretrain_gpt.oases.patch``
+applies to it.
 """
 
 import argparse
@@ -278,7 +279,7 @@ def _drop_fake_modules():
 
 @pytest.fixture
 def fake_megatron_lm(tmp_path, monkeypatch):
-    """A Megatron-LM-shaped checkout on sys.path (namespace package ``megatron`` beside the wheel)."""
+    """A Megatron-LM-shaped checkout on sys.path (namespace ``megatron`` beside the wheel)."""
     root = write_fake_megatron_lm(str(tmp_path / "Megatron-LM"))
     _drop_fake_modules()
     monkeypatch.syspath_prepend(root)
@@ -302,7 +303,7 @@ def _clean_env(**extra):
 
 
 def megatron_style_parse(argv, extra_args_provider=None):
-    """Parse exactly the way Megatron-LM's ``parse_args`` does (allow_abbrev=False, provider hook)."""
+    """Parse the way Megatron-LM's ``parse_args`` does (allow_abbrev=False, provider hook)."""
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
     g = parser.add_argument_group(title="transformer configuration")
     g.add_argument(

@@ -1,8 +1,9 @@
-"""The launch scripts on a real single-node SLURM (Debian slurmctld + slurmd + munge), CPU/gloo ranks.
+"""The launch scripts on a real single-node SLURM (Debian slurmctld, slurmd, munge), CPU/gloo ranks.
 
 The module fixture generates a munge key and a minimal ``slurm.conf`` in a pytest temp dir, starts
-``munged``, ``slurmctld`` and ``slurmd`` as root on free ports, and tears them down at the end. SLURM
-missing is a failure, not a skip: the fixture runs ``.ci/install_slurm.sh`` first (CI runs it too).
+``munged``, ``slurmctld`` and ``slurmd`` as root on free ports, and tears them down at the end.
+SLURM missing is a failure, not a skip: the fixture runs ``.ci/install_slurm.sh`` first (CI runs it
+too).
 """
 
 import json

@@ -2,20 +2,23 @@
 
 Two ways in, sharing the helpers below:
 
-* ``oases-pretrain-gpt`` / ``oases run`` (:mod:`megatron_oases.pretrain_gpt_oases`): runs a Megatron-LM
-  checkout's ``pretrain_gpt.py`` machinery unmodified, with our flags chained in;
+* ``oases-pretrain-gpt`` / ``oases run`` (:mod:`megatron_oases.pretrain_gpt_oases`): runs a
+  Megatron-LM checkout's ``pretrain_gpt.py`` machinery unmodified, with our flags chained in;
 * ``patches/pretrain_gpt.oases.patch``: the same calls written into a fork's ``pretrain_gpt.py``.
 
 What they do, in Megatron-LM's order of events:
 
-1. argv: ``--transformer-impl local`` is added when absent (TE linears do their own TP communication and
-   bypass the layers the patches act on); an explicit other value is an error
+1. argv: ``--transformer-impl local`` is added when absent (TE linears do their own TP
+   communication and bypass the layers the patches act on); an explicit other value is an error
    (:func:`force_local_transformer_impl`).
-2. parsing: :func:`chain_extra_args_providers` keeps any existing ``extra_args_provider`` (``pretrain_gpt.py``
-   passes ``add_modelopt_args`` when ModelOpt is importable) and adds :func:`add_args` — the ``oases``
-   group of ``oases train`` (:func:`megatron_oases.arguments.add_oases_args`) plus ``--log-json``.
-3. model build: :func:`wrap_builder` wraps ``gpt_builder``; its first call (distributed state is up, the
-   model not yet built) runs :func:`install_patches`: validate (:func:`validate_megatron_args`), then
+2. parsing: :func:`chain_extra_args_providers` keeps any existing ``extra_args_provider``
+   (``pretrain_gpt.py`` passes ``add_modelopt_args`` when ModelOpt is importable) and adds
+   :func:`add_args` — the ``oases`` group of ``oases train``
+   (:func:`megatron_oases.arguments.add_oases_args`) plus ``--log-json``. :func:`prepare` parses
+   once with Megatron-LM's ``parse_args`` and validates before ``pretrain`` starts anything.
+3. model build: :func:`wrap_builder` wraps ``gpt_builder``; its first call (distributed state is
+   up, the model not yet built) runs :func:`install_patches`: validate
+   (:func:`validate_megatron_args`), then
    :func:`megatron_oases.patches.install_from_args`, plus a golden-values recorder on
    ``megatron.training.training.training_log`` when ``--log-json`` is given.
 """
@@ -40,9 +43,10 @@ _STATE = {"installed": False}
 
 def missing_megatron_lm_message(detail):
     return (
-        f"Megatron-LM is not importable ({detail}): the megatron-core wheel ships only megatron.core; "
-        f"check out Megatron-LM tag {MEGATRON_LM_TAG} (git clone --branch {MEGATRON_LM_TAG} "
-        f"{MEGATRON_LM_URL}) and put it on PYTHONPATH or set {MEGATRON_LM_DIR_ENV}=/path/to/Megatron-LM"
+        f"Megatron-LM is not importable ({detail}): the megatron-core wheel ships only "
+        f"megatron.core; check out Megatron-LM tag {MEGATRON_LM_TAG} (git clone --branch "
+        f"{MEGATRON_LM_TAG} {MEGATRON_LM_URL}) and put it on PYTHONPATH or set "
+        f"{MEGATRON_LM_DIR_ENV}=/path/to/Megatron-LM"
     )
 
 
@@ -77,7 +81,7 @@ def import_pretrain_gpt():
     return sys.modules["pretrain_gpt"]
 
 
-# ---------------------------------------------------------------------------------------------- argv
+# --------------------------------------------------------------------------------------------- argv
 
 
 def _flag_value(argv, flag):
@@ -94,8 +98,8 @@ def _flag_value(argv, flag):
 def force_local_transformer_impl(argv):
     """Return argv with ``--transformer-impl local`` (added when absent; another value is an error).
 
-    Megatron-LM's default is ``transformer_engine``, whose linears do their own TP communication; the
-    Oases patches act on Megatron-Core's local linears.
+    Megatron-LM's default is ``transformer_engine``, whose linears do their own TP communication;
+    the Oases patches act on Megatron-Core's local linears.
     """
     argv = list(argv)
     value = _flag_value(argv, "--transformer-impl")
@@ -103,13 +107,13 @@ def force_local_transformer_impl(argv):
         return argv + ["--transformer-impl", "local"]
     if value != "local":
         raise OasesConfigError(
-            f"--transformer-impl {value} is not supported: TE linears do their own TP communication; "
-            "use --transformer-impl local (or leave the flag out)"
+            f"--transformer-impl {value} is not supported: TE linears do their own TP "
+            "communication; use --transformer-impl local (or leave the flag out)"
         )
     return argv
 
 
-# ------------------------------------------------------------------------------------------- parsing
+# ------------------------------------------------------------------------------------------ parsing
 
 
 def add_args(parser):
@@ -174,7 +178,7 @@ def prepare_or_exit(existing_provider=None, prog="pretrain_gpt.py"):
         sys.exit(2)
 
 
-# ------------------------------------------------------------------------------------------ validate
+# ----------------------------------------------------------------------------------------- validate
 
 
 def validate_megatron_args(args):
@@ -182,16 +186,16 @@ def validate_megatron_args(args):
     impl = getattr(args, "transformer_impl", "local")
     if impl != "local":
         raise OasesConfigError(
-            f"--transformer-impl {impl} is not supported: TE linears do their own TP communication; "
-            "use --transformer-impl local"
+            f"--transformer-impl {impl} is not supported: TE linears do their own TP "
+            "communication; use --transformer-impl local"
         )
     schedule = getattr(args, "oases_schedule", "off")
     if schedule == "off":
         return args
     if getattr(args, "sequence_parallel", False):
         raise OasesConfigError(
-            f"--oases-schedule {schedule} does not support --sequence-parallel (TMP all-reduce path "
-            "only); drop --sequence-parallel"
+            f"--oases-schedule {schedule} does not support --sequence-parallel (TMP all-reduce "
+            "path only); drop --sequence-parallel"
         )
     if (getattr(args, "context_parallel_size", 1) or 1) != 1:
         raise OasesConfigError(
@@ -201,7 +205,8 @@ def validate_megatron_args(args):
         raise OasesConfigError(f"--oases-schedule {schedule} does not support MoE (--num-experts)")
     if getattr(args, "micro_batch_size", 2) is None:
         raise OasesConfigError(
-            f"--oases-schedule {schedule} splits each micro-batch in two; set --micro-batch-size ≥ 2"
+            f"--oases-schedule {schedule} splits each micro-batch in two; set "
+            "--micro-batch-size ≥ 2"
         )
     try:  # the schedule's own rules (recompute method, micro-batch split) when it is importable
         from ..schedule.patch import validate_schedule_args
@@ -226,7 +231,7 @@ def validate_megatron_args(args):
     return args
 
 
-# ------------------------------------------------------------------------------------------- install
+# ------------------------------------------------------------------------------------------ install
 
 
 def install_patches(args):
@@ -274,7 +279,7 @@ def wrap_builder(builder, args_getter=None):
     return oases_builder
 
 
-# ------------------------------------------------------------------------------------- golden values
+# ------------------------------------------------------------------------------------ golden values
 
 
 class GoldenValuesRecorder:

@@ -1,11 +1,11 @@
 """Model configs (``configs/models/*.yaml``), the comparison matrix and its summary table.
 
-Used by ``launch_scripts/`` through ``python -m megatron_oases.megatron_lm`` (bash cannot read YAML).
+Used by ``launch_scripts/`` through ``python -m megatron_oases.megatron_lm`` (bash reads no YAML).
 
 A model config holds Megatron-LM ``pretrain_gpt.py`` flags by section (``model``, ``parallel``,
-``training``; keys are flag names without the leading ``--``) plus an informational ``paper`` section
-that is never turned into flags. ``true`` becomes a bare flag, ``false``/``null`` drops it, a list gives
-several values.
+``training``; keys are flag names without the leading ``--``) plus an informational ``paper``
+section that is never turned into flags. ``true`` becomes a bare flag, ``false``/``null`` drops it,
+a list gives several values.
 """
 
 import json
@@ -42,7 +42,8 @@ def model_config_path(name_or_path, models_dir=None):
     if not os.path.isfile(path):
         known = sorted(f[:-5] for f in os.listdir(models_dir) if f.endswith(".yaml"))
         raise OasesConfigError(
-            f"unknown model config {name_or_path!r}; choose one of {', '.join(known)} or give a path"
+            f"unknown model config {name_or_path!r}; choose one of {', '.join(known)} or give a "
+            "path"
         )
     return path
 
@@ -91,7 +92,7 @@ def get_path(data, dotted, default=None):
 
 
 def parameter_count(config):
-    """Parameters of the GPT model a config describes (tied embeddings, learned positions, biases)."""
+    """Parameters of the GPT a config describes (tied embeddings, learned positions, biases)."""
     m = config["model"]
     h, layers = m["hidden-size"], m["num-layers"]
     ffn = m.get("ffn-hidden-size") or 4 * h
