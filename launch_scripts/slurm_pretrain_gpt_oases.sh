@@ -18,6 +18,9 @@
 #   GPUS_PER_NODE    ranks per node (default 8 with GPUs, 2 on CPU); NUM_NODES (the allocation's)
 #   DEVICE           auto|cuda|cpu (cpu ⇒ --distributed-backend gloo)
 #   MASTER_ADDR, MASTER_PORT, DIST_TIMEOUT_MINUTES (10), PYTHON (python3), OASES_ROOT (repo root)
+#   MEGATRON_LM_ARGS Megatron-LM entries only (default --no-persist-layer-norm: the local layer spec
+#                    falls back to torch LayerNorm without Apex; add --no-gradient-accumulation-fusion
+#                    when Apex's fused wgrad kernel is missing)
 #
 #SBATCH --job-name=oases-pretrain-gpt
 #SBATCH --nodes=1
@@ -74,6 +77,7 @@ case "${ENTRY}" in
     oases-train)
         PROGRAM=(-m megatron_oases train)
         DATA_ARGS=(--mock-data)
+        MEGATRON_LM_ARGS=""
         ;;
     pretrain-gpt-oases)
         : "${MEGATRON_LM_DIR:?ENTRY=pretrain-gpt-oases needs MEGATRON_LM_DIR (Megatron-LM core_v0.16.0)}"
@@ -103,6 +107,7 @@ LR=${LR:-1.0e-4}
 OASES_SCHEDULE=${OASES_SCHEDULE:-off}
 LOG_JSON=${LOG_JSON:-${OASES_ROOT}/out/${SLURM_JOB_NAME:-oases}-${SLURM_JOB_ID:-local}.json}
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+read -r -a MEGATRON_LM_EXTRA <<< "${MEGATRON_LM_ARGS---no-persist-layer-norm}"
 
 DISTRIBUTED_ARGS=(
     --nproc_per_node "${GPUS_PER_NODE}"
@@ -143,6 +148,7 @@ CMD=(
     "${DATA_ARGS[@]}"
     "${OASES_ARGS[@]}"
     "${LOGGING_ARGS[@]}"
+    "${MEGATRON_LM_EXTRA[@]}"
     "${EXTRA[@]}"
 )
 
