@@ -55,7 +55,14 @@ def build_parser():
         default=None,
         help="OMP/torch threads per rank (default: CPUs ÷ nproc)",
     )
-    p.add_argument("--timeout", type=float, default=3600, help="seconds per variant")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the variant list N times, alternating the order; each variant reports "
+        "its fastest run (noisy shared hosts)",
+    )
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per variant run")
     return p
 
 
@@ -87,8 +94,8 @@ def main(argv):
     for flag in RESERVED:
         if _has_flag(train_argv, flag):
             raise OasesConfigError(f"oases compare sets {flag} itself; drop it from the flags")
-    if own.nproc < 1 or own.iters < 1 or own.warmup < 0:
-        raise OasesConfigError("--nproc and --iters must be >= 1 and --warmup >= 0")
+    if own.nproc < 1 or own.iters < 1 or own.warmup < 0 or own.repeats < 1:
+        raise OasesConfigError("--nproc, --iters and --repeats must be >= 1 and --warmup >= 0")
     variants = parse_variants(own.variants)
     profile = None
     if own.emulate_link:
@@ -150,27 +157,36 @@ def main(argv):
     )
     from .runner import run_variant
 
-    results = []
-    for i, v in enumerate(variants, 1):
-        args = parsed[v.name]
+    skipped = {}
+    for v in variants:
         if not v.recompute and profile is not None:
-            need = estimate_memory_gb(args, recompute=False, dtype_bytes=profile.dtype_bytes)
+            need = estimate_memory_gb(
+                parsed[v.name], recompute=False, dtype_bytes=profile.dtype_bytes
+            )
             if need > 0.9 * profile.memory_gb:
                 progress(
-                    f"[{i}/{len(variants)}] {v.name}: skipped, needs ~{need:.1f} GB per GPU "
-                    f"> 90 % of {profile.memory_gb:g} GB on {profile.gpu}"
+                    f"{v.name}: skipped, needs ~{need:.1f} GB per GPU > 90 % of "
+                    f"{profile.memory_gb:g} GB on {profile.gpu}"
                 )
-                results.append(
-                    {
-                        "name": v.name,
-                        "label": v.label,
-                        "paper": v.paper,
-                        "status": "skipped",
-                        "reason": f"does not fit (~{need:.0f} GB)",
-                    }
-                )
-                continue
-        progress(f"[{i}/{len(variants)}] {v.name} ({v.label}): {' '.join(v.flags)}")
+                skipped[v.name] = {
+                    "name": v.name,
+                    "label": v.label,
+                    "paper": v.paper,
+                    "status": "skipped",
+                    "reason": f"does not fit (~{need:.0f} GB)",
+                }
+    to_run = [v for v in variants if v.name not in skipped]
+    # Repeats alternate the order (forward, reverse, ...) so that slow drifts of the host's load
+    # do not always favour the same variant; each variant keeps its fastest run.
+    order = []
+    for k in range(own.repeats):
+        order += [(k, v) for v in (to_run if k % 2 == 0 else to_run[::-1])]
+    runs = {v.name: [] for v in to_run}
+    for i, (k, v) in enumerate(order, 1):
+        tag = f"[{i}/{len(order)}] {v.name}" + (
+            f" (run {k + 1}/{own.repeats})" if own.repeats > 1 else ""
+        )
+        progress(f"{tag}: {v.label}: {' '.join(v.flags)}")
         r = run_variant(
             v,
             train_argv,
@@ -183,17 +199,38 @@ def main(argv):
             timeout=own.timeout,
             progress=progress,
             tokens=tokens,
+            subdir=f"run{k + 1}" if own.repeats > 1 else None,
         )
         if r["status"] == "ok":
             progress(
-                f"[{i}/{len(variants)}] {v.name}: {r['tokens_per_sec']:.1f} tokens/s "
+                f"{tag}: {r['tokens_per_sec']:.1f} tokens/s "
                 f"({1e3 * r['mean_iteration_s']:.1f} ms/iteration, {r['wall_s']:.0f} s wall)"
             )
             if r.get("warning"):
                 progress(f"  warning: {r['warning']}")
         else:
-            progress(f"[{i}/{len(variants)}] {v.name}: FAILED: {r.get('error')}")
-        results.append(r)
+            progress(f"{tag}: FAILED: {r.get('error')}")
+        runs[v.name].append(r)
+    results = []
+    for v in variants:
+        if v.name in skipped:
+            results.append(skipped[v.name])
+            continue
+        ok = [r for r in runs[v.name] if r["status"] == "ok"]
+        if len(ok) < len(runs[v.name]) or not ok:
+            best = next(r for r in runs[v.name] if r["status"] != "ok")
+        else:
+            best = min(ok, key=lambda r: r["mean_iteration_s"])
+        if own.repeats > 1:
+            best["runs"] = [
+                {
+                    "mean_iteration_s": r.get("mean_iteration_s"),
+                    "status": r["status"],
+                    "dir": r["dir"],
+                }
+                for r in runs[v.name]
+            ]
+        results.append(best)
 
     ref = add_derived(results)
     bad = check_losses(results, ref, rtol)
@@ -232,6 +269,7 @@ def main(argv):
             "model": model,
             "train_argv": train_argv,
             "nproc": own.nproc,
+            "repeats": own.repeats,
             "threads_per_rank": threads,
             "warmup": own.warmup,
             "iters": own.iters,

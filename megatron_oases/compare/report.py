@@ -132,8 +132,13 @@ def write_markdown(report, path):
         f"torch {report['host']['torch']}, {cfg['nproc']} ranks x {cfg['threads_per_rank']} "
         "thread(s)",
         f"- command: `{report['command']}`",
-        f"- iterations: {cfg['warmup']} warm-up + {cfg['iters']} timed per variant; tokens/s = "
-        f"global batch x seq / mean timed iteration time",
+        f"- iterations: {cfg['warmup']} warm-up + {cfg['iters']} timed per variant"
+        + (
+            f", best of {cfg['repeats']} runs (alternating order)"
+            if cfg.get("repeats", 1) > 1
+            else ""
+        )
+        + "; tokens/s = global batch x seq / mean timed iteration time",
     ]
     if emu:
         lines.append(

@@ -77,9 +77,10 @@ def run_variant(
     timeout=1800,
     progress=print,
     tokens=None,
+    subdir=None,
 ):
     """Run one variant; returns its result dict (status ok/failed, timings, losses, trace metrics)."""
-    vdir = os.path.join(out_dir, variant.name)
+    vdir = os.path.join(out_dir, variant.name, *([subdir] if subdir else []))
     os.makedirs(vdir, exist_ok=True)
     for f in trace_files(os.path.join(vdir, "trace.rank{rank}.json")) + [
         os.path.join(vdir, "golden.json")
