@@ -6,14 +6,13 @@ recompute communication with the layer, and its backward communication via gradi
 layer output/input). The schedule engine labels its own ops explicitly. The trace of the last
 iteration is written when the patch is uninstalled (end of training).
 
-Pass detection for stock Megatron: inside an autograd graph task a collective belongs to the
-recompute if Megatron's checkpointing flag is set (``CheckpointFunction.backward``), else to the
-backward; outside it belongs to the forward.
+Pass detection for stock Megatron: outside an autograd graph task a collective belongs to the
+forward; inside one, to the recomputation if a ``TransformerLayer.forward`` is running
+(``CheckpointFunction.backward`` re-running the layer), else to the backward.
 """
 
 import torch
 import torch.distributed as dist
-from megatron.core.tensor_parallel import random as mrandom
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..patches.registry import Patch
@@ -42,10 +41,11 @@ class _TracedWork:
         return getattr(self._work, name)
 
 
-def _stock_pass():
+def _stock_pass(tracer):
     if torch._C._current_graph_task_id() == -1:
         return "forward"
-    return "recompute" if mrandom.is_checkpointing() else "backward"
+    # Inside backward: a layer's forward running again is Megatron's recomputation.
+    return "recompute" if tracer.current["block"] == "layer" else "backward"
 
 
 class TracePatch(Patch):
@@ -64,7 +64,7 @@ class TracePatch(Patch):
                 return orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
             labels = {}
             if tracer.current["sub_batch"] < 0:  # stock code path: infer pass and layer
-                p = _stock_pass()
+                p = _stock_pass(tracer)
                 labels["pass"] = p
                 if p == "backward":
                     labels["layer"] = patch._bwd_layer
