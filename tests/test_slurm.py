@@ -161,8 +161,25 @@ class SlurmCluster:
         ]
 
 
-def _start_daemons(root, env):
+def node_name():
+    """This host's short name when it resolves (torchrun's MASTER_ADDR), else localhost."""
     host = socket.gethostname().split(".")[0]
+    try:
+        socket.gethostbyname(host)
+        return host
+    except OSError:
+        return "localhost"
+
+
+def _detected_cpus():
+    """CPUs as slurmd counts them (a larger CPUs= in slurm.conf would drain the node)."""
+    proc = subprocess.run([_which("slurmd"), "-C"], capture_output=True, text=True, timeout=30)
+    match = re.search(r"\bCPUs=(\d+)", proc.stdout)
+    return int(match.group(1)) if match else 1
+
+
+def _start_daemons(root, env):
+    host = node_name()
     for sub in ("state", "spool", "log", "munge"):
         os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
     munge_dir = os.path.join(root, "munge")
@@ -187,7 +204,7 @@ def _start_daemons(root, env):
                 ctld_port=_free_port(),
                 slurmd_port=_free_port(),
                 munge_socket=socket_path,
-                cpus=os.cpu_count() or 2,
+                cpus=_detected_cpus(),
             )
         )
     env["SLURM_CONF"] = conf
@@ -315,7 +332,7 @@ def test_sbatch_pretrain_job_succeeds_and_writes_json(slurm, tmp_path):
     )
     log = _read(out)
     assert proc.returncode == 0, f"{proc.stdout}{proc.stderr}\n{log}"
-    host = socket.gethostname().split(".")[0]
+    host = node_name()
     # The srun path: MASTER_ADDR came from `scontrol show hostnames`, 2 CPU ranks on gloo.
     assert f"world=2 TP=2 PP=1 schedule=off master={host}:" in log, log
     assert "--distributed-backend gloo" in log and "iteration        3/       3" in log, log
