@@ -131,6 +131,10 @@ def run_variant(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         rc = None
+    except BaseException:  # Ctrl-C: do not leave the torchrun process group behind
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     reader.join(timeout=10)
     result["wall_s"] = time.time() - t0
     result["returncode"] = rc
