@@ -94,6 +94,11 @@ def add_oases_args(parser):
         "or PATH.rank<R>.json",
     )
     g.add_argument(
+        "--oases-plan", default=None, metavar="PLAN_JSON",
+        help="per-layer TMP degrees (plan file from `oases plan`); --tensor-model-parallel-size "
+        "is the TMP domain",
+    )
+    g.add_argument(
         "--emulate-link", default=None, metavar="PROFILE",
         help="testbed: emulate a cluster's links (configs/clusters/PROFILE.yaml) on CPU/gloo",
     )
@@ -211,4 +216,10 @@ def validate_args(args, world_size=None, cuda_available=None):
     args.padded_vocab_size = ((args.vocab_size + mult - 1) // mult) * mult
     if args.kv_channels is None:
         args.kv_channels = args.hidden_size // args.num_attention_heads
+    if getattr(args, "oases_plan", None):
+        from .hetero.model import validate_plan_for_model
+        from .planner.plan_file import load_plan
+
+        plan = load_plan(args.oases_plan, num_layers=args.num_layers, tensor_model_parallel_size=tp)
+        validate_plan_for_model(plan, args)
     return args

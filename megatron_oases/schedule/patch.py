@@ -3,8 +3,12 @@
 Replaced symbols (all restored by ``uninstall``):
 
 - ``TransformerBlock.forward``: in training with grad enabled, the layer loop (and Megatron's
-  ``_checkpointed_forward``) is replaced by one :class:`.engine.ScheduledLayersFunction` node;
-  everything else (PP input tensor, final layernorm) is as stock. Eval/inference runs stock code.
+  ``_checkpointed_forward``) is replaced by one :class:`.engine.ScheduledLayersFunction` node per
+  run of equal-degree layers (one run without a plan), with batch resharding between runs
+  (:mod:`megatron_oases.hetero.reshard`); everything else (PP input tensor, final layernorm) is as
+  stock. Eval/inference runs stock code.
+- with a plan, ``tensor_parallel.param_is_not_tensor_parallel_duplicate`` (and its by-name copy
+  in ``optimizer.clip_grads``): grad-norm clipping counts each replica once.
 - ``tensor_parallel.layers.reduce_from_tensor_model_parallel_region`` and
   ``ColumnParallelLinear.forward``: honour the engine's deferral of TMP communication
   (:mod:`.comm`); stock behaviour outside the engine.
@@ -20,6 +24,8 @@ from megatron.core.utils import make_viewless_tensor
 from ..errors import OasesConfigError
 from ..patches.registry import Patch
 from . import trace as trace_mod
+from ..hetero.model import make_param_is_not_tp_duplicate
+from ..hetero.reshard import reshard
 from .blocks import LayerBlocks
 from .comm import make_column_forward, make_reduce_from_tp_region
 from .engine import SCHEDULES, ScheduledLayers, ScheduledLayersFunction
@@ -49,13 +55,16 @@ def validate_schedule_args(args):
         )
 
 
-def make_schedule_forward(original, mode):
+def make_block_forward(original, mode):
+    """``TransformerBlock.forward`` running the layers as degree runs (plan) through ``mode``."""
     counter = {"microbatch": 0}
 
     def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None,
                 rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
                 rotary_pos_cos_sin=None, attention_bias=None, inference_context=None,
                 packed_seq_params=None, sequence_len_offset=None, padding_mask=None, **kwargs):
+        # Eval/inference: stock code. (A degree-d layer fed the whole micro-batch is still
+        # correct — each d-group computes the same result — so plans need no special case.)
         if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0:
             return original(
                 self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
@@ -68,12 +77,33 @@ def make_schedule_forward(original, mode):
         if not self.pre_process:
             hidden_states = self.input_tensor
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-        blocks = LayerBlocks(self.layers, attention_mask, rotary_pos_emb, attention_bias)
         tracer = trace_mod.active_tracer()
         mb = tracer.next_microbatch() if tracer else counter["microbatch"]
         counter["microbatch"] += 1
-        run = ScheduledLayers(blocks, mode, microbatch=mb)
-        hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
+        hetero = getattr(self, "_oases_hetero", None)
+        if hetero is None:
+            runs, T = [(None, list(range(len(self.layers))))], None
+        else:
+            runs, T = hetero.runs(), hetero.groups.T
+            if attention_mask is not None and attention_mask.size(0) > 1:
+                raise OasesConfigError("per-layer TMP plans need a shared (causal) attention mask")
+        degree = T
+        for d, idx in runs:
+            layers = [self.layers[i] for i in idx]
+            if hetero is not None:
+                hidden_states = reshard(hidden_states, degree, d, hetero.groups)
+                degree = d
+            if mode == "off":
+                hidden_states = _stock_layers(self, layers, hidden_states, attention_mask,
+                                              rotary_pos_emb, attention_bias)
+            else:
+                run = ScheduledLayers(
+                    LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias), mode,
+                    microbatch=mb,
+                )
+                hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
+        if hetero is not None:
+            hidden_states = reshard(hidden_states, degree, T, hetero.groups)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
             hidden_states = make_viewless_tensor(
@@ -85,19 +115,44 @@ def make_schedule_forward(original, mode):
     return forward
 
 
+def _stock_layers(block, layers, hidden, attention_mask, rotary_pos_emb, attention_bias):
+    """Megatron's layer loop for a run of layers; full/uniform recompute checkpoints each layer."""
+    from megatron.core import tensor_parallel
+
+    def call(layer, h):
+        return layer(hidden_states=h, attention_mask=attention_mask,
+                     rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias)[0]
+
+    for layer in layers:
+        if block.config.recompute_granularity == "full":
+            hidden = tensor_parallel.checkpoint(lambda h, layer=layer: call(layer, h), False,
+                                                hidden)
+        else:
+            hidden = call(layer, hidden)
+    return hidden
+
+
 def make_patch(args):
+    """``oases-schedule`` when a schedule or a per-layer plan is requested, else None."""
     mode = getattr(args, "oases_schedule", "off")
-    if mode == "off":
+    plan = getattr(args, "oases_plan", None)
+    if mode == "off" and not plan:
         return None
-    validate_schedule_args(args)
+    if mode != "off":
+        validate_schedule_args(args)
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    return Patch(
-        "oases-schedule",
-        replacements=[
-            (TransformerBlock, "forward", make_schedule_forward(TransformerBlock.forward, mode)),
-            (tp_layers, "reduce_from_tensor_model_parallel_region",
-             make_reduce_from_tp_region(tp_layers.reduce_from_tensor_model_parallel_region)),
-            (ColumnParallelLinear, "forward", make_column_forward(ColumnParallelLinear.forward)),
-        ],
-    )
+    replacements = [
+        (TransformerBlock, "forward", make_block_forward(TransformerBlock.forward, mode)),
+        (tp_layers, "reduce_from_tensor_model_parallel_region",
+         make_reduce_from_tp_region(tp_layers.reduce_from_tensor_model_parallel_region)),
+        (ColumnParallelLinear, "forward", make_column_forward(ColumnParallelLinear.forward)),
+    ]
+    if plan:  # grad-norm clipping counts each replica of a degree-d shard once
+        for owner in (tensor_parallel, clip_grads):
+            replacements.append((owner, "param_is_not_tensor_parallel_duplicate",
+                                 make_param_is_not_tp_duplicate(
+                                     owner.param_is_not_tensor_parallel_duplicate)))
+    return Patch("oases-schedule", replacements=replacements)

@@ -18,7 +18,10 @@ def parse(argv, world_size=None):
 
 
 def train_and_capture(argv, iters=None, grads=False, step=True):
-    """Train; return {'losses': [...], 'grads': {global param name: this rank's grad}} (rank-local).
+    """Train; return {'losses': [...], 'grads': {global param name: grad}}.
+
+    ``grads=True`` captures this rank's shards; ``grads="full"`` gathers every gradient to its
+    full, unsharded tensor (for comparing different TP layouts or per-layer plans).
 
     With ``step=False`` only forward/backward runs for the first iteration (gradients of the
     initial weights), which is what gradient parity needs.
@@ -28,7 +31,7 @@ def train_and_capture(argv, iters=None, grads=False, step=True):
     from .. import patches
     from ..training.initialize import initialize_distributed
     from ..training.loop import Trainer
-    from ..training.model import global_param_names
+    from ..training.model import full_tensor, global_param_names
 
     args = parse(argv, world_size=dist.get_world_size())
     initialize_distributed(args)
@@ -45,7 +48,8 @@ def train_and_capture(argv, iters=None, grads=False, step=True):
         if grads:
             for name, p in global_param_names(trainer.module):
                 g = getattr(p, "main_grad", None)
-                captured[name] = (g if g is not None else p.grad).detach().clone()
+                g = (g if g is not None else p.grad).detach().clone()
+                captured[name] = full_tensor(g, p, name) if grads == "full" else g
         return {"losses": losses, "grads": captured, "installed": installed}
     finally:
         patches.uninstall_all()

@@ -53,6 +53,9 @@ class Trainer:
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
         self.config.no_sync_func = self.model.no_sync
         self.config.finalize_model_grads_func = finalize_model_grads
+        hetero = getattr(self.module.decoder, "_oases_hetero", None)
+        if hetero is not None:  # replicated (degree < T) layers: also sum over their replicas
+            self.config.finalize_model_grads_func = _with_replica_sync(hetero, self.module)
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.iteration = 0
 
@@ -109,6 +112,16 @@ class Trainer:
     def load(self, path):
         self.iteration = load_checkpoint(path, self.model, self.optimizer)
         return self.iteration
+
+
+def _with_replica_sync(hetero, module):
+    from ..hetero.model import sync_replica_grads
+
+    def finalize(model, *args, **kwargs):
+        finalize_model_grads(model, *args, **kwargs)
+        sync_replica_grads(module, hetero.groups)
+
+    return finalize
 
 
 def _is_logging_rank():

@@ -68,6 +68,10 @@ def build_model(args, config=None):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
     )
+    if getattr(args, "oases_plan", None):  # per-layer TMP degrees (megatron_oases.hetero)
+        from ..hetero.runtime import attach_plan
+
+        attach_plan(model, args)
     layout_invariant_init_(model, args)
     return model
 
@@ -128,8 +132,27 @@ def layout_invariant_init_(model, args):
     for name, param in global_param_names(model):
         if param.dim() < 2:  # biases and norm weights: Megatron's deterministic init (0 / 1)
             continue
-        dim, full_shape, gated = shard_spec(param, name, tp_size)
+        size, rank = getattr(param, "_oases_tp", (tp_size, tp_rank))
+        dim, full_shape, gated = shard_spec(param, name, size)
         gen = torch.Generator().manual_seed(args.seed * 1000003 + zlib.crc32(name.encode()))
         s = out_std if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else std
         full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, s, generator=gen)
-        param.copy_(take_shard(full, dim, tp_rank, tp_size, gated))
+        param.copy_(take_shard(full, dim, rank, size, gated))
+
+
+def full_tensor(t, param, name):
+    """Gather a TP-sharded tensor of ``param`` (its value, grad or optimizer state) to full size."""
+    import torch.distributed as dist
+
+    size, _ = getattr(param, "_oases_tp", (parallel_state.get_tensor_model_parallel_world_size(),
+                                            None))
+    dim, _, gated = shard_spec(param, name, size)
+    if dim is None:
+        return t
+    group = getattr(param, "_oases_tp_group", parallel_state.get_tensor_model_parallel_group())
+    parts = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    if gated:
+        halves = [torch.chunk(p, 2, dim=dim) for p in parts]
+        return torch.cat([torch.cat([h[k] for h in halves], dim=dim) for k in range(2)], dim=dim)
+    return torch.cat(parts, dim=dim)

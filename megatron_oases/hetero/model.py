@@ -1,0 +1,99 @@
+"""Apply a per-layer TMP plan to a built GPTModel: rebuild layers whose degree differs from T.
+
+A layer of degree d is rebuilt by Megatron's own ``build_module`` from the block's layer spec with a
+``ProcessGroupCollection`` whose ``tp`` is this rank's degree-d group, so its linears shard over d
+ranks and communicate on that group. Its parameters are tagged for initialisation, gradient
+synchronisation over the replicas and grad-norm de-duplication.
+"""
+
+from dataclasses import fields
+
+import torch
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.spec_utils import build_module
+
+from ..errors import OasesConfigError
+
+
+def _with_tp(pgc, tp_group):
+    kwargs = {f.name: getattr(pgc, f.name) for f in fields(pgc) if hasattr(pgc, f.name)}
+    kwargs["tp"] = tp_group
+    if "tp_cp" in kwargs and dist.get_world_size(kwargs.get("cp")) == 1:
+        kwargs["tp_cp"] = tp_group
+    return ProcessGroupCollection(**kwargs)
+
+
+def apply_plan(model, degrees, groups):
+    """Rebuild this stage's layers with their planned degree; returns the layer degrees."""
+    decoder = model.decoder
+    stage_degrees = []
+    for i, layer in enumerate(decoder.layers):
+        d = degrees[layer.layer_number - 1]
+        stage_degrees.append(d)
+        if d != groups.T:
+            new = build_module(
+                decoder.submodules.layer_specs[i],
+                config=decoder.config,
+                layer_number=i + 1,
+                pg_collection=_with_tp(layer.pg_collection, groups.tp_group(d)),
+                vp_stage=decoder.vp_stage,
+            )
+            assert new.layer_number == layer.layer_number
+            decoder.layers[i] = new
+            layer = new
+        for p in layer.parameters():
+            p._oases_degree = d
+            p._oases_tp = (d, groups.tp_rank(d))
+            p._oases_tp_group = groups.tp_group(d)
+            p._oases_replica_index = groups.group_index(d)
+    return stage_degrees
+
+
+def validate_plan_for_model(plan, args):
+    """Checks that need the model shape and batch, beyond the plan file's own validation."""
+    T = args.tensor_model_parallel_size
+    for layer, d in enumerate(plan["degrees"]):
+        share = args.micro_batch_size * d // T
+        if args.micro_batch_size % (T // d):
+            raise OasesConfigError(
+                f"layer {layer}: degree {d} splits the micro-batch over {T // d} groups, but "
+                f"--micro-batch-size {args.micro_batch_size} is not divisible by {T // d}"
+            )
+        if args.oases_schedule != "off" and share < 2:
+            raise OasesConfigError(
+                f"layer {layer}: degree {d} leaves {share} sample(s) per group, which cannot be "
+                f"split into two sub-batches; use --micro-batch-size ≥ {2 * T // d} or "
+                "--oases-schedule off"
+            )
+
+
+def sync_replica_grads(model, groups):
+    """Sum the gradients of replicated (degree < T) parameters over their replicas."""
+    by_degree = {}
+    for p in model.parameters():
+        d = getattr(p, "_oases_degree", groups.T)
+        if d != groups.T and p.requires_grad:
+            by_degree.setdefault(d, []).append(p)
+    for d, params in sorted(by_degree.items()):
+        grads = [p.main_grad if hasattr(p, "main_grad") else p.grad for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=groups.replica_group(d))
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def make_param_is_not_tp_duplicate(original):
+    """Grad-norm clipping counts each replica of a degree-d shard once (replica index 0)."""
+
+    def param_is_not_tensor_parallel_duplicate(param, tp_group=None):
+        if getattr(param, "_oases_replica_index", 0) > 0 and getattr(
+            param, "tensor_model_parallel", False
+        ):
+            return False
+        return original(param, tp_group)
+
+    param_is_not_tensor_parallel_duplicate.__wrapped__ = original
+    return param_is_not_tensor_parallel_duplicate

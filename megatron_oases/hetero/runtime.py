@@ -1,0 +1,36 @@
+"""Wire a plan file into a model: groups, rebuilt layers, and the stage's degree runs."""
+
+from dataclasses import dataclass
+
+from .groups import HeteroGroups
+from .model import apply_plan, validate_plan_for_model
+
+
+@dataclass
+class HeteroStage:
+    """What a TransformerBlock needs at run time: the groups and its layers' degrees."""
+
+    groups: HeteroGroups
+    degrees: list  # one per layer of this stage
+
+    def runs(self):
+        """Consecutive layers of equal degree: [(degree, [layer indices])]."""
+        out = []
+        for i, d in enumerate(self.degrees):
+            if out and out[-1][0] == d:
+                out[-1][1].append(i)
+            else:
+                out.append((d, [i]))
+        return out
+
+
+def attach_plan(model, args):
+    from ..planner.plan_file import load_plan
+
+    plan = load_plan(args.oases_plan, num_layers=args.num_layers,
+                     tensor_model_parallel_size=args.tensor_model_parallel_size)
+    validate_plan_for_model(plan, args)
+    groups = HeteroGroups(args.tensor_model_parallel_size, plan["degrees"])
+    stage = HeteroStage(groups, apply_plan(model, plan["degrees"], groups))
+    model.decoder._oases_hetero = stage
+    return stage

@@ -1,0 +1,83 @@
+"""Per-layer heterogeneous TMP: plans against uniform TP=T (loss and full gradients), with
+``--oases-schedule off`` and ``oases``, PP=1 and PP=2; invalid plans."""
+
+import json
+import os
+
+import pytest
+
+from megatron_oases.errors import OasesConfigError
+from megatron_oases.testing import run_distributed
+from megatron_oases.testing.runs import max_rel_diff, parse, train_and_capture
+
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+BASE = ("--hidden-size 64 --num-attention-heads 8 --seq-length 16 --vocab-size 500 --mock-data "
+        "--hidden-dropout 0 --attention-dropout 0 --lr 1e-2 " + RECOMPUTE)
+
+
+def write_plan(path, T, degrees):
+    with open(path, "w") as f:
+        json.dump({"version": 1, "tensor_model_parallel_size": T, "degrees": degrees}, f)
+    return path
+
+
+def _worker(base, variants):
+    out = {}
+    for name, extra in variants:
+        r = train_and_capture(base + " " + extra, iters=1, grads="full", step=False)
+        out[name] = {"losses": r["losses"], "grads": r["grads"]}
+    return out
+
+
+CASES = {
+    "T2-pp1": (2, 4, "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8",
+               [[1, 2, 1, 2], [1, 1, 2, 2]]),
+    "T2-pp2": (4, 4, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+               "--micro-batch-size 4 --global-batch-size 16", [[1, 2, 1, 2], [1, 1, 2, 2]]),
+    "T4-pp1": (4, 4, "--tensor-model-parallel-size 4 --micro-batch-size 4 --global-batch-size 4",
+               [[2, 4, 4, 2]]),
+}
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("case", list(CASES))
+def test_plans_match_uniform(case, tmp_path):
+    world, layers, flags, plans = CASES[case]
+    T = int(flags.split()[1])
+    base = BASE + f"--num-layers {layers} " + flags
+    variants = [("uniform", "--oases-schedule off")]
+    for i, degrees in enumerate(plans):
+        path = write_plan(str(tmp_path / f"plan{i}.json"), T, degrees)
+        for sched in ("off", "oases"):
+            variants.append((f"{degrees}-{sched}", f"--oases-plan {path} --oases-schedule {sched}"))
+    results = run_distributed(_worker, world, base, variants, timeout=460)
+    for rank, res in enumerate(results):
+        ref = res["uniform"]
+        for name, got in res.items():
+            if ref["losses"][0] is not None:
+                assert max_rel_diff(got["losses"], ref["losses"]) < 1e-5, (name, rank)
+            assert set(got["grads"]) == set(ref["grads"])
+            for p, g in ref["grads"].items():
+                err = max_rel_diff(got["grads"][p], g)
+                assert err < 1e-5, f"{case} {name} rank {rank} {p}: {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    "degrees,T,flags,match",
+    [
+        ([1, 2], 2, "", "degrees has 2 entries but the model has 4 layers"),
+        ([1, 2, 3, 2], 2, "", "degree 3 is not a power of two"),
+        ([1, 2, 4, 2], 2, "", "degree 4 exceeds tensor_model_parallel_size 2"),
+        ([1, 2, 1, 2], 4, "", "plan is for a TMP domain of 4"),
+        ([1, 1, 1, 1], 2, "--micro-batch-size 3 --global-batch-size 6",
+         "not divisible by 2"),
+        ([1, 1, 1, 1], 2, "--micro-batch-size 2 --global-batch-size 4 --oases-schedule overlap",
+         "cannot be split into two sub-batches"),
+    ],
+)
+def test_invalid_plans_are_rejected(tmp_path, degrees, T, flags, match):
+    path = write_plan(str(tmp_path / "p.json"), T, degrees)
+    argv = (BASE + "--num-layers 4 --tensor-model-parallel-size 2 --micro-batch-size 4 "
+            f"--global-batch-size 8 {flags} --oases-plan {path}")
+    with pytest.raises(OasesConfigError, match=match):
+        parse(argv, world_size=2)
