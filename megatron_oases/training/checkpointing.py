@@ -1,10 +1,15 @@
-"""Per-rank checkpoints in Megatron-LM's legacy layout.
+"""Layout-independent checkpoints: full (unsharded) tensors keyed by global parameter name.
 
-``<dir>/iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt`` plus ``latest_checkpointed_iteration.txt``;
-each file holds the model and optimizer state dicts of one (TP, PP) rank, the iteration and RNG
-states, so ``--load`` resumes with the identical next-iteration loss.
+``<dir>/iter_XXXXXXX/stage_PPP.pt`` holds, for every parameter of pipeline stage PPP, the full
+parameter and its full Adam moments (gathered over the parameter's own TP group — the layer's
+degree under a per-layer plan), written by the stage's first TP/DP rank. Loading takes each rank's
+shard again, so a checkpoint saved under one TP/PP layout or per-layer plan loads under any other
+(e.g. a hetero plan ⇄ stock uniform TP=T) with bit-identical parameters. Per-rank RNG states are
+kept in ``rng/rank_R.pt`` and restored when the layout is unchanged (exact resume).
+``latest_checkpointed_iteration.txt`` names the newest iteration, as in Megatron-LM.
 """
 
+import glob
 import os
 import random
 
@@ -13,40 +18,45 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from ..errors import OasesConfigError
+from .model import full_tensor, global_param_names, shard_spec, take_shard
+
 TRACKER = "latest_checkpointed_iteration.txt"
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _rank_dir(root, iteration):
-    tp = parallel_state.get_tensor_model_parallel_rank()
-    name = f"mp_rank_{tp:02d}"
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        name += f"_{parallel_state.get_pipeline_model_parallel_rank():03d}"
-    return os.path.join(root, f"iter_{iteration:07d}", name)
+def _layout(args):
+    return {"world_size": dist.get_world_size(), "tp": args.tensor_model_parallel_size,
+            "pp": args.pipeline_model_parallel_size, "plan": getattr(args, "oases_plan", None)}
 
 
-def _rng_state():
-    return {
-        "random": random.getstate(),
-        "np": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
-    }
+def _torch_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def save_checkpoint(root, iteration, model, optimizer, args):
-    path = _rank_dir(root, iteration)
-    if parallel_state.get_data_parallel_rank() == 0:
-        os.makedirs(path, exist_ok=True)
-        torch.save(
-            {
-                "iteration": iteration,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "rng_state": _rng_state(),
-                "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
-            },
-            os.path.join(path, "model_optim_rng.pt"),
-        )
+    module = getattr(model, "module", model)
+    state = _torch_optimizer(optimizer).state
+    entries = {}
+    for name, p in global_param_names(module):
+        st = state.get(p, {})
+        entry = {"param": full_tensor(p.detach(), p, name)}
+        for key in MOMENTS:
+            if key in st:
+                entry[key] = full_tensor(st[key], p, name)
+        if "step" in st:
+            entry["step"] = st["step"].clone() if torch.is_tensor(st["step"]) else st["step"]
+        entries[name] = entry
+    it_dir = os.path.join(root, f"iter_{iteration:07d}")
+    writer = (parallel_state.get_tensor_model_parallel_rank() == 0
+              and parallel_state.get_data_parallel_rank() == 0)
+    os.makedirs(os.path.join(it_dir, "rng"), exist_ok=True)
+    if writer:
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        torch.save({"iteration": iteration, "params": entries},
+                   os.path.join(it_dir, f"stage_{stage:03d}.pt"))
+    torch.save({"layout": _layout(args), "rng": _rng_state()},
+               os.path.join(it_dir, "rng", f"rank_{dist.get_rank()}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, TRACKER), "w") as f:
@@ -54,26 +64,66 @@ def save_checkpoint(root, iteration, model, optimizer, args):
     dist.barrier()
 
 
-def load_checkpoint(root, model, optimizer):
-    """Load the latest checkpoint under ``root``; returns its iteration (0 if none)."""
+def read_checkpoint(root):
+    """(iteration, {global name: entry}) of the newest checkpoint under ``root``."""
     tracker = os.path.join(root, TRACKER)
     if not os.path.exists(tracker):
-        return 0
+        raise OasesConfigError(f"no checkpoint under {root} ({TRACKER} missing); check --load")
     with open(tracker) as f:
         iteration = int(f.read().strip())
-    path = os.path.join(_rank_dir(root, iteration), "model_optim_rng.pt")
-    if not os.path.exists(path):
-        from ..errors import OasesConfigError
+    files = sorted(glob.glob(os.path.join(root, f"iter_{iteration:07d}", "stage_*.pt")))
+    if not files:
+        raise OasesConfigError(f"checkpoint iteration {iteration} under {root} has no stage files")
+    params = {}
+    for path in files:
+        params.update(torch.load(path, map_location="cpu", weights_only=False)["params"])
+    return iteration, params
 
-        raise OasesConfigError(
-            f"{path} is missing: --load must use the TP/PP layout the checkpoint was saved with"
-        )
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    rng = state["rng_state"]
+
+def load_checkpoint(root, model, optimizer, args):
+    """Load the newest checkpoint into this rank's shards; returns its iteration."""
+    iteration, entries = read_checkpoint(root)
+    module = getattr(model, "module", model)
+    opt = _torch_optimizer(optimizer)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in global_param_names(module):
+            if name not in entries:
+                raise OasesConfigError(f"checkpoint under {root} has no parameter {name}; it was "
+                                       "saved from a different model shape")
+            entry = entries[name]
+            size, rank = getattr(p, "_oases_tp", (tp_size, tp_rank))
+            dim, full_shape, gated = shard_spec(p, name, size)
+            if tuple(entry["param"].shape) != tuple(full_shape):
+                raise OasesConfigError(f"{name}: checkpoint shape {tuple(entry['param'].shape)} "
+                                       f"≠ model shape {tuple(full_shape)}")
+            p.copy_(take_shard(entry["param"], dim, rank, size, gated))
+            if "step" in entry:
+                st = {k: take_shard(entry[k], dim, rank, size, gated).clone() for k in MOMENTS}
+                st["step"] = entry["step"].clone() if torch.is_tensor(entry["step"]) \
+                    else entry["step"]
+                opt.state[p] = st
+    rng_path = os.path.join(root, f"iter_{iteration:07d}", "rng", f"rank_{dist.get_rank()}.pt")
+    if os.path.exists(rng_path):
+        saved = torch.load(rng_path, map_location="cpu", weights_only=False)
+        if saved["layout"] == _layout(args):
+            _set_rng_state(saved["rng"])
+    return iteration
+
+
+def _rng_state():
+    return {
+        "random": random.getstate(),
+        "np": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": {k: v.clone()
+                    for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+def _set_rng_state(rng):
     random.setstate(rng["random"])
     np.random.set_state(rng["np"])
     torch.set_rng_state(rng["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
-    return iteration

@@ -110,7 +110,7 @@ class Trainer:
         save_checkpoint(path, self.iteration, self.model, self.optimizer, self.args)
 
     def load(self, path):
-        self.iteration = load_checkpoint(path, self.model, self.optimizer)
+        self.iteration = load_checkpoint(path, self.model, self.optimizer, self.args)
         return self.iteration
 
 
