@@ -189,6 +189,11 @@ def validate_megatron_args(args):
             f"--transformer-impl {impl} is not supported: TE linears do their own TP "
             "communication; use --transformer-impl local"
         )
+    if getattr(args, "oases_plan", None):
+        raise OasesConfigError(
+            "--oases-plan (per-layer TMP) runs with `oases train` only: Megatron-LM's training "
+            "loop does not sync replicated-layer gradients; drop --oases-plan here"
+        )
     schedule = getattr(args, "oases_schedule", "off")
     if schedule == "off":
         return args
@@ -208,26 +213,9 @@ def validate_megatron_args(args):
             f"--oases-schedule {schedule} splits each micro-batch in two; set "
             "--micro-batch-size ≥ 2"
         )
-    try:  # the schedule's own rules (recompute method, micro-batch split) when it is importable
-        from ..schedule.patch import validate_schedule_args
-    except ImportError:
-        validate_schedule_args = None
-    if validate_schedule_args is not None:
-        validate_schedule_args(args)
-        return args
-    if (
-        schedule in ("cross-pass", "oases")
-        and getattr(args, "recompute_granularity", None) != "full"
-    ):
-        raise OasesConfigError(
-            f"--oases-schedule {schedule} merges recompute with backward; add "
-            "--recompute-granularity full or use --oases-schedule overlap"
-        )
-    mbs = getattr(args, "micro_batch_size", 2)
-    if mbs is not None and mbs < 2:
-        raise OasesConfigError(
-            f"micro-batch {mbs} cannot be split; use --micro-batch-size ≥ 2 or --oases-schedule off"
-        )
+    from ..schedule.patch import validate_schedule_args
+
+    validate_schedule_args(args)
     return args
 
 
