@@ -230,6 +230,7 @@ def _emulated_ranks():
         except EmulationError as exc:
             out["unsupported"] = str(exc)
         parallel_state.destroy_model_parallel()
+        out["usage"] = emu.usage()
     finally:
         patch.uninstall()
     out["restored"] = all(getattr(dist, n) is f for n, f in originals.items())
@@ -268,3 +269,6 @@ def test_emulated_collectives_on_two_ranks():
             out["unsupported"] or ""
         )
         assert out["records"] >= 10
+        u = out["usage"]  # the blocked time covers at least the timed ops above
+        assert u["ops"] == out["records"] and u["blocked_s"] >= 2 * (1 - TOL) * out["sync"][1] * 6
+        assert 0.0 < u["cpu_share"] <= 1.0 and u["blocked_s"] < u["wall_s"]

@@ -52,20 +52,8 @@ def table_rows(results):
     for r in results:
         t = r.get("trace") or {}
         if r["status"] != "ok":
-            rows.append(
-                [
-                    r["name"],
-                    r["paper"],
-                    r["status"] + (f" ({r.get('reason')})" if r.get("reason") else ""),
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
-                ]
-            )
+            status = r["status"] + (f" ({r.get('reason')})" if r.get("reason") else "")
+            rows.append([r["name"], r["paper"], status] + [""] * (len(HEADER) - 3))
             continue
         rows.append(
             [
@@ -79,6 +67,7 @@ def table_rows(results):
                 _num(t.get("compute_us") and t["compute_us"] / 1e3, "{:.1f}"),
                 _num(t.get("comm_us") and t["comm_us"] / 1e3, "{:.1f}"),
                 _num(r.get("loss_max_rel_diff"), "{:.1e}"),
+                _num(r.get("host_cpu_share")),
             ]
         )
     return rows
@@ -95,6 +84,7 @@ HEADER = [
     "compute ms",
     "comm ms",
     "loss rel. diff",
+    "host CPU share",
 ]
 
 

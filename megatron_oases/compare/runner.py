@@ -13,6 +13,7 @@ import time
 from ..testing.distributed import find_free_port
 from ..viz.analysis import load_traces, run_metrics, trace_files
 
+_SHARE = re.compile(r"\[oases\] emulator rank (\d+):.*CPU share while not blocked ([\d.]+)")
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+).*?elapsed time per iteration \(ms\): ([\d.]+)")
 
 
@@ -99,10 +100,14 @@ def run_variant(
         "status": "failed",
     }
     tail = []
+    cpu_shares = {}
 
     def on_line(line):
         tail.append(line)
         del tail[:-200]
+        share = _SHARE.search(line)
+        if share:
+            cpu_shares[int(share.group(1))] = float(share.group(2))
         m = _ITER.search(line)
         if m:
             it, n, ms = int(m.group(1)), int(m.group(2)), float(m.group(3))
@@ -137,6 +142,8 @@ def run_variant(
         raise
     reader.join(timeout=10)
     result["wall_s"] = time.time() - t0
+    if cpu_shares:
+        result["host_cpu_share"] = sum(cpu_shares.values()) / len(cpu_shares)
     result["returncode"] = rc
     if rc != 0:
         why = f"timed out after {timeout}s" if rc is None else f"exit code {rc}"

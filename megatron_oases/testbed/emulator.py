@@ -123,16 +123,19 @@ class EmulatedWork:
         self._waited = False
 
     def wait(self, timeout=None):
+        t_wait = self._emu.clock()
         if self._record is not None and self._record["wait"] is None:
-            self._record["wait"] = self._emu.clock()
+            self._record["wait"] = t_wait
         if self._work is not None:
             if timeout is None:
                 self._work.wait()
             else:
                 self._work.wait(timeout)
         self._emu.sleep_until(self.done_at)
+        t_done = self._emu.clock()
         if self._record is not None and self._record["returned"] is None:
-            self._record["returned"] = self._emu.clock()
+            self._record["returned"] = t_done
+        self._emu.blocked_s += t_done - t_wait
         self._waited = True
         return True
 
@@ -182,6 +185,34 @@ class LinkEmulator:
         self._lock = threading.Lock()
         self.records = collections.deque(maxlen=max_records)
         self.originals = {}
+        self.blocked_s = 0.0  # time this rank spent blocked in emulated ops
+        self.ops = 0
+        self._t0 = None
+
+    # -- host usage --------------------------------------------------------------------------
+    def start_usage(self):
+        self.blocked_s, self.ops = 0.0, 0
+        self._t0 = (time.perf_counter(), time.thread_time())
+
+    def usage(self):
+        """Wall and CPU time of this thread since install, time blocked, and the CPU share.
+
+        ``cpu_share`` = thread CPU time ÷ wall time spent *not* blocked in an emulated op: 1.0 when
+        the compute ran on a free core, lower when other processes competed for it (the emulation
+        then under-states the target's communication share, since only compute slows down).
+        """
+        if self._t0 is None:
+            return None
+        wall = time.perf_counter() - self._t0[0]
+        cpu = time.thread_time() - self._t0[1]
+        busy = max(wall - self.blocked_s, 1e-9)
+        return {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "blocked_s": self.blocked_s,
+            "ops": self.ops,
+            "cpu_share": min(cpu / busy, 1.0),
+        }
 
     # -- model -------------------------------------------------------------------------------
     def element_bytes(self, tensor):
@@ -244,6 +275,7 @@ class LinkEmulator:
             "wait": None if is_async else issue,
             "returned": None,
         }
+        self.ops += 1
         self.records.append(rec)
         return rec
 
@@ -270,6 +302,7 @@ class LinkEmulator:
         rec = self._record(*info, is_async=False)
         self.sleep_until(done)
         rec["returned"] = self.clock()
+        self.blocked_s += rec["returned"] - rec["issue"]
         return result
 
     def _wrap_async(self, work, done, info):
@@ -536,11 +569,21 @@ class EmulatorPatch(Patch):
     def _activate(self):
         global _ACTIVE
         _ACTIVE = self.emulator
+        self.emulator.start_usage()
 
     def _deactivate(self):
         global _ACTIVE
         if _ACTIVE is self.emulator:
             _ACTIVE = None
+        u = self.emulator.usage()
+        if u is not None and u["ops"]:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            print(
+                f"[oases] emulator rank {rank}: {u['ops']} ops emulated, blocked {u['blocked_s']:.1f} s "
+                f"of {u['wall_s']:.1f} s; compute thread CPU share while not blocked "
+                f"{u['cpu_share']:.2f} (1.00 = a free core, lower = contended host)",
+                flush=True,
+            )
 
 
 def make_emulator(profile_name, dilation=None):
