@@ -5,7 +5,14 @@ import time
 
 from ..errors import OasesConfigError
 from ..profiler.format import Profile, load_profile, sha256_of
-from .cost_model import DEFAULT_GRANULE, DEFAULT_MARGIN, build_problem, decompose, evaluate
+from .cost_model import (
+    DEFAULT_GRANULE,
+    DEFAULT_MARGIN,
+    build_problem,
+    decompose,
+    evaluate,
+    memory_breakdown,
+)
 from .dp import min_memory, solve_dp
 from .ilp import DEFAULT_TIME_LIMIT_S, solve_ilp
 from .plan_file import PLAN_VERSION
@@ -172,6 +179,8 @@ def make_plan(
     time_limit_s=DEFAULT_TIME_LIMIT_S,
     profile_path=None,
     grad_sync=False,
+    allow_unsplit=False,
+    distributed_optimizer=False,
 ):
     """Returns (plan dict, problem, solution)."""
     if not isinstance(profile, Profile):
@@ -197,6 +206,8 @@ def make_plan(
         pins=pins,
         max_switches=max_switches,
         grad_sync=grad_sync,
+        allow_unsplit=allow_unsplit,
+        distributed_optimizer=distributed_optimizer,
     )
     build_s = time.perf_counter() - t_build
     sol, check = solve(problem, solver=solver, verify=verify, time_limit_s=time_limit_s)
@@ -224,6 +235,8 @@ def make_plan(
         "pins": [[list(l), d] for l, d in (pins or [])],
         "max_switches": max_switches,
         "grad_sync": bool(grad_sync),
+        "allow_unsplit": bool(allow_unsplit),
+        "distributed_optimizer": bool(distributed_optimizer),
     }
     plan = {
         "version": PLAN_VERSION,
@@ -233,6 +246,9 @@ def make_plan(
         "degrees": [problem.degrees[k] for k in sol.ks],
         "schedule": schedule,
         "recompute": problem.meta["recompute"],
+        "allow_unsplit": bool(allow_unsplit),
+        "unsplit_degrees": problem.meta["unsplit_degrees"],
+        "distributed_optimizer": bool(distributed_optimizer),
         "global_batch_size": int(global_batch_size),
         "micro_batch_size": problem.meta["micro_batch_size"],
         "num_microbatches": problem.meta["num_microbatches"],
@@ -245,6 +261,7 @@ def make_plan(
             "grad_sync_included": res["grad_sync_included"],
             "peak_memory_bytes_per_rank": res["peak_memory_bytes"],
             "peak_memory_with_margin_bytes": res["peak_memory_bytes"] * (1 + margin),
+            "memory_breakdown_bytes": memory_breakdown(problem, sol.ks),
             "tokens_per_s": tokens / res["iteration_time_s"],
             "per_layer": res["per_layer"],
         },

@@ -49,6 +49,18 @@ def build_parser():
         help="add each layer's exposed data-parallel gradient all-reduce (params/d over "
         "D·T/d replicas) to the objective; not in the paper's eq. 5; analytic profiles",
     )
+    p.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="memory model: Adam state sharded over each layer's data-parallel replicas "
+        "(Megatron --use-distributed-optimizer)",
+    )
+    p.add_argument(
+        "--allow-unsplit",
+        action="store_true",
+        help="allow degrees whose group gets 1 sample per micro-batch (no sub-batch "
+        "overlap for those layers; the runtime must support it)",
+    )
     p.add_argument("--degrees", default=None, help="candidate degrees, e.g. 1,2,4 (default: all)")
     p.add_argument(
         "--pin",
@@ -184,6 +196,8 @@ def main(argv):
             granule=args.granule_mb * (1 << 20),
             time_limit_s=args.time_limit,
             grad_sync=args.grad_sync,
+            allow_unsplit=args.allow_unsplit,
+            distributed_optimizer=args.distributed_optimizer,
         )
     except PlannerVerificationError as exc:
         print(f"oases plan: error: {exc}", file=sys.stderr)

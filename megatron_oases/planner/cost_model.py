@@ -351,6 +351,8 @@ def build_problem(
     max_switches=None,
     num_layers=None,
     grad_sync=False,
+    allow_unsplit=False,
+    distributed_optimizer=False,
 ):
     """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.profiler.format.Profile`)."""
     if schedule not in SCHEDULES:
@@ -392,10 +394,10 @@ def build_problem(
     usable, why = [], []
     for d in cand:
         n = m * d / T
-        if n != int(n) or n < (2 if split else 1):
+        if n != int(n) or n < (2 if split and not allow_unsplit else 1):
             why.append(
                 f"degree {d} gives {n:g} samples per group per micro-batch"
-                + (" (needs ≥ 2 to split)" if split else "")
+                + (" (needs ≥ 2 to split; see allow_unsplit)" if split and n == 1 else "")
             )
             continue
         usable.append(d)
@@ -485,12 +487,26 @@ def build_problem(
             boundary[L - 1, k] += t
 
     # memory (bytes per rank)
-    mem_add = np.zeros((L, K))
-    mem_rt = np.zeros((L, K))
-    ckpt = profile.data["memory"]["checkpoint_bytes_per_sample"]
+    mem = profile.data["memory"]
+    ckpt = mem["checkpoint_bytes_per_sample"]
+    if distributed_optimizer:
+        if "params_per_layer" not in mem or "bytes_per_param" not in mem:
+            raise OasesConfigError(
+                "this profile predates optimizer-state sharding; re-run oases profile"
+            )
+        wg = float(mem["bytes_per_param"]["weights_and_grads"])
+        opt = float(mem["bytes_per_param"]["optimizer"])
+
+    def state_bytes(d):
+        """Parameters, gradients and Adam state per rank for one layer at degree d. With a
+        distributed optimizer the optimizer state is sharded over the layer's D·T/d replicas."""
+        if not distributed_optimizer:
+            return profile.mem("state_bytes_per_layer", d)
+        return profile.mem("params_per_layer", d) * (wg + opt / (D * T // d))
+
+    parts = {k: np.zeros((L, K)) for k in ("state", "saved", "runtime")}
     for k, d in enumerate(degs):
         n = m * d // T
-        state = profile.mem("state_bytes_per_layer", d)
         full = profile.mem("layer_activation_bytes_per_sample", d)
         trans = profile.mem("backward_transient_bytes_per_sample", d)
         if not recompute:
@@ -499,13 +515,21 @@ def build_problem(
             saved, runtime = float(ckpt["block_inputs"]), full + trans
         else:
             saved, runtime = float(ckpt["layer_input"]), full + trans
-        mem_add[:, k] = state + saved * n
-        mem_rt[:, k] = runtime * n
-    mem_fixed = (
-        profile.mem("fixed_state_bytes")
-        + profile.mem("fixed_activation_bytes_per_sample") * m
-        + profile.mem("overhead_bytes")
-    )
+        parts["state"][:, k] = state_bytes(d)
+        parts["saved"][:, k] = saved * n
+        parts["runtime"][:, k] = runtime * n
+    mem_add = parts["state"] + parts["saved"]
+    mem_rt = parts["runtime"]
+    if distributed_optimizer:
+        fixed_state = float(mem["fixed_params"]) * (wg + opt / D)
+    else:
+        fixed_state = profile.mem("fixed_state_bytes")
+    fixed_parts = {
+        "fixed_state": fixed_state,
+        "fixed_activations": profile.mem("fixed_activation_bytes_per_sample") * m,
+        "overhead": profile.mem("overhead_bytes"),
+    }
+    mem_fixed = sum(fixed_parts.values())
 
     allowed = np.ones((L, K), dtype=bool)
     for layers, d in pins or ():
@@ -573,8 +597,30 @@ def build_problem(
             "micro_batch_size": m,
             "num_microbatches": repeats,
             "excluded_degrees": why,
+            "unsplit_degrees": [d for d in degs if split and m * d // T < 2],
+            "distributed_optimizer": bool(distributed_optimizer),
+            "memory_parts": parts,
+            "fixed_memory_parts": fixed_parts,
         },
     )
+
+
+def memory_breakdown(problem, ks):
+    """Peak-memory components in bytes per rank (no margin): fixed parts, Σ layer state, Σ saved
+    activations, the runtime peak of the worst layer and which layer it is."""
+    parts = problem.meta.get("memory_parts")
+    out = dict(problem.meta.get("fixed_memory_parts", {"fixed": problem.mem_fixed}))
+    rows = list(enumerate(ks))
+    if parts is None:
+        out["layers"] = float(sum(problem.mem_add[l, k] for l, k in rows))
+    else:
+        out["layer_state"] = float(sum(parts["state"][l, k] for l, k in rows))
+        out["saved_activations"] = float(sum(parts["saved"][l, k] for l, k in rows))
+    worst = max(rows, key=lambda lk: problem.mem_runtime[lk[0], lk[1]])
+    out["runtime_peak_layer"] = float(problem.mem_runtime[worst])
+    out["runtime_peak_at_layer"] = int(worst[0])
+    out["total"] = problem.peak_memory_bytes(ks)
+    return out
 
 
 def predict(profile, degrees, schedule="oases", global_batch=None, micro_batch=None, **kwargs):

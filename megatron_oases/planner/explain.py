@@ -136,6 +136,21 @@ def summary(plan):
         f"(+{plan['memory_margin']:.0%} margin = {p['peak_memory_with_margin_bytes'] / 1e9:.2f} GB"
         f" ≤ {plan['memory_gb']:g} GB)",
     ]
+    bd = p.get("memory_breakdown_bytes")
+    if bd:
+        names = [
+            ("fixed_state", "embeddings"),
+            ("layer_state", "layer params+grads+optimizer"),
+            ("saved_activations", "saved activations"),
+            ("runtime_peak_layer", f"backward working set (layer {bd['runtime_peak_at_layer']})"),
+            ("fixed_activations", "logits/loss"),
+            ("overhead", "framework"),
+        ]
+        lines.append(
+            "  = "
+            + " + ".join(f"{label} {bd[k] / 1e9:.2f}" for k, label in names if k in bd)
+            + " GB"
+        )
     uni = []
     for d, u in plan.get("uniform", {}).items():
         uni.append(

@@ -36,15 +36,24 @@ def candidate_degrees(args, tp):
     return out
 
 
+def param_bytes(dtype_bytes):
+    """Bytes per parameter: (weights + gradient buffer, optimizer state). Megatron mixed precision
+    with Adam: 16-bit param + fp32 main grad = 6, fp32 master + 2 fp32 moments = 12 (18 in all);
+    fp32 training: param + grad = 8, 2 moments = 8 (16 in all)."""
+    return (6, 12) if dtype_bytes == 2 else (8, 8)
+
+
 def state_bytes_per_param(dtype_bytes):
-    """Megatron mixed precision with Adam: 16-bit param + fp32 main grad + fp32 master + 2 fp32
-    moments = 18 B; fp32 training: param + grad + 2 moments = 16 B."""
-    return 18 if dtype_bytes == 2 else 16
+    return sum(param_bytes(dtype_bytes))
 
 
 def memory_section(shape, tp, degrees, dtype_bytes, overhead_bytes):
     per_param = state_bytes_per_param(dtype_bytes)
+    wg, opt = param_bytes(dtype_bytes)
     return {
+        "params_per_layer": {str(d): layer_math.layer_params(shape, d) for d in degrees},
+        "fixed_params": layer_math.fixed_params(shape, tp),
+        "bytes_per_param": {"weights_and_grads": wg, "optimizer": opt},
         "state_bytes_per_layer": {
             str(d): layer_math.layer_params(shape, d) * per_param for d in degrees
         },

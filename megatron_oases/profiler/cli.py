@@ -138,6 +138,8 @@ def main(argv):
             cache_dir=args.cache_dir,
             use_cache=not args.no_cache,
         )
+    if data is None:  # a non-zero rank under torchrun: rank 0 writes the file
+        return 0
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     save_profile(data, args.out)
     src = "cache" if data.get("from_cache") else data["kind"]

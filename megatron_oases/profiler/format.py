@@ -18,6 +18,8 @@ TMP degree ``d`` (powers of two up to the TMP domain ``T``)::
         "all_gather": {"0,2": {...}}},  # all-gather: bytes = gathered output per rank
       "memory": {
         "state_bytes_per_layer": {"4": bytes},   # params + grads + optimizer state, per rank
+        "params_per_layer": {"4": n}, "fixed_params": n,  # parameters per rank
+        "bytes_per_param": {"weights_and_grads": 6, "optimizer": 12},
         "fixed_state_bytes": bytes,              # embeddings, final norm (at T), per rank
         "layer_activation_bytes_per_sample": {"4": bytes},  # saved by a layer forward, no recompute
         "checkpoint_bytes_per_sample": {"layer_input": b, "block_inputs": b},

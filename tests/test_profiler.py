@@ -1,0 +1,216 @@
+"""Profiler: analytic profiles from cluster profiles, measured profiles on 2 gloo ranks, caching."""
+
+import json
+
+import pytest
+
+from megatron_oases.cli import main as oases
+from megatron_oases.errors import OasesConfigError
+from megatron_oases.profiler import layer_math
+from megatron_oases.profiler.analytic import analytic_profile
+from megatron_oases.profiler.format import Profile, fit_alpha_beta, interpolate, load_profile
+from megatron_oases.profiler.model_config import model_args, read_model_file, shape_of
+from megatron_oases.testbed.clusters import load_cluster
+
+MODELS = "benchmarks/planner/models.yaml"
+
+TINY = """
+num_layers: 4
+hidden_size: 64
+num_attention_heads: 4
+seq_length: 32
+vocab_size: 256
+tensor_model_parallel_size: 2
+micro_batch_size: 4
+global_batch_size: 8
+"""
+
+
+def test_analytic_profile_matches_cluster_and_flops():
+    margs = model_args(read_model_file(f"{MODELS}:h2048"))
+    data = analytic_profile(margs, "rtx3090-nvlink")
+    prof = Profile(data)
+    cl = load_cluster("rtx3090-nvlink")
+    assert prof.degrees == [1, 2, 4] and prof.tp == 4 and prof.dp == 8
+    # comm: α–β reproduces the ring model at any size; links follow placement rules
+    for ranks in ([0, 1], [0, 1, 2, 3]):
+        for n in (12345, 7_000_000):
+            assert prof.all_reduce_time(ranks, n) == pytest.approx(cl.all_reduce_time(n, ranks))
+    assert data["comm"]["all_reduce"]["0,1"]["link"] == "nvlink"
+    assert data["comm"]["all_reduce"]["0,1,2,3"]["link"] == "intra_node"
+    assert data["comm"]["all_gather"]["0,2"]["link"] == "intra_node"  # 2 -> 4 re-shard: no NVLink
+    assert prof.all_gather_time([0, 2], 1e6) == pytest.approx(cl.all_gather_time(1e6, [0, 2]))
+    # compute: FLOPs / sustained rate, backward = 2 × forward, linear in samples
+    shape = data["model"]
+    f = layer_math.block_flops_forward(shape, "mlp", 2) / (cl.sustained_tflops * 1e12)
+    assert prof.compute_time("mlp", "forward_s", 2, 3) == pytest.approx(3 * f)
+    assert prof.compute_time("mlp", "backward_s", 2, 5) == pytest.approx(10 * f)
+    # MLP GEMMs of H=2048: 16·s·h² FLOPs per sample
+    assert layer_math.block_flops_forward(shape, "mlp", 1) == 16 * 1024 * 2048**2
+    # memory: TP-aware parameter state
+    st = data["memory"]["state_bytes_per_layer"]
+    assert st["1"] > st["2"] > st["4"] and st["2"] / st["4"] == pytest.approx(2, rel=0.01)
+
+
+def test_profile_helpers():
+    assert interpolate([[1, 2.0], [3, 6.0]], 2) == pytest.approx(4.0)
+    assert interpolate([[1, 2.0], [3, 6.0]], 5) == pytest.approx(10.0)  # linear extrapolation
+    assert interpolate([[2, 4.0]], 3) == pytest.approx(6.0)
+    a, b = fit_alpha_beta([[1, 3.0], [2, 5.0], [4, 9.0]])
+    assert a == pytest.approx(1.0) and b == pytest.approx(2.0)
+
+
+def test_model_config_errors(tmp_path):
+    p = tmp_path / "m.yaml"
+    p.write_text("num_layers: 2\nhidden_size: 64\nbogus_key: 1\n")
+    with pytest.raises(OasesConfigError, match="unknown model setting 'bogus_key'"):
+        model_args(read_model_file(str(p)))
+    with pytest.raises(OasesConfigError, match="pick one with --model"):
+        read_model_file(MODELS)
+    with pytest.raises(OasesConfigError, match="no model 'h5'"):
+        read_model_file(f"{MODELS}:h5")
+    p.write_text(
+        "model:\n  num-layers: 2\n  hidden-size: 64\nparallel:\n  tensor-model-parallel-size: 2\n"
+    )
+    margs = model_args(read_model_file(str(p)))
+    assert margs.num_layers == 2 and margs.tensor_model_parallel_size == 2
+
+
+def test_profile_cli_errors(tmp_path, capsys):
+    out = str(tmp_path / "p.json")
+    assert oases(["profile", "--model", f"{MODELS}:h2048", "--analytic", "--out", out]) == 2
+    assert "--analytic needs --cluster" in capsys.readouterr().err
+    assert (
+        oases(
+            [
+                "profile",
+                "--model",
+                f"{MODELS}:h2048",
+                "--analytic",
+                "--cluster",
+                "nope",
+                "--out",
+                out,
+            ]
+        )
+        == 2
+    )
+    assert "unknown cluster profile" in capsys.readouterr().err
+    assert (
+        oases(
+            [
+                "profile",
+                "--model",
+                f"{MODELS}:h2048",
+                "--analytic",
+                "--cluster",
+                "rtx3090-pcie",
+                "--degrees",
+                "8",
+                "--out",
+                out,
+            ]
+        )
+        == 2
+    )
+    assert "does not divide the TMP domain" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One measured profile on 2 gloo ranks (tiny layer, degrees 1 and 2)."""
+    d = tmp_path_factory.mktemp("measured")
+    model = d / "tiny.yaml"
+    model.write_text(TINY)
+    out = d / "profile.json"
+    rc = oases(
+        [
+            "profile",
+            "--model",
+            str(model),
+            "--repeats",
+            "1",
+            "--cache-dir",
+            str(d / "cache"),
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    return {"dir": d, "model": model, "out": out, "profile": load_profile(str(out))}
+
+
+def test_measured_profile_contents(measured):
+    prof = measured["profile"]
+    data = prof.data
+    assert data["kind"] == "measured" and prof.degrees == [1, 2] and prof.tp == 2
+    assert data["hardware"]["world_size"] == 2 and data["cache_key"]
+    # micro-batch 4, T=2: degree 1 groups see 2 samples (sub-batches 1), degree 2 sees 4 (2+2)
+    for block in ("attention", "mlp"):
+        for d, sizes in (("1", {1, 2}), ("2", {1, 2, 4})):
+            for phase in ("forward_s", "recompute_s", "backward_s"):
+                pts = data["compute"][block][d][phase]
+                assert {n for n, _ in pts} == sizes
+                assert all(t > 0 for _, t in pts)
+    for kind in ("all_reduce", "all_gather"):
+        fit = data["comm"][kind]["0,1"]
+        assert fit["alpha_s"] >= 0 and fit["beta_s_per_byte"] >= 0 and len(fit["points"]) >= 3
+    # parameters per rank counted on the real Megatron layer match the closed form (per degree)
+    margs = model_args(read_model_file(str(measured["model"])))
+    shape = shape_of(margs)
+    for d in (1, 2):
+        assert data["memory"]["state_bytes_per_layer"][str(d)] == pytest.approx(
+            layer_math.layer_params(shape, d) * 16
+        )
+    # saved activations (saved_tensors_hooks) vs the Korthikanti-style count, fp32
+    for d in (1, 2):
+        measured_b = data["memory"]["layer_activation_bytes_per_sample"][str(d)]
+        formula = layer_math.layer_activation_bytes(shape, d, 4)
+        assert 0.5 * formula < measured_b < 2.0 * formula, (d, measured_b, formula)
+    a1 = data["memory"]["layer_activation_bytes_per_sample"]["1"]
+    a2 = data["memory"]["layer_activation_bytes_per_sample"]["2"]
+    assert a2 < a1  # TP divides the attention/MLP intermediates
+
+
+def test_measured_profile_is_cached_and_plannable(measured, capsys):
+    d = measured["dir"]
+    out2 = d / "again.json"
+    rc = oases(
+        [
+            "profile",
+            "--model",
+            str(measured["model"]),
+            "--repeats",
+            "1",
+            "--cache-dir",
+            str(d / "cache"),
+            "--out",
+            str(out2),
+        ]
+    )
+    assert rc == 0 and "(cache)" in capsys.readouterr().out
+    a, b = json.loads(measured["out"].read_text()), json.loads(out2.read_text())
+    assert a["cache_key"] == b["cache_key"] and a["compute"] == b["compute"]
+    plan = d / "plan.json"
+    assert (
+        oases(
+            [
+                "plan",
+                "--profile",
+                str(measured["out"]),
+                "--global-batch-size",
+                "8",
+                "--memory",
+                "1",
+                "--schedule",
+                "oases",
+                "--verify",
+                "--out",
+                str(plan),
+            ]
+        )
+        == 0
+    )
+    p = json.loads(plan.read_text())
+    assert len(p["degrees"]) == 4 and set(p["degrees"]) <= {1, 2}
+    assert p["verify"]["agree"] is True and p["profile_kind"] == "measured"
