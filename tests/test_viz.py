@@ -144,3 +144,23 @@ def test_timeline_png_and_cli(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert json.loads(printed[: printed.rindex("}") + 1])["num_ranks"] == 2
     assert viz_main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_channel_replay_uses_the_emulators_model():
+    # Two async all-reduces issued back to back, waited late: each transfer lasts 40 µs on the
+    # model, the second queues behind the first on the group's channel.
+    ev = [_comm(0, 500, 500), _comm(10, 500, 500)]
+    for e in ev:
+        e["args"]["group_size"] = 2
+    ends = analysis.modelled_ends(ev, lambda e: 40.0)
+    assert ends == [40.0, 80.0]
+    m = analysis.rank_metrics(_trace(ev, 600), comm_model=lambda e: 40.0)
+    assert m["comm_us"] == 80 and m["exposed_us"] == 0
+    assert analysis.rank_metrics(_trace(ev, 600))["comm_us"] == 500  # without: until the wait
+    model = analysis.emulated_comm_model({"profile": "rtx3090-pcie", "dilation": 100.0})
+    e = _comm(0, 0, 1)
+    e["args"].update(bytes=4 * 1000, group_size=2)  # 1000 fp32 elements = 2000 fp16 bytes
+    from megatron_oases.testbed.clusters import load_cluster
+
+    want = 100.0 * load_cluster("rtx3090-pcie").all_reduce_time(2000, [0, 1]) * 1e6
+    assert model(e) == pytest.approx(want)

@@ -122,9 +122,12 @@ def main(argv):
 
     from ..testbed.calibrate import host_fingerprint
 
-    emulation = None
+    emulation = comm_model = None
     if profile is not None:
+        from ..viz.analysis import emulated_comm_model
+
         emulation = _emulation_info(profile, threads, env)
+        comm_model = emulated_comm_model(emulation)
     first = parsed[variants[0].name]
     tokens = first.global_batch_size * first.seq_length
     model = (
@@ -200,6 +203,7 @@ def main(argv):
             progress=progress,
             tokens=tokens,
             subdir=f"run{k + 1}" if own.repeats > 1 else None,
+            comm_model=comm_model,
         )
         if r["status"] == "ok":
             progress(
@@ -245,6 +249,7 @@ def main(argv):
                 path,
                 title=f"{r['name']} ({r['label']}), {model}"
                 + (f", emulated {profile.name}" if profile else ""),
+                comm_model=comm_model,
             )
             r["timeline"] = path
     chart = None

@@ -79,6 +79,7 @@ def run_variant(
     progress=print,
     tokens=None,
     subdir=None,
+    comm_model=None,
 ):
     """Run one variant; returns its result dict (status ok/failed, timings, losses, trace metrics)."""
     vdir = os.path.join(out_dir, variant.name, *([subdir] if subdir else []))
@@ -179,7 +180,7 @@ def run_variant(
     files = trace_files(os.path.join(vdir, "trace.rank{rank}.json"))
     traces = load_traces(files)
     result["trace_files"] = files
-    result["trace"] = run_metrics(traces) if traces else None
+    result["trace"] = run_metrics(traces, comm_model) if traces else None
     if not traces:
         result["warning"] = "no trace written: exposed communication and efficiency unavailable"
     return result

@@ -14,18 +14,31 @@ def main(argv=None):
     )
     parser.add_argument("-o", "--out", default=None, help="timeline PNG to write")
     parser.add_argument("--title", default=None)
+    parser.add_argument(
+        "--emulated",
+        default=None,
+        metavar="PROFILE:D",
+        help="the run's --emulate-link profile and dilation: comm intervals end at "
+        "the emulator's modelled completion instead of when they were waited on",
+    )
     args = parser.parse_args(argv)
+    comm_model = None
+    if args.emulated:
+        from .analysis import emulated_comm_model
+
+        prof, _, d = args.emulated.partition(":")
+        comm_model = emulated_comm_model({"profile": prof, "dilation": float(d)})
     files = [f for p in args.traces for f in trace_files(p)]
     traces = load_traces(files)
     if not traces:
         print(f"no trace files found in {args.traces}", file=sys.stderr)
         return 2
-    m = run_metrics(traces)
+    m = run_metrics(traces, comm_model)
     print(json.dumps({k: v for k, v in m.items() if k != "ranks"}, indent=1))
     if args.out:
         from .timeline import plot_timeline
 
-        plot_timeline(traces, args.out, title=args.title)
+        plot_timeline(traces, args.out, title=args.title, comm_model=comm_model)
         print(f"wrote {args.out}")
     return 0
 

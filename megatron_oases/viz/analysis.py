@@ -7,8 +7,10 @@ Per rank, over the traced iteration (``T`` = ``metadata.iteration_time_us``):
   This is the same for every variant, whatever its tracer labels. ``traced_compute_us`` is the length
   of the union of labelled compute events (tid 0), for the timeline; it can be smaller.
 * ``comm_us``: length of the union of communication intervals ``[issue_us, end]`` (tid 1), where
-  ``end`` is ``model_done_us`` when the tracer recorded the emulator's modelled completion and
-  ``done_us`` otherwise (an async op waited late would otherwise look longer than its transfer).
+  ``end`` is the modelled completion when known — the tracer's ``model_done_us``, or a replay of the
+  emulator's channels (:func:`modelled_ends`, given the run's emulation parameters) — and ``done_us``
+  otherwise; never later than ``done_us``. (An async op waited on late would otherwise count as
+  communicating until the wait.)
 * ``exposed_us``: length of the union of *blocked* intervals ``[wait_us, done_us]`` (the rank waits in
   a synchronous collective or in ``Work.wait()``); ``exposed_share`` = it ÷ T.
 * ``efficiency`` = overlap bound ÷ measured time = ``max(compute_us, comm_us) ÷ T`` (1.0: everything
@@ -75,13 +77,67 @@ def comm_events(trace):
     ]
 
 
-def comm_interval(ev):
+def comm_interval(ev, model_end=None):
+    """``[issue, end]`` of a communication: ``end`` = the modelled completion when known (the
+    tracer's ``model_done_us``, else ``model_end`` from :func:`modelled_ends`), never after
+    ``done_us`` (when the wait returned)."""
     a = ev.get("args", {})
     issue = a.get("issue_us", ev["ts"])
     done = a.get("done_us", ev["ts"] + ev["dur"])
-    end = a.get("model_done_us")
+    end = a.get("model_done_us", model_end)
     end = done if end is None else min(float(end), done)
     return issue, max(issue, end)
+
+
+def modelled_ends(comms, comm_model):
+    """Replay the emulator's channels over a rank's comm events: modelled end time of each.
+
+    ``comm_model(event)`` gives an op's emulated duration (µs) or None. Ops on one group (keyed by
+    group size, which identifies the TP group in a TP-only layout) queue behind each other, as in
+    :class:`megatron_oases.testbed.emulator.LinkEmulator`.
+    """
+    busy, ends = {}, [None] * len(comms)
+    order = sorted(
+        range(len(comms)), key=lambda i: comms[i].get("args", {}).get("issue_us", comms[i]["ts"])
+    )
+    for i in order:
+        ev = comms[i]
+        dur = comm_model(ev)
+        if dur is None:
+            continue
+        a = ev.get("args", {})
+        key = a.get("group_size")
+        start = max(a.get("issue_us", ev["ts"]), busy.get(key, float("-inf")))
+        ends[i] = busy[key] = start + dur
+    return ends
+
+
+def emulated_comm_model(emulation):
+    """``comm_model`` for :func:`rank_metrics` from an ``oases compare`` emulation record.
+
+    Trace ``bytes`` are CPU (fp32) bytes; the emulator counts them at the profile's dtype. Groups
+    are taken as the first ``group_size`` global ranks (the TP group's link in a TP-only layout).
+    """
+    from ..testbed.clusters import load_cluster
+
+    prof = load_cluster(emulation["profile"])
+    d = float(emulation["dilation"])
+    times = {
+        "all_reduce": prof.all_reduce_time,
+        "all_gather": prof.all_gather_time,
+        "reduce_scatter": prof.reduce_scatter_time,
+    }
+
+    def model(ev):
+        a = ev.get("args", {})
+        fn = times.get(a.get("op"))
+        n = int(a.get("group_size") or 1)
+        if fn is None:
+            return None
+        nbytes = int(a.get("bytes", 0)) / 4 * prof.dtype_bytes
+        return d * fn(nbytes, list(range(n))) * 1e6
+
+    return model
 
 
 def blocked_interval(ev):
@@ -102,12 +158,14 @@ def iteration_us(trace):
     return max(ends, default=0.0)
 
 
-def rank_metrics(trace):
-    """Metrics of one rank's trace (see module docstring)."""
+def rank_metrics(trace, comm_model=None):
+    """Metrics of one rank's trace (see module docstring); ``comm_model``: see
+    :func:`modelled_ends`."""
     T = iteration_us(trace)
     comp = [(e["ts"], e["ts"] + e["dur"]) for e in compute_events(trace)]
     comms = comm_events(trace)
-    comm = [comm_interval(e) for e in comms]
+    ends = modelled_ends(comms, comm_model) if comm_model else [None] * len(comms)
+    comm = [comm_interval(e, end) for e, end in zip(comms, ends)]
     blocked = [blocked_interval(e) for e in comms]
     exposed = length(blocked)
     traced_compute = length(comp)
@@ -129,9 +187,9 @@ def rank_metrics(trace):
     }
 
 
-def run_metrics(traces):
+def run_metrics(traces, comm_model=None):
     """Mean of :func:`rank_metrics` over ranks, plus the per-rank list under ``ranks``."""
-    per = [rank_metrics(t) for t in traces]
+    per = [rank_metrics(t, comm_model) for t in traces]
     if not per:
         return None
     keys = ("iteration_us", "compute_us", "comm_us", "exposed_us", "exposed_share", "efficiency")

@@ -15,6 +15,7 @@ from .analysis import (
     comm_interval,
     compute_events,
     iteration_us,
+    modelled_ends,
     rank_metrics,
     union,
 )
@@ -49,8 +50,11 @@ def _pyplot():
     return plt
 
 
-def plot_timeline(traces, path, title=None):
-    """Write a PNG timeline of ``traces`` (one per rank, as loaded by ``load_traces``)."""
+def plot_timeline(traces, path, title=None, comm_model=None):
+    """Write a PNG timeline of ``traces`` (one per rank, as loaded by ``load_traces``).
+
+    ``comm_model`` (see :func:`.analysis.modelled_ends`) draws each transfer to its modelled end.
+    """
     plt = _pyplot()
     from matplotlib.patches import Patch as LegendPatch
 
@@ -77,9 +81,10 @@ def plot_timeline(traces, path, title=None):
                 label += f"/{sb}" if sb >= 0 else ""
                 ax.text(x + w / 2, y_comp + 0.5, label, ha="center", va="center", fontsize=6)
         comms = comm_events(trace)
-        for e in comms:
+        ends = modelled_ends(comms, comm_model) if comm_model else [None] * len(comms)
+        for e, model_end in zip(comms, ends):
             a = e.get("args", {})
-            s, end = comm_interval(e)
+            s, end = comm_interval(e, model_end)
             ax.broken_barh(
                 [(s / 1e3, max(end - s, 0.0) / 1e3)],
                 (y_comm, 1.0),
@@ -98,7 +103,7 @@ def plot_timeline(traces, path, title=None):
                 hatch="////",
                 linewidth=0.6,
             )
-        m = rank_metrics(trace)
+        m = rank_metrics(trace, comm_model)
         yticks += [y_comp + 0.5, y_comm + 0.5]
         ylabels += [f"rank {rank} compute", f"rank {rank} comm"]
         ax.text(
