@@ -170,3 +170,13 @@ def test_compare_end_to_end_tiny_model(tmp_path):
     assert by_name["megatron"]["trace"]["exposed_share"] > 0.5
     md = (out / "results.md").read_text()
     assert "| megatron |" in md and "| oases |" in md and "emulated" in md
+    # Paths in results.json are relative to the output directory; --reanalyze rebuilds from them.
+    assert all(not os.path.isabs(f) for v in report["variants"] for f in v["trace_files"])
+    (out / "timeline-oases.png").unlink()
+    assert oases_main(["compare", "--reanalyze", str(out)]) == 0
+    assert (out / "timeline-oases.png").read_bytes().startswith(PNG)
+    again = json.loads((out / "results.json").read_text())
+    for key in ("exposed_share", "efficiency", "comm_us", "compute_us"):
+        assert again["variants"][1]["trace"][key] == pytest.approx(
+            report["variants"][1]["trace"][key]
+        )

@@ -63,6 +63,12 @@ def build_parser():
         "its fastest run (noisy shared hosts)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per variant run")
+    p.add_argument(
+        "--reanalyze",
+        default=None,
+        metavar="DIR",
+        help="recompute metrics, tables and charts of a finished run in DIR; runs nothing",
+    )
     return p
 
 
@@ -89,6 +95,8 @@ def _validate(variant, train_argv, nproc):
 def main(argv):
     argv = list(argv)
     own, train_argv = build_parser().parse_known_args(argv)
+    if own.reanalyze:
+        return reanalyze(own.reanalyze)
     if train_argv and train_argv[0] == "--":
         train_argv = train_argv[1:]
     for flag in RESERVED:
@@ -150,14 +158,6 @@ def main(argv):
             "  no --emulate-link: plain gloo on this host, not representative of a GPU cluster"
         )
 
-    from .report import (
-        add_derived,
-        check_losses,
-        format_table,
-        plot_summary,
-        write_json,
-        write_markdown,
-    )
     from .runner import run_variant
 
     skipped = {}
@@ -236,36 +236,6 @@ def main(argv):
             ]
         results.append(best)
 
-    ref = add_derived(results)
-    bad = check_losses(results, ref, rtol)
-    for r in results:
-        if r["status"] == "ok" and r.get("trace_files"):
-            from ..viz.analysis import load_traces
-            from ..viz.timeline import plot_timeline
-
-            path = os.path.join(out, f"timeline-{r['name']}.png")
-            plot_timeline(
-                load_traces(r["trace_files"]),
-                path,
-                title=f"{r['name']} ({r['label']}), {model}"
-                + (f", emulated {profile.name}" if profile else ""),
-                comm_model=comm_model,
-            )
-            r["timeline"] = path
-    chart = None
-    if any(r["status"] == "ok" for r in results):
-        chart = plot_summary(
-            results,
-            os.path.join(out, "throughput.png"),
-            title=model + (f", emulated {profile.name}" if profile else ""),
-        )
-    failed = [r["name"] for r in results if r["status"] == "failed"]
-    n_ok = sum(r["status"] == "ok" for r in results)
-    summary = (
-        f"all {n_ok} variants agree with {ref['name']} within rtol {rtol:g}"
-        if ref and not bad
-        else "; ".join(bad) or "no variant ran"
-    )
     report = {
         "command": "oases compare " + shlex.join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -281,15 +251,79 @@ def main(argv):
             "tokens_per_iteration": tokens,
         },
         "emulation": emulation,
-        "loss_check": {
-            "rtol": rtol,
-            "reference": ref["name"] if ref else None,
-            "ok": not bad,
-            "failures": bad,
-            "summary": summary,
-        },
+        "loss_check": {"rtol": rtol},
         "variants": results,
-        "chart": chart,
+    }
+    return finalize(report, out)
+
+
+def finalize(report, out):
+    """Trace metrics, speedups, loss check, timelines and charts; writes results.{json,md}.
+
+    Also used by ``--reanalyze DIR`` on a finished run. Paths in results.json are relative to DIR.
+    Returns the exit code (1 when a variant failed or the losses disagree).
+    """
+    from ..viz.analysis import emulated_comm_model, load_traces, run_metrics
+    from ..viz.timeline import plot_timeline
+    from .report import (
+        add_derived,
+        check_losses,
+        format_table,
+        plot_summary,
+        write_json,
+        write_markdown,
+    )
+
+    def here(p):
+        return p if os.path.isabs(p) else os.path.join(out, p)
+
+    def rel(p):
+        return os.path.relpath(p, out) if os.path.isabs(p) else p
+
+    emulation = report.get("emulation")
+    comm_model = emulated_comm_model(emulation) if emulation else None
+    suffix = f", emulated {emulation['profile']}" if emulation else ""
+    model = report["config"]["model"]
+    results = report["variants"]
+    for r in results:
+        if r.get("dir"):
+            r["dir"] = rel(r["dir"])
+        for run in r.get("runs", []):
+            run["dir"] = rel(run["dir"]) if run.get("dir") else run.get("dir")
+        if r["status"] == "ok" and r.get("trace_files"):
+            r["trace_files"] = [rel(f) for f in r["trace_files"]]
+            traces = load_traces([here(f) for f in r["trace_files"]])
+            r["trace"] = run_metrics(traces, comm_model) if traces else None
+            path = os.path.join(out, f"timeline-{r['name']}.png")
+            plot_timeline(
+                traces,
+                path,
+                title=f"{r['name']} ({r['label']}), {model}{suffix}",
+                comm_model=comm_model,
+            )
+            r["timeline"] = rel(path)
+    rtol = report["loss_check"]["rtol"]
+    ref = add_derived(results)
+    bad = check_losses(results, ref, rtol)
+    chart = None
+    if any(r["status"] == "ok" for r in results):
+        chart = rel(
+            plot_summary(results, os.path.join(out, "throughput.png"), title=model + suffix)
+        )
+    report["chart"] = chart
+    failed = [r["name"] for r in results if r["status"] == "failed"]
+    n_ok = sum(r["status"] == "ok" for r in results)
+    summary = (
+        f"all {n_ok} variants agree with {ref['name']} within rtol {rtol:g}"
+        if ref and not bad
+        else "; ".join(bad) or "no variant ran"
+    )
+    report["loss_check"] = {
+        "rtol": rtol,
+        "reference": ref["name"] if ref else None,
+        "ok": not bad,
+        "failures": bad,
+        "summary": summary,
     }
     write_json(report, os.path.join(out, "results.json"))
     write_markdown(report, os.path.join(out, "results.md"))
@@ -305,6 +339,19 @@ def main(argv):
             "oases compare: the variants' losses disagree (see above)", file=sys.stderr, flush=True
         )
     return 1 if failed or bad else 0
+
+
+def reanalyze(out):
+    """``--reanalyze DIR``: recompute metrics, timelines and charts of a finished run."""
+    import json
+
+    path = os.path.join(out, "results.json")
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise OasesConfigError(f"--reanalyze {out}: cannot read {path}: {exc}") from exc
+    return finalize(report, os.path.abspath(out))
 
 
 def _progress(msg):
