@@ -157,9 +157,9 @@ def summary_table(reports):
     head = (
         "| config | stock tokens/s | stock exposed comm | "
         + " | ".join(f"{n} speedup" for n in names[1:])
-        + " | oases efficiency |"
+        + " | oases efficiency | host CPU share |"
     )
-    out = [head, "|" + "---|" * (len(names) + 3)]
+    out = [head, "|" + "---|" * (len(names) + 4)]
     for cfg, rep in reports.items():
         stock = _variant(rep, "megatron")
         cells = [cfg]
@@ -176,6 +176,8 @@ def summary_table(reports):
         o = _variant(rep, "oases")
         eff = (o.get("trace") or {}).get("efficiency") if o else None
         cells.append(f"{eff:.2f}" if eff is not None else "n/a")
+        shares = [v["host_cpu_share"] for v in rep["variants"] if v.get("host_cpu_share")]
+        cells.append(f"{min(shares):.2f}-{max(shares):.2f}" if shares else "n/a")
         out.append("| " + " | ".join(cells) + " |")
     return out
 
@@ -276,12 +278,25 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument(
+        "--reanalyze",
+        action="store_true",
+        help="recompute each configuration's metrics and charts from its traces "
+        "(oases compare --reanalyze) before writing the report",
+    )
+    parser.add_argument(
         "--calibration",
         action="store_true",
         help="also run calibration_check.py on the rtx3090-pcie-h2048 results",
     )
     args = parser.parse_args(argv)
     failures = [] if args.report_only else run(args)
+    if args.reanalyze:
+        for profile, shape in MATRIX:
+            d = os.path.join(OUT, config_name(profile, shape))
+            if os.path.exists(os.path.join(d, "results.json")):
+                subprocess.call(
+                    [sys.executable, "-m", "megatron_oases", "compare", "--reanalyze", d], cwd=ROOT
+                )
     if args.calibration or not args.report_only:
         res = os.path.join(OUT, "rtx3090-pcie-h2048", "results.json")
         if os.path.exists(res):
