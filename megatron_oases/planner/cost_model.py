@@ -367,6 +367,12 @@ def build_problem(
             "--no-recompute or use --schedule overlap)"
         )
     T, D = profile.tp, profile.dp
+    pp = int(profile.data.get("pipeline_model_parallel_size", 1))
+    if pp > 1 and num_layers is None:
+        raise OasesConfigError(
+            f"the planner does not model pipeline parallelism (PP={pp}); profile one stage "
+            f"(--set num_layers=<layers per stage> --set pipeline_model_parallel_size=1)"
+        )
     L = int(num_layers or profile.num_layers)
     shape = profile.shape
     p = profile.dtype_bytes

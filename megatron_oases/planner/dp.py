@@ -16,8 +16,11 @@ import time
 
 import numpy as np
 
+from ..errors import OasesConfigError
 from .common import Solution
 from .cost_model import decompose, objective
+
+MAX_STATES = 400_000_000  # back-pointer bytes (int8) the DP may allocate
 
 
 def _chain_dp(U, P, allowed, S, A=None, cap=None):
@@ -39,6 +42,11 @@ def _chain_dp(U, P, allowed, S, A=None, cap=None):
         Q1 = cap + 1
     else:
         Q1 = 1
+    if L * K * S1 * Q1 > MAX_STATES:
+        raise OasesConfigError(
+            f"the memory DP would need {L * K * S1 * Q1 / 1e6:.0f} M states; raise --granule-mb, "
+            "lower --max-switches, or use --solver ilp"
+        )
     inf = np.inf
     V = np.full((K, S1, Q1), inf)
     for k in range(K):

@@ -139,6 +139,7 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
         "model": shape,
         "tensor_model_parallel_size": tp,
         "data_parallel_size": args.data_parallel_size,
+        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "degrees": degrees,
         "dtype_bytes": p,
         "state_bytes_per_param": state_bytes_per_param(p),

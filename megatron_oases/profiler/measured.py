@@ -228,7 +228,27 @@ def _profile_block_times(layer, margs, n, repeats):
             _, nbytes = _saved_bytes(fn, params)
             times[block] = {"forward_s": fwd, "recompute_s": rec, "backward_s": bwd}
             saved[block] = nbytes
+        saved["runtime_peak"] = _runtime_peak(layer, x, grad)
     return times, saved
+
+
+def _runtime_peak(layer, x, grad):
+    """Peak live bytes of one whole-layer forward + backward (activations, temporaries, gradients;
+    not parameters), with the schedule package's allocator-independent meter; None if unavailable.
+    """
+    try:
+        from ..schedule.memory import LiveTensorMeter
+    except ImportError:
+        return None
+    xin = x.detach().requires_grad_(True)
+    meter = LiveTensorMeter()
+    with meter:
+        out, _ = layer._forward_attention(hidden_states=xin, attention_mask=None)
+        out = layer._forward_mlp(out)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        out.backward(grad)
+    layer.zero_grad(set_to_none=True)
+    return meter.peak_bytes
 
 
 def _comm_time(op, group, nbytes, repeats):
@@ -510,12 +530,24 @@ def assemble(margs, shape, T, degrees, result, fingerprint, cache_key, emulate_l
         str(d): result["params"][d] * FP32_STATE_BYTES_PER_PARAM for d in degrees
     }
     mem["params_per_layer"] = {str(d): result["params"][d] for d in degrees}
-    measured_act = {}
+    measured_act, peaks = {}, {}
     for d in degrees:
-        per_sample = [sum(b.values()) / n for n, b in result["saved"][d].items()]
-        measured_act[str(d)] = max(per_sample)
+        per = result["saved"][d]
+        measured_act[str(d)] = max((b["attention"] + b["mlp"]) / n for n, b in per.items())
+        if all(b.get("runtime_peak") for b in per.values()):
+            peaks[str(d)] = max(b["runtime_peak"] / n for n, b in per.items())
     mem["layer_activation_bytes_per_sample"] = measured_act
-    mem["activation_source"] = "saved_tensors_hooks (layer); layer_math (backward, logits)"
+    source = "layer activations: saved_tensors_hooks; logits: layer_math"
+    if len(peaks) == len(degrees):
+        # backward working set beyond the saved activations, as measured (never below zero)
+        mem["backward_transient_bytes_per_sample"] = {
+            d: max(0.0, peaks[d] - measured_act[d]) for d in peaks
+        }
+        mem["layer_runtime_peak_bytes_per_sample"] = peaks
+        source += "; backward working set: LiveTensorMeter peak of forward+backward"
+    else:
+        source += "; backward working set: layer_math"
+    mem["activation_source"] = source
     # output layer time from the measured MLP rate at the largest degree and sub-batch
     d = max(degrees)
     n = max(result["compute"][d])
@@ -528,6 +560,7 @@ def assemble(margs, shape, T, degrees, result, fingerprint, cache_key, emulate_l
         "model": shape,
         "tensor_model_parallel_size": T,
         "data_parallel_size": margs.data_parallel_size,
+        "pipeline_model_parallel_size": margs.pipeline_model_parallel_size,
         "degrees": degrees,
         "dtype_bytes": p,
         "state_bytes_per_param": FP32_STATE_BYTES_PER_PARAM,
