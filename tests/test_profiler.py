@@ -214,3 +214,20 @@ def test_measured_profile_is_cached_and_plannable(measured, capsys):
     p = json.loads(plan.read_text())
     assert len(p["degrees"]) == 4 and set(p["degrees"]) <= {1, 2}
     assert p["verify"]["agree"] is True and p["profile_kind"] == "measured"
+
+
+def test_project_model_configs_are_read():
+    margs = model_args(read_model_file("h2048-l24"))  # configs/models name
+    assert (margs.num_layers, margs.hidden_size, margs.tensor_model_parallel_size) == (24, 2048, 4)
+    assert margs.data_parallel_size == 8  # from the informational 'paper' section
+    # benchmarks/planner/models.yaml (Table 4) describes the same layers as configs/models
+    import yaml
+
+    models = yaml.safe_load(open(MODELS))["models"]
+    for name, m in models.items():
+        cfg = f"h{m['hidden_size']}-l{m['num_layers']}"
+        ours = model_args(read_model_file(f"{MODELS}:{name}"))
+        theirs = model_args(read_model_file(cfg))
+        assert shape_of(ours) == shape_of(theirs), name
+        assert ours.data_parallel_size == theirs.data_parallel_size
+        assert ours.global_batch_size == theirs.global_batch_size

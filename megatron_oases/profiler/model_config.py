@@ -1,7 +1,10 @@
 """Model shapes for profiling: a YAML file of Megatron-LM argument names, validated the Megatron way.
 
-A model file is a flat (or sectioned) mapping of ``pretrain_gpt.py`` argument names, with dashes or
-underscores (``num_layers`` / ``num-layers``)::
+The project's model configs (``configs/models/*.yaml``: flag sections ``model``, ``parallel``,
+``training`` and an informational ``paper`` section) are read as they are — by path or by name
+(``--model h2048-l24``); the data-parallel degree comes from ``paper.data-parallel-size`` (or
+``paper.gpus``). Otherwise a model file is a flat mapping of ``pretrain_gpt.py`` argument names, with
+dashes or underscores (``num_layers`` / ``num-layers``)::
 
     num_layers: 24
     hidden_size: 2048
@@ -23,7 +26,8 @@ import yaml
 from ..errors import OasesConfigError
 
 # Keys that are ours, not Megatron-LM flags.
-_EXTRA_KEYS = ("data_parallel_size", "world_size", "name", "description", "paper", "notes")
+_EXTRA_KEYS = ("data_parallel_size", "world_size", "name", "description", "notes", "source")
+FLAG_SECTIONS = ("model", "parallel", "training")
 # Fields of the validated args that define the shape of one transformer layer and the model ends.
 SHAPE_FIELDS = (
     "num_layers",
@@ -54,13 +58,36 @@ def _flatten(raw, out=None):
     return out
 
 
+def _project_config(raw):
+    """A ``configs/models`` file: flags from its flag sections, DP from its ``paper`` section."""
+    flat = {}
+    for section in FLAG_SECTIONS:
+        _flatten(raw.get(section) or {}, flat)
+    paper = {str(k).replace("-", "_"): v for k, v in (raw.get("paper") or {}).items()}
+    if "data_parallel_size" not in flat:
+        if paper.get("data_parallel_size"):
+            flat["data_parallel_size"] = int(paper["data_parallel_size"])
+        elif paper.get("gpus"):
+            flat["world_size"] = int(paper["gpus"])
+    return flat
+
+
 def read_model_file(spec):
-    """``PATH`` or ``PATH:NAME`` → flat dict of argument names (underscored)."""
+    """``PATH``, ``PATH:NAME`` or a ``configs/models`` name → flat dict of argument names."""
     path, name = spec, None
     if not os.path.exists(path) and ":" in spec:
         path, name = spec.rsplit(":", 1)
+    if not os.path.exists(path) and name is None:
+        from ..megatron_lm.configs import MODELS_DIR
+
+        candidate = os.path.join(MODELS_DIR, f"{spec}.yaml")
+        if os.path.exists(candidate):
+            path = candidate
     if not os.path.exists(path):
-        raise OasesConfigError(f"model file {spec!r} not found; pass --model PATH.yaml[:NAME]")
+        raise OasesConfigError(
+            f"model file {spec!r} not found; pass --model PATH.yaml[:NAME] or a name under "
+            "configs/models/"
+        )
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
@@ -81,6 +108,13 @@ def read_model_file(spec):
         raw = models[name]
     elif name is not None:
         raise OasesConfigError(f"{path} holds one model; drop ':{name}'")
+    if any(isinstance(raw.get(sec), dict) for sec in FLAG_SECTIONS):
+        flat = _project_config(raw)
+        for key, value in raw.items():  # top-level settings next to the sections
+            if not isinstance(value, dict) and key not in ("name", "source", "description"):
+                flat[str(key).replace("-", "_")] = value
+        flat["name"] = raw.get("name") or name or os.path.splitext(os.path.basename(path))[0]
+        return flat
     flat = _flatten(raw)
     flat.setdefault("name", name or os.path.splitext(os.path.basename(path))[0])
     return flat
