@@ -238,20 +238,21 @@ def evaluate(problem, ks):
             {
                 "layer": l,
                 "degree": problem.degrees[ks[l]],
-                "forward_s": r * fwd_layers[l][0],
-                "backward_s": r * bwd_layers[l][0],
-                "edges_s": r * (fwd_layers[l][1] + bwd_layers[l][1] + boundary[l]),
+                "forward_s": float(r * fwd_layers[l][0]),
+                "backward_s": float(r * bwd_layers[l][0]),
+                "edges_s": float(r * (fwd_layers[l][1] + bwd_layers[l][1] + boundary[l])),
                 "grad_sync_s": sync[l],
                 "memory_bytes": float(problem.mem_add[l, ks[l]]),
             }
         )
     return {
-        "iteration_time_s": r * (fwd + bwd + edges)
-        + (grad_sync if problem.include_grad_sync else 0.0),
-        "forward_s": r * fwd,
-        "backward_s": r * bwd,
-        "edges_s": r * edges,
-        "grad_sync_s": grad_sync,
+        "iteration_time_s": float(
+            r * (fwd + bwd + edges) + (grad_sync if problem.include_grad_sync else 0.0)
+        ),
+        "forward_s": float(r * fwd),
+        "backward_s": float(r * bwd),
+        "edges_s": float(r * edges),
+        "grad_sync_s": float(grad_sync),
         "grad_sync_included": problem.include_grad_sync,
         "peak_memory_bytes": problem.peak_memory_bytes(ks),
         "per_layer": per_layer,
@@ -632,8 +633,10 @@ def memory_breakdown(problem, ks):
 def predict(profile, degrees, schedule="oases", global_batch=None, micro_batch=None, **kwargs):
     """Predicted iteration of a per-layer degree list under ``schedule``.
 
-    Returns ``{iteration_time_s, forward_s, backward_s, edges_s, peak_memory_bytes, per_layer}``
-    (seconds per iteration; bytes per rank *without* the safety margin). ``profile`` is a Profile
+    Returns ``{iteration_time_s, forward_s, backward_s, edges_s, peak_memory_bytes, per_layer,
+    memory_breakdown_bytes}`` (seconds per iteration; bytes per rank *without* the safety margin;
+    the breakdown separates parameter/optimizer state from saved activations, the worst layer's
+    backward working set, logits and framework overhead). ``profile`` is a Profile
     or a path. Extra keyword arguments go to :func:`build_problem` (``recompute``, ...).
     """
     from ..profiler.format import Profile, load_profile
@@ -652,7 +655,10 @@ def predict(profile, degrees, schedule="oases", global_batch=None, micro_batch=N
         num_layers=len(degrees),
         **kwargs,
     )
-    return evaluate(problem, problem.index(degrees))
+    ks = problem.index(degrees)
+    out = evaluate(problem, ks)
+    out["memory_breakdown_bytes"] = memory_breakdown(problem, ks)
+    return out
 
 
 def enumerate_assignments(problem):
