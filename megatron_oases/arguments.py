@@ -30,13 +30,17 @@ def add_megatron_args(parser):
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument(
-        "--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute"
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope"),
+        default="learned_absolute",
     )
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument(
-        "--transformer-impl", choices=("local", "transformer_engine"), default="local",
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
         help="only 'local' is supported: TE linears do their own TP communication",
     )
 
@@ -46,8 +50,12 @@ def add_megatron_args(parser):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--num-experts", type=int, default=None)
-    g.add_argument("--distributed-backend", choices=("gloo", "nccl"), default=None,
-                   help="default: nccl with CUDA, gloo without")
+    g.add_argument(
+        "--distributed-backend",
+        choices=("gloo", "nccl"),
+        default=None,
+        help="default: nccl with CUDA, gloo without",
+    )
     g.add_argument("--distributed-timeout-minutes", type=float, default=5.0)
 
     g = parser.add_argument_group("recompute")
@@ -66,13 +74,17 @@ def add_megatron_args(parser):
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--mock-data", action="store_true", help="synthetic token data (the only source)")
+    g.add_argument(
+        "--mock-data", action="store_true", help="synthetic token data (the only source)"
+    )
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--bf16", action="store_true")
 
     g = parser.add_argument_group("logging and checkpoints")
     g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--log-json", default=None, help="golden-values JSON (Megatron functional-test shape)")
+    g.add_argument(
+        "--log-json", default=None, help="golden-values JSON (Megatron functional-test shape)"
+    )
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None, help="default: save at the end")
     g.add_argument("--load", default=None)
@@ -83,23 +95,30 @@ def add_oases_args(parser):
     """The ``oases`` argument group; also chained into Megatron-LM's ``extra_args_provider``."""
     g = parser.add_argument_group("oases")
     g.add_argument(
-        "--oases-schedule", choices=SCHEDULES, default="off",
+        "--oases-schedule",
+        choices=SCHEDULES,
+        default="off",
         help="off = stock Megatron; overlap = two sub-batches, TMP all-reduce overlapped with the "
         "other sub-batch's compute; cross-pass = + recompute and backward merged; oases = + "
         "fine-grained recomputation (no all-reduce in recompute)",
     )
     g.add_argument(
-        "--oases-trace", default=None,
+        "--oases-trace",
+        default=None,
         help="write a Chrome-trace JSON of the last iteration per rank: PATH with '{rank}' in it, "
         "or PATH.rank<R>.json",
     )
     g.add_argument(
-        "--oases-plan", default=None, metavar="PLAN_JSON",
+        "--oases-plan",
+        default=None,
+        metavar="PLAN_JSON",
         help="per-layer TMP degrees (plan file from `oases plan`); --tensor-model-parallel-size "
         "is the TMP domain",
     )
     g.add_argument(
-        "--emulate-link", default=None, metavar="PROFILE",
+        "--emulate-link",
+        default=None,
+        metavar="PROFILE",
         help="testbed: emulate a cluster's links (configs/clusters/PROFILE.yaml) on CPU/gloo",
     )
     return parser
@@ -140,8 +159,10 @@ def validate_args(args, world_size=None, cuda_available=None):
         if not cuda:
             fail("--fp16/--bf16 need CUDA; on CPU train in fp32 (drop the flag)")
     if args.sequence_parallel:
-        fail("--sequence-parallel is not supported by megatron-oases (TMP all-reduce path only); "
-             "drop --sequence-parallel")
+        fail(
+            "--sequence-parallel is not supported by megatron-oases (TMP all-reduce path only); "
+            "drop --sequence-parallel"
+        )
     if args.context_parallel_size != 1:
         fail("--context-parallel-size > 1 is not supported; use --context-parallel-size 1")
     if args.num_experts:

@@ -11,12 +11,30 @@ import sys
 from .errors import OasesConfigError
 
 COMMANDS = {
-    "train": ("megatron_oases.training.cli:main", "train a GPT model on Megatron-Core (pretrain_gpt.py flags)"),
-    "run": ("megatron_oases.pretrain_gpt_oases:main", "run Megatron-LM's pretrain_gpt.py (checkout on PYTHONPATH) with the --oases-* flags"),
-    "compare": ("megatron_oases.compare.cli:main", "stock Megatron vs Oases variants side by side (Table 3)"),
-    "calibrate": ("megatron_oases.testbed.calibrate:main", "host matmul rate and --emulate-link dilation"),
-    "profile": ("megatron_oases.profiler.cli:main", "profile one layer per TMP degree (measured or --analytic) for the planner"),
-    "plan": ("megatron_oases.planner.cli:main", "choose a TMP degree per layer (Oases planner: ILP/DP, memory-aware)"),
+    "train": (
+        "megatron_oases.training.cli:main",
+        "train a GPT model on Megatron-Core (pretrain_gpt.py flags)",
+    ),
+    "run": (
+        "megatron_oases.pretrain_gpt_oases:main",
+        "run Megatron-LM's pretrain_gpt.py (checkout on PYTHONPATH) with the --oases-* flags",
+    ),
+    "compare": (
+        "megatron_oases.compare.cli:main",
+        "stock Megatron vs Oases variants side by side (Table 3)",
+    ),
+    "calibrate": (
+        "megatron_oases.testbed.calibrate:main",
+        "host matmul rate and --emulate-link dilation",
+    ),
+    "profile": (
+        "megatron_oases.profiler.cli:main",
+        "profile one layer per TMP degree (measured or --analytic) for the planner",
+    ),
+    "plan": (
+        "megatron_oases.planner.cli:main",
+        "choose a TMP degree per layer (Oases planner: ILP/DP, memory-aware)",
+    ),
 }
 
 

@@ -2,11 +2,15 @@
 
 from megatron_oases.testing.runs import train_and_capture
 
-GPT = ("--num-layers {layers} --hidden-size 64 --num-attention-heads 8 --seq-length 16 "
-       "--vocab-size 500 --mock-data --lr 1e-2 ")
-LLAMA = GPT + ("--swiglu --normalization RMSNorm --num-query-groups 4 "
-               "--position-embedding-type rope --disable-bias-linear "
-               "--untie-embeddings-and-output-weights ")
+GPT = (
+    "--num-layers {layers} --hidden-size 64 --num-attention-heads 8 --seq-length 16 "
+    "--vocab-size 500 --mock-data --lr 1e-2 "
+)
+LLAMA = GPT + (
+    "--swiglu --normalization RMSNorm --num-query-groups 4 "
+    "--position-embedding-type rope --disable-bias-linear "
+    "--untie-embeddings-and-output-weights "
+)
 
 
 def schedules_worker(base, variants, iters=1, step=False, grads=True):

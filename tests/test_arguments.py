@@ -18,15 +18,24 @@ def validate(argv, world_size=1, cuda=False):
     "argv,world,match",
     [
         ("--hidden-size 65 --num-attention-heads 4", 1, "not divisible by --num-attention-heads"),
-        ("--hidden-size 96 --num-attention-heads 6 --tensor-model-parallel-size 4", 4,
-         "--num-attention-heads 6 is not divisible by TP=4"),
-        ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 6,
-         "world size 6 is not divisible by TP×PP"),
+        (
+            "--hidden-size 96 --num-attention-heads 6 --tensor-model-parallel-size 4",
+            4,
+            "--num-attention-heads 6 is not divisible by TP=4",
+        ),
+        (
+            "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+            6,
+            "world size 6 is not divisible by TP×PP",
+        ),
         ("--micro-batch-size 2 --global-batch-size 6", 2, "--global-batch-size 6 is not divisible"),
         ("--transformer-impl transformer_engine", 1, "use --transformer-impl local"),
         ("--num-layers 3 --pipeline-model-parallel-size 2", 2, "--num-layers 3 is not divisible"),
-        ("--oases-schedule overlap --micro-batch-size 1", 1,
-         "micro-batch 1 cannot be split; use --micro-batch-size ≥ 2 or --oases-schedule off"),
+        (
+            "--oases-schedule overlap --micro-batch-size 1",
+            1,
+            "micro-batch 1 cannot be split; use --micro-batch-size ≥ 2 or --oases-schedule off",
+        ),
         ("--oases-schedule oases", 1, "add --recompute-granularity full"),
         ("--sequence-parallel", 1, "--sequence-parallel is not supported"),
         ("--context-parallel-size 2", 2, "context-parallel"),
@@ -45,7 +54,9 @@ def test_defaults_follow_megatron():
     assert args.ffn_hidden_size == 256 and args.num_query_groups == 4
     assert args.global_batch_size == 8 and args.num_microbatches == 1
     assert args.distributed_backend == "gloo" and args.padded_vocab_size == 512
-    args = validate("--recompute-granularity full --tensor-model-parallel-size 2 --vocab-size 300", 2)
+    args = validate(
+        "--recompute-granularity full --tensor-model-parallel-size 2 --vocab-size 300", 2
+    )
     assert args.recompute_method == "uniform" and args.recompute_num_layers == 1
     assert args.padded_vocab_size == 512
 
@@ -68,8 +79,9 @@ def test_cli_reports_one_line_and_exit_code():
     )
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert lines == ["oases train: error: --hidden-size 65 is not divisible by "
-                     "--num-attention-heads 4"]
+    assert lines == [
+        "oases train: error: --hidden-size 65 is not divisible by " "--num-attention-heads 4"
+    ]
 
 
 def test_cli_rejects_unsupported_megatron_version():

@@ -28,7 +28,14 @@ def hand_count(b, s, L, h, f, n, g, V, swiglu):
 )
 def test_flops_match_hand_count(cfg):
     got = num_floating_point_operations(
-        cfg["b"], cfg["s"], cfg["L"], cfg["h"], cfg["f"], cfg["n"], cfg["g"], cfg["V"],
+        cfg["b"],
+        cfg["s"],
+        cfg["L"],
+        cfg["h"],
+        cfg["f"],
+        cfg["n"],
+        cfg["g"],
+        cfg["V"],
         swiglu=cfg["swiglu"],
     )
     assert got == pytest.approx(hand_count(**cfg), rel=1e-12)

@@ -7,8 +7,10 @@ import pytest
 from megatron_oases.testing import run_distributed, run_torchrun
 from megatron_oases.testing.runs import max_rel_diff, train_and_capture
 
-TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 500 "
-        "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --mock-data --lr 1e-2 ")
+TINY = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --vocab-size 500 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 3 --mock-data --lr 1e-2 "
+)
 NO_DROPOUT = "--hidden-dropout 0 --attention-dropout 0 "
 
 
@@ -40,8 +42,9 @@ def test_layouts_match_single_rank(reference, world, flags):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world,flags", [(1, ""), (2, "--tensor-model-parallel-size 2")],
-                         ids=["tp1", "tp2"])
+@pytest.mark.parametrize(
+    "world,flags", [(1, ""), (2, "--tensor-model-parallel-size 2")], ids=["tp1", "tp2"]
+)
 def test_dropout_runs_are_deterministic(world, flags):
     drop = "--hidden-dropout 0.2 --attention-dropout 0.2 "
     a, b = losses(world, drop + flags), losses(world, drop + flags)
@@ -51,8 +54,10 @@ def test_dropout_runs_are_deterministic(world, flags):
 
 @pytest.mark.timeout(400)
 def test_oases_train_checkpoint_resume_under_torchrun(tmp_path):
-    base = (TINY.replace("--train-iters 3 ", "") + "--tensor-model-parallel-size 2 "
-            "--hidden-dropout 0.1 --attention-dropout 0.1").split()
+    base = (
+        TINY.replace("--train-iters 3 ", "") + "--tensor-model-parallel-size 2 "
+        "--hidden-dropout 0.1 --attention-dropout 0.1"
+    ).split()
     full, first, resumed = (tmp_path / n for n in ("full.json", "first.json", "resumed.json"))
     ckpt = str(tmp_path / "ckpt")
     for extra in (

@@ -11,8 +11,10 @@ from megatron_oases.testing import run_distributed
 from megatron_oases.testing.runs import max_rel_diff, parse, train_and_capture
 
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-BASE = ("--hidden-size 64 --num-attention-heads 8 --seq-length 16 --vocab-size 500 --mock-data "
-        "--hidden-dropout 0 --attention-dropout 0 --lr 1e-2 " + RECOMPUTE)
+BASE = (
+    "--hidden-size 64 --num-attention-heads 8 --seq-length 16 --vocab-size 500 --mock-data "
+    "--hidden-dropout 0 --attention-dropout 0 --lr 1e-2 " + RECOMPUTE
+)
 
 
 def write_plan(path, T, degrees):
@@ -30,12 +32,25 @@ def _worker(base, variants):
 
 
 CASES = {
-    "T2-pp1": (2, 4, "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8",
-               [[1, 2, 1, 2], [1, 1, 2, 2]]),
-    "T2-pp2": (4, 4, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-               "--micro-batch-size 4 --global-batch-size 16", [[1, 2, 1, 2], [1, 1, 2, 2]]),
-    "T4-pp1": (4, 4, "--tensor-model-parallel-size 4 --micro-batch-size 4 --global-batch-size 4",
-               [[2, 4, 4, 2]]),
+    "T2-pp1": (
+        2,
+        4,
+        "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8",
+        [[1, 2, 1, 2], [1, 1, 2, 2]],
+    ),
+    "T2-pp2": (
+        4,
+        4,
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+        "--micro-batch-size 4 --global-batch-size 16",
+        [[1, 2, 1, 2], [1, 1, 2, 2]],
+    ),
+    "T4-pp1": (
+        4,
+        4,
+        "--tensor-model-parallel-size 4 --micro-batch-size 4 --global-batch-size 4",
+        [[2, 4, 4, 2]],
+    ),
 }
 
 
@@ -69,15 +84,20 @@ def test_plans_match_uniform(case, tmp_path):
         ([1, 2, 3, 2], 2, "", "degree 3 is not a power of two"),
         ([1, 2, 4, 2], 2, "", "degree 4 exceeds tensor_model_parallel_size 2"),
         ([1, 2, 1, 2], 4, "", "plan is for a TMP domain of 4"),
-        ([1, 1, 1, 1], 2, "--micro-batch-size 3 --global-batch-size 6",
-         "not divisible by 2"),
-        ([1, 1, 1, 1], 2, "--micro-batch-size 2 --global-batch-size 4 --oases-schedule overlap",
-         "cannot be split into two sub-batches"),
+        ([1, 1, 1, 1], 2, "--micro-batch-size 3 --global-batch-size 6", "not divisible by 2"),
+        (
+            [1, 1, 1, 1],
+            2,
+            "--micro-batch-size 2 --global-batch-size 4 --oases-schedule overlap",
+            "cannot be split into two sub-batches",
+        ),
     ],
 )
 def test_invalid_plans_are_rejected(tmp_path, degrees, T, flags, match):
     path = write_plan(str(tmp_path / "p.json"), T, degrees)
-    argv = (BASE + "--num-layers 4 --tensor-model-parallel-size 2 --micro-batch-size 4 "
-            f"--global-batch-size 8 {flags} --oases-plan {path}")
+    argv = (
+        BASE + "--num-layers 4 --tensor-model-parallel-size 2 --micro-batch-size 4 "
+        f"--global-batch-size 8 {flags} --oases-plan {path}"
+    )
     with pytest.raises(OasesConfigError, match=match):
         parse(argv, world_size=2)

@@ -8,9 +8,11 @@ import torch
 from megatron_oases.testing import run_distributed
 from megatron_oases.testing.runs import max_rel_diff
 
-BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 16 --vocab-size 500 "
-        "--mock-data --hidden-dropout 0 --attention-dropout 0 --lr 1e-2 "
-        "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8 ")
+BASE = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 16 --vocab-size 500 "
+    "--mock-data --hidden-dropout 0 --attention-dropout 0 --lr 1e-2 "
+    "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8 "
+)
 
 
 def _worker(ckpt, plan_a, plan_b):
@@ -37,13 +39,17 @@ def _worker(ckpt, plan_a, plan_b):
     out["plan_a_next"] = tr.train_step()
     patches.uninstall_all()
     _, saved = read_checkpoint(ckpt)
-    for name, extra in (("uniform", ""), ("plan_b", f"--oases-plan {plan_b}"),
-                        ("plan_a", f"--oases-plan {plan_a} --oases-schedule oases "
-                                   "--recompute-granularity full")):
+    for name, extra in (
+        ("uniform", ""),
+        ("plan_b", f"--oases-plan {plan_b}"),
+        ("plan_a", f"--oases-plan {plan_a} --oases-schedule oases " "--recompute-granularity full"),
+    ):
         tr = trainer_for(extra)
         assert tr.load(ckpt) == 2
-        identical = all(torch.equal(full_tensor(p.detach(), p, n), saved[n]["param"])
-                        for n, p in global_param_names(tr.module))
+        identical = all(
+            torch.equal(full_tensor(p.detach(), p, n), saved[n]["param"])
+            for n, p in global_param_names(tr.module)
+        )
         out[name] = {"identical": identical, "next": tr.train_step()}
         if name == "uniform":  # and back: save under uniform, load under plan B
             tr.save(ckpt + "-u")
@@ -51,8 +57,10 @@ def _worker(ckpt, plan_a, plan_b):
     tr = trainer_for(f"--oases-plan {plan_b}")
     tr.load(ckpt + "-u")
     _, saved_u = read_checkpoint(ckpt + "-u")
-    out["u_to_b_identical"] = all(torch.equal(full_tensor(p.detach(), p, n), saved_u[n]["param"])
-                                  for n, p in global_param_names(tr.module))
+    out["u_to_b_identical"] = all(
+        torch.equal(full_tensor(p.detach(), p, n), saved_u[n]["param"])
+        for n, p in global_param_names(tr.module)
+    )
     patches.uninstall_all()
     return out
 
@@ -62,8 +70,9 @@ def test_checkpoint_round_trip_hetero_uniform(tmp_path):
     plans = []
     for i, degrees in enumerate(([1, 2, 1, 2], [1, 1, 2, 2])):
         path = tmp_path / f"plan{i}.json"
-        path.write_text(json.dumps({"version": 1, "tensor_model_parallel_size": 2,
-                                    "degrees": degrees}))
+        path.write_text(
+            json.dumps({"version": 1, "tensor_model_parallel_size": 2, "degrees": degrees})
+        )
         plans.append(str(path))
     res = run_distributed(_worker, 2, str(tmp_path / "ckpt"), *plans, timeout=380)[-1]
     ref = res["plan_a_next"]

@@ -7,22 +7,28 @@ import os
 
 import pytest
 import torch
+from schedule_helpers import GPT, schedules_worker
 
 from megatron_oases.testing import run_distributed
 from megatron_oases.testing.runs import max_rel_diff
-from schedule_helpers import GPT, schedules_worker
 
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-BASE = GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 " \
+BASE = (
+    GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
     "--global-batch-size 4 " + RECOMPUTE
+)
 DROP = "--hidden-dropout 0.2 --attention-dropout 0.2 "
 
 
 @pytest.mark.timeout(300)
 def test_dropout_recompute_is_rng_exact_and_deterministic():
-    variants = [("overlap", "--oases-schedule overlap"), ("cross-pass", "--oases-schedule cross-pass"),
-                ("oases", "--oases-schedule oases"), ("oases-again", "--oases-schedule oases"),
-                ("stock", "--oases-schedule off")]
+    variants = [
+        ("overlap", "--oases-schedule overlap"),
+        ("cross-pass", "--oases-schedule cross-pass"),
+        ("oases", "--oases-schedule oases"),
+        ("oases-again", "--oases-schedule oases"),
+        ("stock", "--oases-schedule off"),
+    ]
     for res in run_distributed(schedules_worker, 2, BASE + DROP, variants, timeout=280):
         ref = res["overlap"]
         for name in ("cross-pass", "oases"):
@@ -40,8 +46,9 @@ def test_dropout_recompute_is_rng_exact_and_deterministic():
 @pytest.mark.timeout(300)
 def test_dropout_training_run_tracks_stock():
     variants = [("stock", "--oases-schedule off"), ("oases", "--oases-schedule oases")]
-    res = run_distributed(schedules_worker, 2, BASE + DROP + "--lr 1e-2", variants, 8, True, False,
-                          timeout=280)[-1]
+    res = run_distributed(
+        schedules_worker, 2, BASE + DROP + "--lr 1e-2", variants, 8, True, False, timeout=280
+    )[-1]
     stock, oases = res["stock"]["losses"], res["oases"]["losses"]
     assert stock != oases  # different masks (per sub-batch) …
     # … but the same training trajectory within dropout noise
@@ -52,20 +59,26 @@ def _trace_worker(base, variants, outdir):
     from megatron_oases.testing.runs import train_and_capture
 
     for name, extra in variants:
-        train_and_capture(f"{base} {extra} --oases-trace {outdir}/{name}.json", iters=1,
-                          grads=False, step=True)
+        train_and_capture(
+            f"{base} {extra} --oases-trace {outdir}/{name}.json", iters=1, grads=False, step=True
+        )
     return True
 
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     out = tmp_path_factory.mktemp("traces")
-    variants = [("stock", "--oases-schedule off"), ("oases", "--oases-schedule oases"),
-                ("cross-pass", "--oases-schedule cross-pass"),
-                ("overlap", "--oases-schedule overlap")]
+    variants = [
+        ("stock", "--oases-schedule off"),
+        ("oases", "--oases-schedule oases"),
+        ("cross-pass", "--oases-schedule cross-pass"),
+        ("overlap", "--oases-schedule overlap"),
+    ]
     run_distributed(_trace_worker, 2, BASE, variants, str(out), timeout=280)
-    return {name: [json.load(open(p)) for p in sorted(glob.glob(f"{out}/{name}.rank*.json"))]
-            for name, _ in variants}
+    return {
+        name: [json.load(open(p)) for p in sorted(glob.glob(f"{out}/{name}.rank*.json"))]
+        for name, _ in variants
+    }
 
 
 def _block_comms(trace):
@@ -81,24 +94,34 @@ def test_communication_accounting(traces):
     layers, microbatches, sub_batches = 2, 2, 2
     blocks = 2 * layers
     for rank_trace in traces["stock"]:
-        per_block = [_count(rank_trace, p) / (blocks * microbatches)
-                     for p in ("forward", "recompute", "backward")]
+        per_block = [
+            _count(rank_trace, p) / (blocks * microbatches)
+            for p in ("forward", "recompute", "backward")
+        ]
         assert per_block == [1, 1, 1]  # 3 TMP all-reduces per block
     for rank_trace in traces["oases"]:
-        per_block = [_count(rank_trace, p) / (blocks * microbatches * sub_batches)
-                     for p in ("forward", "recompute", "backward")]
+        per_block = [
+            _count(rank_trace, p) / (blocks * microbatches * sub_batches)
+            for p in ("forward", "recompute", "backward")
+        ]
         assert per_block == [1, 0, 1]  # 2 per block: no all-reduce in recomputation
     for rank_trace in traces["cross-pass"]:
-        per_block = [_count(rank_trace, p) / (blocks * microbatches * sub_batches)
-                     for p in ("forward", "recompute", "backward")]
+        per_block = [
+            _count(rank_trace, p) / (blocks * microbatches * sub_batches)
+            for p in ("forward", "recompute", "backward")
+        ]
         assert per_block == [1, 1, 1]
 
 
 def _overlapped_by_other(comm, computes):
     sb = comm["args"]["sub_batch"]
     start, end = comm["ts"], comm["args"]["wait_us"]
-    return any(c["args"]["sub_batch"] not in (sb, -1) and c["ts"] >= start
-               and c["ts"] + c["dur"] <= end + 1e-3 for c in computes)
+    return any(
+        c["args"]["sub_batch"] not in (sb, -1)
+        and c["ts"] >= start
+        and c["ts"] + c["dur"] <= end + 1e-3
+        for c in computes
+    )
 
 
 @pytest.mark.timeout(300)
@@ -111,11 +134,20 @@ def test_every_inner_all_reduce_is_overlapped(traces, schedule):
         assert comms and all(e["args"]["async"] for e in comms)
         for mb in {e["args"]["microbatch"] for e in comms}:
             for phase in (("forward",), ("recompute", "backward")):
-                seq = sorted((e for e in comms if e["args"]["microbatch"] == mb
-                              and e["args"]["pass"] in phase), key=lambda e: e["ts"])
+                seq = sorted(
+                    (
+                        e
+                        for e in comms
+                        if e["args"]["microbatch"] == mb and e["args"]["pass"] in phase
+                    ),
+                    key=lambda e: e["ts"],
+                )
                 inner = seq[:-1]  # the last one of a pass has nothing left to hide behind
-                missing = [e["name"] + str(e["args"]) for e in inner
-                           if not _overlapped_by_other(e, computes)]
+                missing = [
+                    e["name"] + str(e["args"])
+                    for e in inner
+                    if not _overlapped_by_other(e, computes)
+                ]
                 assert not missing, missing[:3]
 
 
@@ -145,14 +177,18 @@ def _memory_worker(base, variants):
 
 @pytest.mark.timeout(300)
 def test_oases_activation_memory_close_to_stock_full_recompute():
-    base = (GPT.replace("--hidden-size 64", "--hidden-size 128").format(layers=4)
-            + "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 4 "
-            "--seq-length 64 --max-position-embeddings 64 --vocab-size 128 ")
-    variants = [("stock-full-recompute", RECOMPUTE + "--oases-schedule off"),
-                ("stock-no-recompute", "--oases-schedule off"),
-                ("oases", RECOMPUTE + "--oases-schedule oases"),
-                ("cross-pass", RECOMPUTE + "--oases-schedule cross-pass"),
-                ("overlap", "--oases-schedule overlap")]
+    base = (
+        GPT.replace("--hidden-size 64", "--hidden-size 128").format(layers=4)
+        + "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 4 "
+        "--seq-length 64 --max-position-embeddings 64 --vocab-size 128 "
+    )
+    variants = [
+        ("stock-full-recompute", RECOMPUTE + "--oases-schedule off"),
+        ("stock-no-recompute", "--oases-schedule off"),
+        ("oases", RECOMPUTE + "--oases-schedule oases"),
+        ("cross-pass", RECOMPUTE + "--oases-schedule cross-pass"),
+        ("overlap", "--oases-schedule overlap"),
+    ]
     peaks = run_distributed(_memory_worker, 2, base, variants, timeout=280)[0]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in peaks.items()})
     full = peaks["stock-full-recompute"]
@@ -162,20 +198,31 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
 
 
 def _uninstall_worker(base):
-    from megatron_oases.testing.runs import train_and_capture
-    from megatron_oases.schedule import patch as sched_patch
-    from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.transformer_block import TransformerBlock
 
-    orig = (TransformerBlock.forward, layers.reduce_from_tensor_model_parallel_region,
-            layers.ColumnParallelLinear.forward)
+    from megatron_oases.schedule import patch as sched_patch
+    from megatron_oases.testing.runs import train_and_capture
+
+    orig = (
+        TransformerBlock.forward,
+        layers.reduce_from_tensor_model_parallel_region,
+        layers.ColumnParallelLinear.forward,
+    )
     before = train_and_capture(base + " --oases-schedule off", grads=True, step=False)
     train_and_capture(base + " --oases-schedule oases", grads=True, step=False)
     after = train_and_capture(base + " --oases-schedule off", grads=True, step=False)
-    now = (TransformerBlock.forward, layers.reduce_from_tensor_model_parallel_region,
-           layers.ColumnParallelLinear.forward)
-    return {"same_objects": all(a is b for a, b in zip(orig, now)), "before": before,
-            "after": after, "module": sched_patch.__name__}
+    now = (
+        TransformerBlock.forward,
+        layers.reduce_from_tensor_model_parallel_region,
+        layers.ColumnParallelLinear.forward,
+    )
+    return {
+        "same_objects": all(a is b for a, b in zip(orig, now)),
+        "before": before,
+        "after": after,
+        "module": sched_patch.__name__,
+    }
 
 
 @pytest.mark.timeout(300)

@@ -8,29 +8,48 @@ of processes.
 
 import pytest
 import torch
+from schedule_helpers import GPT, LLAMA, schedules_worker
 
 from megatron_oases.testing import run_distributed
 from megatron_oases.testing.runs import max_rel_diff
-from schedule_helpers import GPT, LLAMA, schedules_worker
 
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
 NO_DROP = "--hidden-dropout 0 --attention-dropout 0 "
-VARIANTS = [("stock", "--oases-schedule off"), ("overlap", "--oases-schedule overlap"),
-            ("cross-pass", "--oases-schedule cross-pass"), ("oases", "--oases-schedule oases")]
+VARIANTS = [
+    ("stock", "--oases-schedule off"),
+    ("overlap", "--oases-schedule overlap"),
+    ("cross-pass", "--oases-schedule cross-pass"),
+    ("oases", "--oases-schedule oases"),
+]
 
 CONFIGS = {
-    "gpt-tp2-pp1-mbs2": (2, GPT.format(layers=2) + "--tensor-model-parallel-size 2 "
-                         "--micro-batch-size 2 --global-batch-size 4"),
-    "llama-tp2-pp1-mbs3": (2, LLAMA.format(layers=2) + "--tensor-model-parallel-size 2 "
-                           "--micro-batch-size 3 --global-batch-size 6"),
-    "gpt-tp4-pp1-mbs3": (4, GPT.format(layers=2) + "--tensor-model-parallel-size 4 "
-                         "--micro-batch-size 3 --global-batch-size 3"),
-    "llama-tp2-pp2-mbs2": (4, LLAMA.format(layers=4) + "--tensor-model-parallel-size 2 "
-                           "--pipeline-model-parallel-size 2 --micro-batch-size 2 "
-                           "--global-batch-size 8"),
-    "gpt-tp2-pp2-mbs3": (4, GPT.format(layers=4) + "--tensor-model-parallel-size 2 "
-                         "--pipeline-model-parallel-size 2 --micro-batch-size 3 "
-                         "--global-batch-size 12"),
+    "gpt-tp2-pp1-mbs2": (
+        2,
+        GPT.format(layers=2) + "--tensor-model-parallel-size 2 "
+        "--micro-batch-size 2 --global-batch-size 4",
+    ),
+    "llama-tp2-pp1-mbs3": (
+        2,
+        LLAMA.format(layers=2) + "--tensor-model-parallel-size 2 "
+        "--micro-batch-size 3 --global-batch-size 6",
+    ),
+    "gpt-tp4-pp1-mbs3": (
+        4,
+        GPT.format(layers=2) + "--tensor-model-parallel-size 4 "
+        "--micro-batch-size 3 --global-batch-size 3",
+    ),
+    "llama-tp2-pp2-mbs2": (
+        4,
+        LLAMA.format(layers=4) + "--tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2 --micro-batch-size 2 "
+        "--global-batch-size 8",
+    ),
+    "gpt-tp2-pp2-mbs3": (
+        4,
+        GPT.format(layers=4) + "--tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2 --micro-batch-size 3 "
+        "--global-batch-size 12",
+    ),
 }
 
 
@@ -38,8 +57,9 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_schedules_match_stock(config):
     world, base = CONFIGS[config]
-    results = run_distributed(schedules_worker, world, base + " " + NO_DROP + RECOMPUTE, VARIANTS,
-                              timeout=360)
+    results = run_distributed(
+        schedules_worker, world, base + " " + NO_DROP + RECOMPUTE, VARIANTS, timeout=360
+    )
     for rank, res in enumerate(results):
         stock = res["stock"]
         assert stock["installed"] == []

@@ -24,8 +24,10 @@ class HeteroGroups:
             raise OasesConfigError(f"world size {world} is not divisible by the TMP domain {T}")
         tp_ranks = dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())
         if tp_ranks != list(range(tp_ranks[0], tp_ranks[0] + T)):
-            raise OasesConfigError("per-layer TMP needs consecutive TP ranks (Megatron's default "
-                                   "order tp-cp-ep-dp-pp)")
+            raise OasesConfigError(
+                "per-layer TMP needs consecutive TP ranks (Megatron's default "
+                "order tp-cp-ep-dp-pp)"
+            )
         self.first = tp_ranks[0]
         self.local = self.rank - self.first
         self.degree_groups, self.pair_groups = {}, {}
@@ -39,7 +41,7 @@ class HeteroGroups:
         for d in degrees:  # every rank creates every group, in the same order
             for domain in domains:
                 for g in range(T // d):
-                    ranks = domain[g * d:(g + 1) * d]
+                    ranks = domain[g * d : (g + 1) * d]
                     group = self._new_group(ranks, d)
                     if self.rank in ranks:
                         self.degree_groups[d] = group

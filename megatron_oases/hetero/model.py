@@ -81,7 +81,7 @@ def sync_replica_grads(model, groups):
         dist.all_reduce(flat, group=groups.replica_group(d))
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
 

@@ -27,8 +27,11 @@ class HeteroStage:
 def attach_plan(model, args):
     from ..planner.plan_file import load_plan
 
-    plan = load_plan(args.oases_plan, num_layers=args.num_layers,
-                     tensor_model_parallel_size=args.tensor_model_parallel_size)
+    plan = load_plan(
+        args.oases_plan,
+        num_layers=args.num_layers,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+    )
     validate_plan_for_model(plan, args)
     groups = HeteroGroups(args.tensor_model_parallel_size, plan["degrees"])
     stage = HeteroStage(groups, apply_plan(model, plan["degrees"], groups))

@@ -29,8 +29,17 @@ class Patch:
             return False
         self._originals = []
         for owner, attr, new in self.replacements:
-            self._originals.append((owner, attr, owner.__dict__.get(attr, _MISSING)
-                                    if isinstance(owner, type) else getattr(owner, attr, _MISSING)))
+            self._originals.append(
+                (
+                    owner,
+                    attr,
+                    (
+                        owner.__dict__.get(attr, _MISSING)
+                        if isinstance(owner, type)
+                        else getattr(owner, attr, _MISSING)
+                    ),
+                )
+            )
             setattr(owner, attr, new)
         if self.on_install:
             self.on_install()

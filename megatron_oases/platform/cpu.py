@@ -73,8 +73,23 @@ def _is_cuda_device(device):
 
 
 _FACTORIES = (
-    "empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
-    "empty_strided", "eye", "linspace", "empty_like", "zeros_like", "ones_like", "full_like",
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "empty_strided",
+    "eye",
+    "linspace",
+    "empty_like",
+    "zeros_like",
+    "ones_like",
+    "full_like",
 )
 
 
@@ -264,8 +279,12 @@ def uninstall():
         return False
     from megatron.core.tensor_parallel import random as mrandom
 
-    targets = {"torch.cuda": torch.cuda, "random": mrandom, "torch": torch,
-               "torch.Tensor": torch.Tensor}
+    targets = {
+        "torch.cuda": torch.cuda,
+        "random": mrandom,
+        "torch": torch,
+        "torch.Tensor": torch.Tensor,
+    }
     for (where, name), value in _state["originals"].items():
         target = targets[where]
         if value is None:

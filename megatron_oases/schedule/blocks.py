@@ -86,12 +86,16 @@ def check_layer(layer):
     if config.sequence_parallel:
         raise OasesConfigError("sequence parallelism is not supported; drop --sequence-parallel")
     if getattr(config, "transformer_impl", "local") != "local":
-        raise OasesConfigError("--oases-schedule needs --transformer-impl local (TE linears "
-                               "communicate on their own)")
+        raise OasesConfigError(
+            "--oases-schedule needs --transformer-impl local (TE linears "
+            "communicate on their own)"
+        )
     for lin in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
         if not getattr(lin, "skip_bias_add", True) and lin.bias is not None:
-            raise OasesConfigError("row-parallel linears must use skip_bias_add (Megatron's "
-                                   "default); cannot defer their all-reduce otherwise")
+            raise OasesConfigError(
+                "row-parallel linears must use skip_bias_add (Megatron's "
+                "default); cannot defer their all-reduce otherwise"
+            )
 
 
 def split_sizes(batch, parts=2):

@@ -78,18 +78,17 @@ class ScheduledLayers:
 
     # ------------------------------------------------------------------ helpers
     def _labels(self, j, pass_):
-        b = self.blocks
-        return dict(pass_=pass_, layer=b.global_layer(j), block=b.kind(j))
+        """Tracer labels of block j's ops (``pass`` is a keyword, hence the dict)."""
+        return {"pass": pass_, "layer": self.blocks.global_layer(j), "block": self.blocks.kind(j)}
 
-    def _group(self, j):
-        return self.blocks.layer(j).self_attention.linear_proj.tp_group
+    def _compute(self, fn, j, pass_):
+        return Compute(fn, **self._labels(j, pass_))
 
-    def _comm(self, sb, key_store, j, result_store, pass_):
+    def _all_reduce(self, get, store, j, pass_):
+        """All-reduce ``get()`` on block j's TP group; the result lands in ``store[j]``."""
+        group = self.blocks.layer(j).self_attention.linear_proj.tp_group
         return Comm(
-            get=lambda: key_store.pop(j),
-            done=lambda t: result_store.__setitem__(j, t),
-            group=self._group(j),
-            **_pass_labels(self._labels(j, pass_)),
+            get=get, done=lambda t: store.__setitem__(j, t), group=group, **self._labels(j, pass_)
         )
 
     # ------------------------------------------------------------------ forward
@@ -104,18 +103,19 @@ class ScheduledLayers:
                 SubBatch(i, _leaf(p) if self.keep_graph else p, m)
                 for i, (p, m) in enumerate(zip(pieces, masks))
             ]
-            run_programs([self._forward_program(sb) for sb in self.sbs],
-                         labels=dict(microbatch=self.microbatch))
+            run_programs(
+                [self._forward_program(sb) for sb in self.sbs],
+                labels=dict(microbatch=self.microbatch),
+            )
         return torch.cat([sb.output.detach() for sb in self.sbs], dim=1)
 
     def _forward_program(self, sb):
         J = self.blocks.num_blocks
         ops = []
         for j in range(J):
-            ops.append(Compute(lambda j=j: self._fwd_block(sb, j),
-                               **_pass_labels(self._labels(j, "forward"))))
-            ops.append(self._comm(sb, sb.buf, j, sb.R, "forward"))
-        ops.append(Compute(lambda: self._fwd_tail(sb), **_pass_labels(self._labels(J - 1, "forward"))))
+            ops.append(self._compute(lambda j=j: self._fwd_block(sb, j), j, "forward"))
+            ops.append(self._all_reduce(lambda j=j: sb.buf.pop(j), sb.R, j, "forward"))
+        ops.append(self._compute(lambda: self._fwd_tail(sb), J - 1, "forward"))
         return ops
 
     def _bda_forward(self, sb, j):
@@ -157,33 +157,36 @@ class ScheduledLayers:
         sizes = [sb.input.size(1) for sb in self.sbs]
         grads = torch.split(grad_output.contiguous(), sizes, dim=1)
         J = self.blocks.num_blocks
-        builders = {"overlap": self._overlap_backward, "cross-pass": self._crosspass_backward,
-                    "oases": self._oases_backward}
+        builders = {
+            "overlap": self._overlap_backward,
+            "cross-pass": self._crosspass_backward,
+            "oases": self._oases_backward,
+        }
         with torch.enable_grad():
             for sb, g in zip(self.sbs, grads):
                 sb.gH[J] = g
-            run_programs([builders[self.mode](sb) for sb in self.sbs],
-                         labels=dict(microbatch=self.microbatch))
+            run_programs(
+                [builders[self.mode](sb) for sb in self.sbs],
+                labels=dict(microbatch=self.microbatch),
+            )
         out = torch.cat([sb.gH.pop(0) for sb in self.sbs], dim=1)
         self.sbs = []
         return out
 
     def _bwd_comm(self, sb, j):
-        return Comm(get=lambda: sb.gL.pop(j), done=lambda t: sb.gL.__setitem__(j, t),
-                    group=self._group(j), **_pass_labels(self._labels(j, "backward")))
+        """The column-parallel input-gradient all-reduce of block j (in place in ``sb.gL``)."""
+        return self._all_reduce(lambda: sb.gL.pop(j), sb.gL, j, "backward")
 
     # overlap: graphs kept from forward ------------------------------------------
     def _overlap_backward(self, sb):
         J = self.blocks.num_blocks
-        ops = [Compute(lambda: self._ov_bda(sb, J - 1), **_pass_labels(self._labels(J - 1, "backward")))]
+        ops = [self._compute(lambda: self._ov_bda(sb, J - 1), J - 1, "backward")]
         for j in reversed(range(J)):
-            lab = _pass_labels(self._labels(j, "backward"))
-            ops.append(Compute(lambda j=j: self._ov_main(sb, j), **lab))
+            ops.append(self._compute(lambda j=j: self._ov_main(sb, j), j, "backward"))
             ops.append(self._bwd_comm(sb, j))
-            ops.append(Compute(lambda j=j: self._ov_ln(sb, j), **lab))
+            ops.append(self._compute(lambda j=j: self._ov_ln(sb, j), j, "backward"))
             if j > 0:
-                ops.append(Compute(lambda j=j: self._ov_bda(sb, j - 1),
-                                   **_pass_labels(self._labels(j - 1, "backward"))))
+                ops.append(self._compute(lambda j=j: self._ov_bda(sb, j - 1), j - 1, "backward"))
         return ops
 
     def _ov_bda(self, sb, j):
@@ -201,19 +204,14 @@ class ScheduledLayers:
     # oases: fine-grained recomputation, no all-reduce in recompute ----------------
     def _oases_backward(self, sb):
         J = self.blocks.num_blocks
-        ops = [Compute(lambda: self._probe_bda(sb, J - 1),
-                       **_pass_labels(self._labels(J - 1, "backward")))]
+        ops = [self._compute(lambda: self._probe_bda(sb, J - 1), J - 1, "backward")]
         for j in reversed(range(J)):
-            ops.append(Compute(lambda j=j: self._recompute_block(sb, j),
-                               **_pass_labels(self._labels(j, "recompute"))))
-            ops.append(Compute(lambda j=j: self._ov_main(sb, j),
-                               **_pass_labels(self._labels(j, "backward"))))
+            ops.append(self._compute(lambda j=j: self._recompute_block(sb, j), j, "recompute"))
+            ops.append(self._compute(lambda j=j: self._ov_main(sb, j), j, "backward"))
             ops.append(self._bwd_comm(sb, j))
-            ops.append(Compute(lambda j=j: self._rc_ln(sb, j),
-                               **_pass_labels(self._labels(j, "backward"))))
+            ops.append(self._compute(lambda j=j: self._rc_ln(sb, j), j, "backward"))
             if j > 0:
-                ops.append(Compute(lambda j=j: self._probe_bda(sb, j - 1),
-                                   **_pass_labels(self._labels(j - 1, "backward"))))
+                ops.append(self._compute(lambda j=j: self._probe_bda(sb, j - 1), j - 1, "backward"))
         return ops
 
     def _probe_bda(self, sb, j):
@@ -244,24 +242,20 @@ class ScheduledLayers:
         ops = []
         for layer in reversed(range(self.blocks.num_blocks // 2)):
             a, m = 2 * layer, 2 * layer + 1
-            la_r, lm_r = (_pass_labels(self._labels(j, "recompute")) for j in (a, m))
-            la_b, lm_b = (_pass_labels(self._labels(j, "backward")) for j in (a, m))
             ops += [
-                Compute(lambda a=a: self._recompute_block(sb, a), **la_r),
-                Comm(get=lambda a=a: sb.P[a].detach(),
-                     done=lambda t, a=a: sb.R.__setitem__(a, t), group=self._group(a), **la_r),
-                Compute(lambda a=a, m=m: self._cp_mid(sb, a, m), **lm_r),
-                Comm(get=lambda m=m: sb.P[m].detach(),
-                     done=lambda t, m=m: sb.R.__setitem__(m, t), group=self._group(m), **lm_r),
-                Compute(lambda m=m: self._cp_tail(sb, m), **lm_r),
-                Compute(lambda m=m: self._ov_bda(sb, m), **lm_b),
-                Compute(lambda m=m: self._ov_main(sb, m), **lm_b),
+                self._compute(lambda a=a: self._recompute_block(sb, a), a, "recompute"),
+                self._all_reduce(lambda a=a: sb.P[a].detach(), sb.R, a, "recompute"),
+                self._compute(lambda a=a, m=m: self._cp_mid(sb, a, m), m, "recompute"),
+                self._all_reduce(lambda m=m: sb.P[m].detach(), sb.R, m, "recompute"),
+                self._compute(lambda m=m: self._cp_tail(sb, m), m, "recompute"),
+                self._compute(lambda m=m: self._ov_bda(sb, m), m, "backward"),
+                self._compute(lambda m=m: self._ov_main(sb, m), m, "backward"),
                 self._bwd_comm(sb, m),
-                Compute(lambda m=m: self._ov_ln(sb, m), **lm_b),
-                Compute(lambda a=a: self._ov_bda(sb, a), **la_b),
-                Compute(lambda a=a: self._ov_main(sb, a), **la_b),
+                self._compute(lambda m=m: self._ov_ln(sb, m), m, "backward"),
+                self._compute(lambda a=a: self._ov_bda(sb, a), a, "backward"),
+                self._compute(lambda a=a: self._ov_main(sb, a), a, "backward"),
                 self._bwd_comm(sb, a),
-                Compute(lambda a=a: self._rc_ln(sb, a), **la_b),
+                self._compute(lambda a=a: self._rc_ln(sb, a), a, "backward"),
             ]
         return ops
 
@@ -277,14 +271,6 @@ class ScheduledLayers:
         R = sb.R[m] = _leaf(sb.R[m])
         with _rng(sb.rng.pop(("bda", m))):
             sb.hout[m] = self.blocks.bda(m, R, sb.B[m], sb.H[m])
-
-
-
-def _pass_labels(labels):
-    """Tracer labels: ``pass`` is a keyword, so it travels as ``pass_`` until here."""
-    out = dict(labels)
-    out["pass"] = out.pop("pass_")
-    return out
 
 
 class ScheduledLayersFunction(torch.autograd.Function):

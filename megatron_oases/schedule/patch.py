@@ -22,10 +22,10 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
 from ..errors import OasesConfigError
-from ..patches.registry import Patch
-from . import trace as trace_mod
 from ..hetero.model import make_param_is_not_tp_duplicate
 from ..hetero.reshard import reshard
+from ..patches.registry import Patch
+from . import trace as trace_mod
 from .blocks import LayerBlocks
 from .comm import make_column_forward, make_reduce_from_tp_region
 from .engine import SCHEDULES, ScheduledLayers, ScheduledLayersFunction
@@ -36,7 +36,9 @@ logger = logging.getLogger(__name__)
 def validate_schedule_args(args):
     mode = args.oases_schedule
     if mode not in SCHEDULES:
-        raise OasesConfigError(f"unknown --oases-schedule {mode}; choose off or {', '.join(SCHEDULES)}")
+        raise OasesConfigError(
+            f"unknown --oases-schedule {mode}; choose off or {', '.join(SCHEDULES)}"
+        )
     if mode in ("cross-pass", "oases"):
         if args.recompute_granularity != "full":
             raise OasesConfigError(
@@ -59,21 +61,48 @@ def make_block_forward(original, mode):
     """``TransformerBlock.forward`` running the layers as degree runs (plan) through ``mode``."""
     counter = {"microbatch": 0}
 
-    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None,
-                rotary_pos_emb=None, rotary_pos_cos=None, rotary_pos_sin=None,
-                rotary_pos_cos_sin=None, attention_bias=None, inference_context=None,
-                packed_seq_params=None, sequence_len_offset=None, padding_mask=None, **kwargs):
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        context=None,
+        context_mask=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        inference_context=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        padding_mask=None,
+        **kwargs,
+    ):
         # Eval/inference: stock code. (A degree-d layer fed the whole micro-batch is still
         # correct — each d-group computes the same result — so plans need no special case.)
         if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0:
             return original(
-                self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
-                rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, attention_bias,
-                inference_context, packed_seq_params, sequence_len_offset, padding_mask, **kwargs
+                self,
+                hidden_states,
+                attention_mask,
+                context,
+                context_mask,
+                rotary_pos_emb,
+                rotary_pos_cos,
+                rotary_pos_sin,
+                rotary_pos_cos_sin,
+                attention_bias,
+                inference_context,
+                packed_seq_params,
+                sequence_len_offset,
+                padding_mask,
+                **kwargs,
             )
         if context is not None or packed_seq_params is not None or inference_context is not None:
-            raise OasesConfigError("--oases-schedule supports decoder-only training without packed "
-                                   "sequences or cross-attention; use --oases-schedule off")
+            raise OasesConfigError(
+                "--oases-schedule supports decoder-only training without packed "
+                "sequences or cross-attention; use --oases-schedule off"
+            )
         if not self.pre_process:
             hidden_states = self.input_tensor
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
@@ -94,11 +123,13 @@ def make_block_forward(original, mode):
                 hidden_states = reshard(hidden_states, degree, d, hetero.groups)
                 degree = d
             if mode == "off":
-                hidden_states = _stock_layers(self, layers, hidden_states, attention_mask,
-                                              rotary_pos_emb, attention_bias)
+                hidden_states = _stock_layers(
+                    self, layers, hidden_states, attention_mask, rotary_pos_emb, attention_bias
+                )
             else:
                 run = ScheduledLayers(
-                    LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias), mode,
+                    LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias),
+                    mode,
                     microbatch=mb,
                 )
                 hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
@@ -120,13 +151,18 @@ def _stock_layers(block, layers, hidden, attention_mask, rotary_pos_emb, attenti
     from megatron.core import tensor_parallel
 
     def call(layer, h):
-        return layer(hidden_states=h, attention_mask=attention_mask,
-                     rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias)[0]
+        return layer(
+            hidden_states=h,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            attention_bias=attention_bias,
+        )[0]
 
     for layer in layers:
         if block.config.recompute_granularity == "full":
-            hidden = tensor_parallel.checkpoint(lambda h, layer=layer: call(layer, h), False,
-                                                hidden)
+            hidden = tensor_parallel.checkpoint(
+                lambda h, layer=layer: call(layer, h), False, hidden
+            )
         else:
             hidden = call(layer, hidden)
     return hidden
@@ -146,13 +182,20 @@ def make_patch(args):
 
     replacements = [
         (TransformerBlock, "forward", make_block_forward(TransformerBlock.forward, mode)),
-        (tp_layers, "reduce_from_tensor_model_parallel_region",
-         make_reduce_from_tp_region(tp_layers.reduce_from_tensor_model_parallel_region)),
+        (
+            tp_layers,
+            "reduce_from_tensor_model_parallel_region",
+            make_reduce_from_tp_region(tp_layers.reduce_from_tensor_model_parallel_region),
+        ),
         (ColumnParallelLinear, "forward", make_column_forward(ColumnParallelLinear.forward)),
     ]
     if plan:  # grad-norm clipping counts each replica of a degree-d shard once
         for owner in (tensor_parallel, clip_grads):
-            replacements.append((owner, "param_is_not_tensor_parallel_duplicate",
-                                 make_param_is_not_tp_duplicate(
-                                     owner.param_is_not_tensor_parallel_duplicate)))
+            replacements.append(
+                (
+                    owner,
+                    "param_is_not_tensor_parallel_duplicate",
+                    make_param_is_not_tp_duplicate(owner.param_is_not_tensor_parallel_duplicate),
+                )
+            )
     return Patch("oases-schedule", replacements=replacements)

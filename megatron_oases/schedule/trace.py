@@ -32,8 +32,9 @@ class Tracer:
         self.events = []
         self.iteration = None
         self.t0 = time.perf_counter()
-        self._ctx = [{"pass": "forward", "layer": -1, "block": "other", "sub_batch": -1,
-                      "microbatch": -1}]
+        self._ctx = [
+            {"pass": "forward", "layer": -1, "block": "other", "sub_batch": -1, "microbatch": -1}
+        ]
         self.enabled = True
 
     def _now(self):
@@ -74,13 +75,29 @@ class Tracer:
                 yield
             finally:
                 if self.enabled:
-                    self.events.append(_event(name or _label(ctx), "compute", self.rank, 0, start,
-                                              self._now() - start, ctx))
+                    self.events.append(
+                        _event(
+                            name or _label(ctx),
+                            "compute",
+                            self.rank,
+                            0,
+                            start,
+                            self._now() - start,
+                            ctx,
+                        )
+                    )
 
     def comm_issue(self, op, nbytes, group_size, async_op):
         """Record a communication issue; returns a record to pass to wait/done."""
-        rec = dict(self.current, op=op, bytes=int(nbytes), group_size=group_size,
-                   issue_us=self._now(), wait_us=None, done_us=None)
+        rec = dict(
+            self.current,
+            op=op,
+            bytes=int(nbytes),
+            group_size=group_size,
+            issue_us=self._now(),
+            wait_us=None,
+            done_us=None,
+        )
         rec["async"] = bool(async_op)
         return rec
 
@@ -92,15 +109,28 @@ class Tracer:
         if rec["wait_us"] is None:
             rec["wait_us"] = rec["issue_us"]
         if self.enabled:
-            self.events.append(_event(rec["op"], "comm", self.rank, 1, rec["issue_us"],
-                                      rec["done_us"] - rec["issue_us"], rec))
+            self.events.append(
+                _event(
+                    rec["op"],
+                    "comm",
+                    self.rank,
+                    1,
+                    rec["issue_us"],
+                    rec["done_us"] - rec["issue_us"],
+                    rec,
+                )
+            )
 
     def to_json(self):
         return {
             "traceEvents": sorted(self.events, key=lambda e: e["ts"]),
-            "metadata": {"rank": self.rank, "world_size": self.world_size,
-                         "schedule": self.schedule, "iteration": self.iteration,
-                         "iteration_time_us": getattr(self, "iteration_time_us", self._now())},
+            "metadata": {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "schedule": self.schedule,
+                "iteration": self.iteration,
+                "iteration_time_us": getattr(self, "iteration_time_us", self._now()),
+            },
         }
 
     def dump(self, path):
@@ -116,8 +146,16 @@ def _label(ctx):
 
 
 def _event(name, cat, pid, tid, ts, dur, args):
-    return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur,
-            "args": dict(args)}
+    return {
+        "name": name,
+        "cat": cat,
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": ts,
+        "dur": dur,
+        "args": dict(args),
+    }
 
 
 def trace_path(pattern, rank):

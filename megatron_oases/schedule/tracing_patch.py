@@ -69,8 +69,12 @@ class TracePatch(Patch):
                 if p == "backward":
                     labels["layer"] = patch._bwd_layer
             with tracer.context(**labels):
-                rec = tracer.comm_issue("all_reduce", tensor.numel() * tensor.element_size(),
-                                        dist.get_world_size(group), async_op)
+                rec = tracer.comm_issue(
+                    "all_reduce",
+                    tensor.numel() * tensor.element_size(),
+                    dist.get_world_size(group),
+                    async_op,
+                )
             work = orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
             if async_op:
                 return _TracedWork(work, tracer, rec)
@@ -92,16 +96,20 @@ class TracePatch(Patch):
 
         super().__init__(
             "oases-trace",
-            replacements=[(dist, "all_reduce", all_reduce),
-                          (TransformerLayer, "forward", layer_forward)],
+            replacements=[
+                (dist, "all_reduce", all_reduce),
+                (TransformerLayer, "forward", layer_forward),
+            ],
             on_install=self._start,
             on_uninstall=self._finish,
         )
 
     def _hook(self, tensor, layer):
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+
             def set_layer(grad):
                 self._bwd_layer = layer
+
             tensor.register_hook(set_layer)
 
     def _start(self):

@@ -34,8 +34,9 @@ def _worker(rank, world_size, port, fn, args, queue):
         import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+        )
         result = fn(*args)
         # Serialise here: tensors sent through a Queue use shared-memory fds that die with us.
         buf = io.BytesIO()
@@ -100,8 +101,16 @@ def run_distributed(fn, world_size, *args, timeout=300):
 def run_torchrun(argv, nproc, timeout=300, env=None, module="megatron_oases"):
     """Launch ``python -m torch.distributed.run --nproc_per_node N -m <module> argv``."""
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", str(find_free_port()), "-m", module, *argv,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(find_free_port()),
+        "-m",
+        module,
+        *argv,
     ]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)

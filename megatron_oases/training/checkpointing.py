@@ -26,8 +26,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _layout(args):
-    return {"world_size": dist.get_world_size(), "tp": args.tensor_model_parallel_size,
-            "pp": args.pipeline_model_parallel_size, "plan": getattr(args, "oases_plan", None)}
+    return {
+        "world_size": dist.get_world_size(),
+        "tp": args.tensor_model_parallel_size,
+        "pp": args.pipeline_model_parallel_size,
+        "plan": getattr(args, "oases_plan", None),
+    }
 
 
 def _torch_optimizer(optimizer):
@@ -48,15 +52,21 @@ def save_checkpoint(root, iteration, model, optimizer, args):
             entry["step"] = st["step"].clone() if torch.is_tensor(st["step"]) else st["step"]
         entries[name] = entry
     it_dir = os.path.join(root, f"iter_{iteration:07d}")
-    writer = (parallel_state.get_tensor_model_parallel_rank() == 0
-              and parallel_state.get_data_parallel_rank() == 0)
+    writer = (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
     os.makedirs(os.path.join(it_dir, "rng"), exist_ok=True)
     if writer:
         stage = parallel_state.get_pipeline_model_parallel_rank()
-        torch.save({"iteration": iteration, "params": entries},
-                   os.path.join(it_dir, f"stage_{stage:03d}.pt"))
-    torch.save({"layout": _layout(args), "rng": _rng_state()},
-               os.path.join(it_dir, "rng", f"rank_{dist.get_rank()}.pt"))
+        torch.save(
+            {"iteration": iteration, "params": entries},
+            os.path.join(it_dir, f"stage_{stage:03d}.pt"),
+        )
+    torch.save(
+        {"layout": _layout(args), "rng": _rng_state()},
+        os.path.join(it_dir, "rng", f"rank_{dist.get_rank()}.pt"),
+    )
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(root, TRACKER), "w") as f:
@@ -90,19 +100,24 @@ def load_checkpoint(root, model, optimizer, args):
     with torch.no_grad():
         for name, p in global_param_names(module):
             if name not in entries:
-                raise OasesConfigError(f"checkpoint under {root} has no parameter {name}; it was "
-                                       "saved from a different model shape")
+                raise OasesConfigError(
+                    f"checkpoint under {root} has no parameter {name}; it was "
+                    "saved from a different model shape"
+                )
             entry = entries[name]
             size, rank = getattr(p, "_oases_tp", (tp_size, tp_rank))
             dim, full_shape, gated = shard_spec(p, name, size)
             if tuple(entry["param"].shape) != tuple(full_shape):
-                raise OasesConfigError(f"{name}: checkpoint shape {tuple(entry['param'].shape)} "
-                                       f"≠ model shape {tuple(full_shape)}")
+                raise OasesConfigError(
+                    f"{name}: checkpoint shape {tuple(entry['param'].shape)} "
+                    f"≠ model shape {tuple(full_shape)}"
+                )
             p.copy_(take_shard(entry["param"], dim, rank, size, gated))
             if "step" in entry:
                 st = {k: take_shard(entry[k], dim, rank, size, gated).clone() for k in MOMENTS}
-                st["step"] = entry["step"].clone() if torch.is_tensor(entry["step"]) \
-                    else entry["step"]
+                st["step"] = (
+                    entry["step"].clone() if torch.is_tensor(entry["step"]) else entry["step"]
+                )
                 opt.state[p] = st
     rng_path = os.path.join(root, f"iter_{iteration:07d}", "rng", f"rank_{dist.get_rank()}.pt")
     if os.path.exists(rng_path):
@@ -117,8 +132,9 @@ def _rng_state():
         "random": random.getstate(),
         "np": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "tracker": {k: v.clone()
-                    for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+        "tracker": {
+            k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()
+        },
     }
 
 

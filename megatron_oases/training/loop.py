@@ -129,8 +129,12 @@ def _is_logging_rank():
 
 
 def _golden(values, start):
-    return {"start_step": start, "end_step": start + len(values) - 1, "step_interval": 1,
-            "values": values}
+    return {
+        "start_step": start,
+        "end_step": start + len(values) - 1,
+        "step_interval": 1,
+        "values": values,
+    }
 
 
 def train(args, install_patches=None):

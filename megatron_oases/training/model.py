@@ -86,7 +86,7 @@ def global_param_names(model):
     for name, param in model.named_parameters():
         for local, glob in layer_of.items():
             if name.startswith(local):
-                name = glob + name[len(local):]
+                name = glob + name[len(local) :]
                 break
         if getattr(param, "shared_embedding", False) and name == "output_layer.weight":
             name = "embedding.word_embeddings.weight"
@@ -144,8 +144,9 @@ def full_tensor(t, param, name):
     """Gather a TP-sharded tensor of ``param`` (its value, grad or optimizer state) to full size."""
     import torch.distributed as dist
 
-    size, _ = getattr(param, "_oases_tp", (parallel_state.get_tensor_model_parallel_world_size(),
-                                            None))
+    size, _ = getattr(
+        param, "_oases_tp", (parallel_state.get_tensor_model_parallel_world_size(), None)
+    )
     dim, _, gated = shard_spec(param, name, size)
     if dim is None:
         return t
