@@ -21,7 +21,7 @@ from .variants import DEFAULT_VARIANTS, RESERVED, VARIANTS, estimate_memory_gb, 
 def build_parser():
     p = argparse.ArgumentParser(
         prog="oases compare",
-        description=__doc__.split("\n\n")[0] + " All other flags are passed to every "
+        description=__doc__.split("\n\n")[0].replace("``", "") + " All other flags are passed to every "
         "`oases train` run (model, batch, parallelism).",
         epilog="example: oases compare --emulate-link rtx3090-pcie --nproc 2 -- "
         "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 1024 "
