@@ -34,7 +34,14 @@ not cover (``all_to_all``, ``all_to_all_single``, ``scatter``, ``gather``, ``red
 
 Wrappers carry ``__wrapped__`` and keep ``__name__``, so a tracer installed after the emulator can wrap
 them again: it sees the emulated issue, wait and completion times, and ``EmulatedWork`` behaves like a
-``torch.distributed.Work`` (``wait``, ``is_completed``, ``is_success``, ``exception``, …).
+``torch.distributed.Work`` (``wait``, ``is_completed``, ``is_success``, ``exception``, …; only
+``get_future()`` is the real work's future, not delayed). ``EmulatedWork.done_at`` is the modelled
+completion on the ``time.perf_counter`` clock, for tracers that want to record it.
+
+Each rank prints, when the patch is removed, the time it spent blocked in emulated ops and the share
+of a core its compute thread got while not blocked: below 1.0 the host was contended, which slows the
+compute but not the (modelled) communication, so the run under-states the target's communication
+share.
 
 Environment overrides (used by ``oases compare`` to give every variant the identical emulator):
 ``OASES_EMULATE_DILATION`` (D itself) or ``OASES_HOST_FLOPS`` (the host rate; D = profile ÷ it).
