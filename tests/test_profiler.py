@@ -128,6 +128,8 @@ def measured(tmp_path_factory):
             "profile",
             "--model",
             str(model),
+            "--timeout",
+            "300",
             "--repeats",
             "1",
             "--cache-dir",

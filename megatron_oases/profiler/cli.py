@@ -75,6 +75,12 @@ def build_parser():
     p.add_argument(
         "--no-cache", action="store_true", help="measure even if a cached profile matches"
     )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600,
+        help="measured: seconds before the spawned ranks are killed",
+    )
     p.add_argument("--out", required=True, help="profile JSON to write")
     return p
 
@@ -137,6 +143,7 @@ def main(argv):
             repeats=args.repeats,
             cache_dir=args.cache_dir,
             use_cache=not args.no_cache,
+            timeout=args.timeout,
         )
     if data is None:  # a non-zero rank under torchrun: rank 0 writes the file
         return 0
