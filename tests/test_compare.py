@@ -64,6 +64,10 @@ def test_variants_and_flags():
     assert "--recompute-granularity" not in VARIANTS["megatron-norecompute"].flags
     for name in ("overlap", "cross-pass", "oases"):
         assert VARIANTS[name].flags[:2] == ("--oases-schedule", name)
+    # Control variant: stock Megatron on sub-batch-sized micro-batches, same tokens per iteration.
+    base = parse(TINY + ["--mock-data", "--global-batch-size", "8"], world_size=2)
+    flags = VARIANTS["megatron-halfmb"].resolved_flags(base)
+    assert flags[-4:] == ("--micro-batch-size", "1", "--global-batch-size", "8")
 
 
 def test_loss_check_flags_disagreement():

@@ -9,6 +9,7 @@ the variants' losses disagree.
 """
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -21,7 +22,8 @@ from .variants import DEFAULT_VARIANTS, RESERVED, VARIANTS, estimate_memory_gb, 
 def build_parser():
     p = argparse.ArgumentParser(
         prog="oases compare",
-        description=__doc__.split("\n\n")[0].replace("``", "") + " All other flags are passed to every "
+        description=__doc__.split("\n\n")[0].replace("``", "")
+        + " All other flags are passed to every "
         "`oases train` run (model, batch, parallelism).",
         epilog="example: oases compare --emulate-link rtx3090-pcie --nproc 2 -- "
         "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 1024 "
@@ -117,6 +119,8 @@ def main(argv):
         train_argv += ["--hidden-dropout", "0", "--attention-dropout", "0"]
     if not _has_flag(train_argv, "--mock-data"):
         train_argv.append("--mock-data")
+    base = _validate(VARIANTS["megatron"], train_argv, own.nproc)
+    variants = [dataclasses.replace(v, flags=v.resolved_flags(base)) for v in variants]
     parsed = {v.name: _validate(v, train_argv, own.nproc) for v in variants}
     rtol = own.loss_rtol
     if rtol is None:
@@ -136,7 +140,7 @@ def main(argv):
 
         emulation = _emulation_info(profile, threads, env)
         comm_model = emulated_comm_model(emulation)
-    first = parsed[variants[0].name]
+    first = base
     tokens = first.global_batch_size * first.seq_length
     model = (
         f"H={first.hidden_size}, L={first.num_layers}, heads={first.num_attention_heads}, "

@@ -14,6 +14,23 @@ class Variant:
     recompute: bool = True
     available: bool = True
     note: str = ""
+    split_micro_batch: bool = False  # halve the micro-batch, double the micro-batches
+
+    def resolved_flags(self, base_args):
+        """Flags for this variant given the validated base (stock) arguments."""
+        if not self.split_micro_batch:
+            return tuple(self.flags)
+        mb = base_args.micro_batch_size
+        if mb < 2 or mb % 2:
+            raise OasesConfigError(
+                f"variant {self.name} halves the micro-batch: use an even --micro-batch-size >= 2"
+            )
+        return tuple(self.flags) + (
+            "--micro-batch-size",
+            str(mb // 2),
+            "--global-batch-size",
+            str(base_args.global_batch_size),
+        )
 
 
 _FULL = ("--recompute-granularity", "full")
@@ -32,6 +49,13 @@ VARIANTS = {
             "stock Megatron-Core, no recompute",
             "-",
             recompute=False,
+        ),
+        Variant(
+            "megatron-halfmb",
+            ("--oases-schedule", "off") + _FULL,
+            "stock, full recompute, micro-batch/2 x 2 (control: sub-batch-sized ops, no overlap)",
+            "-",
+            split_micro_batch=True,
         ),
         Variant(
             "overlap",
