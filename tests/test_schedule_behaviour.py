@@ -15,23 +15,25 @@ from megatron_oases.testing.runs import max_rel_diff
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
 BASE = (
     GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
-    "--global-batch-size 4 " + RECOMPUTE
+    "--global-batch-size 4 "
 )
+R = RECOMPUTE
 DROP = "--hidden-dropout 0.2 --attention-dropout 0.2 "
 
 
 @pytest.mark.timeout(300)
 def test_dropout_recompute_is_rng_exact_and_deterministic():
     variants = [
-        ("overlap", "--oases-schedule overlap"),
-        ("cross-pass", "--oases-schedule cross-pass"),
-        ("oases", "--oases-schedule oases"),
-        ("oases-again", "--oases-schedule oases"),
-        ("stock", "--oases-schedule off"),
+        ("overlap", "--oases-schedule overlap"),  # splits the same way, recomputes nothing
+        ("overlap-recompute", R + "--oases-schedule overlap"),
+        ("cross-pass", R + "--oases-schedule cross-pass"),
+        ("oases", R + "--oases-schedule oases"),
+        ("oases-again", R + "--oases-schedule oases"),
+        ("stock", R + "--oases-schedule off"),
     ]
     for res in run_distributed(schedules_worker, 2, BASE + DROP, variants, timeout=280):
         ref = res["overlap"]
-        for name in ("cross-pass", "oases"):
+        for name in ("overlap-recompute", "cross-pass", "oases"):
             assert max_rel_diff(res[name]["losses"], ref["losses"]) < 1e-6, name
             for p, g in ref["grads"].items():
                 assert max_rel_diff(res[name]["grads"][p], g) < 1e-6, (name, p)
@@ -45,7 +47,7 @@ def test_dropout_recompute_is_rng_exact_and_deterministic():
 
 @pytest.mark.timeout(300)
 def test_dropout_training_run_tracks_stock():
-    variants = [("stock", "--oases-schedule off"), ("oases", "--oases-schedule oases")]
+    variants = [("stock", R + "--oases-schedule off"), ("oases", R + "--oases-schedule oases")]
     res = run_distributed(
         schedules_worker, 2, BASE + DROP + "--lr 1e-2", variants, 8, True, False, timeout=280
     )[-1]
@@ -69,10 +71,11 @@ def _trace_worker(base, variants, outdir):
 def traces(tmp_path_factory):
     out = tmp_path_factory.mktemp("traces")
     variants = [
-        ("stock", "--oases-schedule off"),
-        ("oases", "--oases-schedule oases"),
-        ("cross-pass", "--oases-schedule cross-pass"),
+        ("stock", R + "--oases-schedule off"),
+        ("oases", R + "--oases-schedule oases"),
+        ("cross-pass", R + "--oases-schedule cross-pass"),
         ("overlap", "--oases-schedule overlap"),
+        ("overlap-recompute", R + "--oases-schedule overlap"),
     ]
     run_distributed(_trace_worker, 2, BASE, variants, str(out), timeout=280)
     return {
@@ -105,12 +108,17 @@ def test_communication_accounting(traces):
             for p in ("forward", "recompute", "backward")
         ]
         assert per_block == [1, 0, 1]  # 2 per block: no all-reduce in recomputation
-    for rank_trace in traces["cross-pass"]:
-        per_block = [
-            _count(rank_trace, p) / (blocks * microbatches * sub_batches)
-            for p in ("forward", "recompute", "backward")
-        ]
-        assert per_block == [1, 1, 1]
+    for name, expected in (
+        ("cross-pass", [1, 1, 1]),
+        ("overlap-recompute", [1, 1, 1]),
+        ("overlap", [1, 0, 1]),
+    ):
+        for rank_trace in traces[name]:
+            per_block = [
+                _count(rank_trace, p) / (blocks * microbatches * sub_batches)
+                for p in ("forward", "recompute", "backward")
+            ]
+            assert per_block == expected, name
 
 
 def _overlapped_by_other(comm, computes):
@@ -187,6 +195,7 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
         ("stock-no-recompute", "--oases-schedule off"),
         ("oases", RECOMPUTE + "--oases-schedule oases"),
         ("cross-pass", RECOMPUTE + "--oases-schedule cross-pass"),
+        ("overlap-recompute", RECOMPUTE + "--oases-schedule overlap"),
         ("overlap", "--oases-schedule overlap"),
     ]
     peaks = run_distributed(_memory_worker, 2, base, variants, timeout=280)[0]
@@ -195,6 +204,7 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
     assert peaks["stock-no-recompute"] > 1.3 * full  # the meter sees what recompute saves
     assert peaks["oases"] <= 1.15 * full, peaks
     assert peaks["cross-pass"] <= 1.15 * full, peaks
+    assert peaks["overlap-recompute"] <= 1.15 * full, peaks
 
 
 def _uninstall_worker(base):
@@ -227,7 +237,7 @@ def _uninstall_worker(base):
 
 @pytest.mark.timeout(300)
 def test_uninstall_restores_stock_exactly():
-    for res in run_distributed(_uninstall_worker, 2, BASE + DROP, timeout=280):
+    for res in run_distributed(_uninstall_worker, 2, BASE + DROP + R, timeout=280):
         assert res["same_objects"]
         assert res["before"]["losses"] == res["after"]["losses"]
         for p, g in res["before"]["grads"].items():

@@ -4,7 +4,10 @@
 micro-batch into two sub-batches along the batch dim of [s, b, h] and runs them through
 :func:`.executor.run_programs`; its backward builds the backward programs for the schedule:
 
-``overlap``      forward keeps per-block autograd graphs; backward walks them, no recomputation.
+``overlap``      without recomputation, forward keeps per-block autograd graphs and backward walks
+                 them; with ``--recompute-granularity full`` it is the paper's basic pipelined
+                 schedule (Fig. 3b, Merak-like): each layer is recomputed and back-propagated in
+                 two passes, each overlapped across sub-batches, with a barrier between them.
 ``cross-pass``   forward saves each layer's input (Megatron's full/uniform recompute); backward
                  recomputes a layer (issuing its forward all-reduces again, asynchronously) and
                  runs its backward in *one* op sequence per sub-batch — no barrier between the
@@ -70,10 +73,19 @@ class SubBatch:
 class ScheduledLayers:
     """One micro-batch through a stage's blocks under ``mode``; owns no global state."""
 
-    def __init__(self, blocks, mode, microbatch=-1):
+    def __init__(self, blocks, mode, microbatch=-1, recompute=True):
         assert mode in SCHEDULES, mode
         self.blocks, self.mode, self.microbatch = blocks, mode, microbatch
-        self.keep_graph = mode == "overlap"
+        # What forward keeps: autograd graphs (overlap without recompute), each layer's input
+        # (Megatron's full/uniform recompute: overlap with recompute, cross-pass) or each
+        # block's input (oases' fine-grained recompute).
+        if mode == "oases":
+            self.checkpoint = "block"
+        elif mode == "cross-pass" or recompute:
+            self.checkpoint = "layer"
+        else:
+            self.checkpoint = "none"
+        self.keep_graph = self.checkpoint == "none"
         self.sbs = []
 
     # ------------------------------------------------------------------ helpers
@@ -124,7 +136,7 @@ class ScheduledLayers:
         if recompute:
             sb.rng[("bda", j)] = _snapshot()
             out = self.blocks.bda(j, sb.R.pop(j), sb.B[j], sb.H[j])
-            if self.mode == "cross-pass" and j % 2 == 1:
+            if self.checkpoint == "layer" and j % 2 == 1:
                 sb.H.pop(j)  # layer-granular checkpoint: keep only layer inputs
             return out
         R = sb.R[j] = _leaf(sb.R[j])
@@ -137,7 +149,7 @@ class ScheduledLayers:
         else:
             out = self._bda_forward(sb, j - 1)
             H = _leaf(out) if self.keep_graph else out
-        sb.H[j] = H  # cross-pass drops odd blocks' H again after bda_j (layer inputs only)
+        sb.H[j] = H  # a layer checkpoint drops odd blocks' H again after bda_j
         if self.keep_graph:
             Lout = sb.Lout[j] = self.blocks.ln(j, H)
             L = sb.L[j] = _leaf(Lout)
@@ -157,18 +169,21 @@ class ScheduledLayers:
         sizes = [sb.input.size(1) for sb in self.sbs]
         grads = torch.split(grad_output.contiguous(), sizes, dim=1)
         J = self.blocks.num_blocks
-        builders = {
-            "overlap": self._overlap_backward,
-            "cross-pass": self._crosspass_backward,
-            "oases": self._oases_backward,
-        }
+        labels = dict(microbatch=self.microbatch)
         with torch.enable_grad():
             for sb, g in zip(self.sbs, grads):
                 sb.gH[J] = g
-            run_programs(
-                [builders[self.mode](sb) for sb in self.sbs],
-                labels=dict(microbatch=self.microbatch),
-            )
+            if self.checkpoint == "none":
+                run_programs([self._overlap_backward(sb) for sb in self.sbs], labels=labels)
+            elif self.checkpoint == "block":
+                run_programs([self._oases_backward(sb) for sb in self.sbs], labels=labels)
+            elif self.mode == "cross-pass":  # one op sequence per sub-batch, no pass barrier
+                run_programs([self._crosspass_backward(sb) for sb in self.sbs], labels=labels)
+            else:  # overlap with recompute (paper Fig. 3b): a barrier around every pass
+                for layer in reversed(range(J // 2)):
+                    phases = [self._layer_phases(sb, layer) for sb in self.sbs]
+                    run_programs([p[0] for p in phases], labels=labels)  # recompute pass
+                    run_programs([p[1] for p in phases], labels=labels)  # backward pass
         out = torch.cat([sb.gH.pop(0) for sb in self.sbs], dim=1)
         self.sbs = []
         return out
@@ -241,23 +256,31 @@ class ScheduledLayers:
     def _crosspass_backward(self, sb):
         ops = []
         for layer in reversed(range(self.blocks.num_blocks // 2)):
-            a, m = 2 * layer, 2 * layer + 1
-            ops += [
-                self._compute(lambda a=a: self._recompute_block(sb, a), a, "recompute"),
-                self._all_reduce(lambda a=a: sb.P[a].detach(), sb.R, a, "recompute"),
-                self._compute(lambda a=a, m=m: self._cp_mid(sb, a, m), m, "recompute"),
-                self._all_reduce(lambda m=m: sb.P[m].detach(), sb.R, m, "recompute"),
-                self._compute(lambda m=m: self._cp_tail(sb, m), m, "recompute"),
-                self._compute(lambda m=m: self._ov_bda(sb, m), m, "backward"),
-                self._compute(lambda m=m: self._ov_main(sb, m), m, "backward"),
-                self._bwd_comm(sb, m),
-                self._compute(lambda m=m: self._ov_ln(sb, m), m, "backward"),
-                self._compute(lambda a=a: self._ov_bda(sb, a), a, "backward"),
-                self._compute(lambda a=a: self._ov_main(sb, a), a, "backward"),
-                self._bwd_comm(sb, a),
-                self._compute(lambda a=a: self._rc_ln(sb, a), a, "backward"),
-            ]
+            recompute, backward = self._layer_phases(sb, layer)
+            ops += recompute + backward
         return ops
+
+    def _layer_phases(self, sb, layer):
+        """Recompute ops (with the layer's forward all-reduces) and backward ops of one layer."""
+        a, m = 2 * layer, 2 * layer + 1
+        recompute = [
+            self._compute(lambda: self._recompute_block(sb, a), a, "recompute"),
+            self._all_reduce(lambda: sb.P[a].detach(), sb.R, a, "recompute"),
+            self._compute(lambda: self._cp_mid(sb, a, m), m, "recompute"),
+            self._all_reduce(lambda: sb.P[m].detach(), sb.R, m, "recompute"),
+            self._compute(lambda: self._cp_tail(sb, m), m, "recompute"),
+        ]
+        backward = [
+            self._compute(lambda: self._ov_bda(sb, m), m, "backward"),
+            self._compute(lambda: self._ov_main(sb, m), m, "backward"),
+            self._bwd_comm(sb, m),
+            self._compute(lambda: self._ov_ln(sb, m), m, "backward"),
+            self._compute(lambda: self._ov_bda(sb, a), a, "backward"),
+            self._compute(lambda: self._ov_main(sb, a), a, "backward"),
+            self._bwd_comm(sb, a),
+            self._compute(lambda: self._rc_ln(sb, a), a, "backward"),
+        ]
+        return recompute, backward
 
     def _cp_mid(self, sb, a, m):
         """Recompute bda_a (needs the recomputed all-reduce) and block m up to its partial sum."""

@@ -39,12 +39,12 @@ def validate_schedule_args(args):
         raise OasesConfigError(
             f"unknown --oases-schedule {mode}; choose off or {', '.join(SCHEDULES)}"
         )
-    if mode in ("cross-pass", "oases"):
-        if args.recompute_granularity != "full":
-            raise OasesConfigError(
-                f"--oases-schedule {mode} merges recompute with backward; add "
-                "--recompute-granularity full or use --oases-schedule overlap"
-            )
+    if mode in ("cross-pass", "oases") and args.recompute_granularity != "full":
+        raise OasesConfigError(
+            f"--oases-schedule {mode} merges recompute with backward; add "
+            "--recompute-granularity full or use --oases-schedule overlap"
+        )
+    if args.recompute_granularity == "full":
         if args.recompute_method != "uniform" or (args.recompute_num_layers or 1) != 1:
             raise OasesConfigError(
                 f"--oases-schedule {mode} recomputes every layer; use --recompute-method uniform "
@@ -131,6 +131,7 @@ def make_block_forward(original, mode):
                     LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias),
                     mode,
                     microbatch=mb,
+                    recompute=self.config.recompute_granularity == "full",
                 )
                 hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
         if hetero is not None:
