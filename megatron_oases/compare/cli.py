@@ -41,6 +41,12 @@ def build_parser():
         metavar="PROFILE",
         help="emulate a cluster's links (configs/clusters/PROFILE.yaml)",
     )
+    p.add_argument(
+        "--oases-plan",
+        default=None,
+        metavar="PATH",
+        help="per-layer TMP plan (from `oases plan`) for the oases+planner variant only",
+    )
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per variant")
     p.add_argument("--iters", type=int, default=3, help="timed iterations per variant")
     p.add_argument("--out", default="oases-compare", help="output directory")
@@ -61,7 +67,7 @@ def build_parser():
         "--repeats",
         type=int,
         default=1,
-        help="run the variant list N times, alternating the order; each variant reports "
+        help="run the variant list N times, rotating the order; each variant reports "
         "its fastest run (noisy shared hosts)",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per variant run")
@@ -103,10 +109,20 @@ def main(argv):
         train_argv = train_argv[1:]
     for flag in RESERVED:
         if _has_flag(train_argv, flag):
+            if flag == "--oases-plan":
+                raise OasesConfigError(
+                    "pass --oases-plan as a flag of oases compare (before --): it is given to the "
+                    "oases+planner variant only"
+                )
             raise OasesConfigError(f"oases compare sets {flag} itself; drop it from the flags")
     if own.nproc < 1 or own.iters < 1 or own.warmup < 0 or own.repeats < 1:
         raise OasesConfigError("--nproc, --iters and --repeats must be >= 1 and --warmup >= 0")
     variants = parse_variants(own.variants)
+    plan = os.path.abspath(own.oases_plan) if own.oases_plan else None
+    if plan and not any(v.needs_plan for v in variants):
+        raise OasesConfigError(
+            "--oases-plan is used by the oases+planner variant only; add it to --variants"
+        )
     profile = None
     if own.emulate_link:
         from ..testbed.clusters import load_cluster
@@ -120,7 +136,7 @@ def main(argv):
     if not _has_flag(train_argv, "--mock-data"):
         train_argv.append("--mock-data")
     base = _validate(VARIANTS["megatron"], train_argv, own.nproc)
-    variants = [dataclasses.replace(v, flags=v.resolved_flags(base)) for v in variants]
+    variants = [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
     parsed = {v.name: _validate(v, train_argv, own.nproc) for v in variants}
     rtol = own.loss_rtol
     if rtol is None:
@@ -183,11 +199,13 @@ def main(argv):
                     "reason": f"does not fit (~{need:.0f} GB)",
                 }
     to_run = [v for v in variants if v.name not in skipped]
-    # Repeats alternate the order (forward, reverse, ...) so that slow drifts of the host's load
-    # do not always favour the same variant; each variant keeps its fastest run.
-    order = []
+    # Repeats rotate the order by half the list each time, so that no variant's runs are adjacent
+    # and a slow drift or a burst of the host's load does not always hit the same variant; each
+    # variant keeps its fastest run.
+    order, n = [], len(to_run)
     for k in range(own.repeats):
-        order += [(k, v) for v in (to_run if k % 2 == 0 else to_run[::-1])]
+        shift = (k * ((n + 1) // 2)) % max(n, 1)
+        order += [(k, v) for v in to_run[shift:] + to_run[:shift]]
     runs = {v.name: [] for v in to_run}
     for i, (k, v) in enumerate(order, 1):
         tag = f"[{i}/{len(order)}] {v.name}" + (
@@ -253,6 +271,7 @@ def main(argv):
             "warmup": own.warmup,
             "iters": own.iters,
             "tokens_per_iteration": tokens,
+            "oases_plan": plan,
         },
         "emulation": emulation,
         "loss_check": {"rtol": rtol},

@@ -123,11 +123,7 @@ def write_markdown(report, path):
         "thread(s)",
         f"- command: `{report['command']}`",
         f"- iterations: {cfg['warmup']} warm-up + {cfg['iters']} timed per variant"
-        + (
-            f", best of {cfg['repeats']} runs (alternating order)"
-            if cfg.get("repeats", 1) > 1
-            else ""
-        )
+        + (f", best of {cfg['repeats']} runs (rotated order)" if cfg.get("repeats", 1) > 1 else "")
         + "; tokens/s = global batch x seq / mean timed iteration time",
     ]
     if emu:

@@ -15,9 +15,17 @@ class Variant:
     available: bool = True
     note: str = ""
     split_micro_batch: bool = False  # halve the micro-batch, double the micro-batches
+    needs_plan: bool = False  # takes compare's --oases-plan PATH (per-layer TMP degrees)
 
-    def resolved_flags(self, base_args):
-        """Flags for this variant given the validated base (stock) arguments."""
+    def resolved_flags(self, base_args, plan=None):
+        """Flags for this variant given the validated base (stock) arguments and compare's
+        ``--oases-plan`` (used by ``needs_plan`` variants only)."""
+        if self.needs_plan:
+            if not plan:
+                raise OasesConfigError(
+                    f"variant {self.name} needs --oases-plan PATH (a plan file from `oases plan`)"
+                )
+            return tuple(self.flags) + ("--oases-plan", plan)
         if not self.split_micro_batch:
             return tuple(self.flags)
         mb = base_args.micro_batch_size
@@ -78,10 +86,9 @@ VARIANTS = {
         Variant(
             "oases+planner",
             ("--oases-schedule", "oases") + _FULL,
-            "+ per-layer TMP planner",
+            "+ per-layer TMP planner (--oases-plan)",
             "+ Planner (Oases)",
-            available=False,
-            note="the planner is not implemented yet",
+            needs_plan=True,
         ),
     )
 }
@@ -98,6 +105,7 @@ RESERVED = (
     "--emulate-link",
     "--save",
     "--load",
+    "--oases-plan",
 )
 
 
