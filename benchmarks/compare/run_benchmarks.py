@@ -52,11 +52,26 @@ SHAPES = {
         "--micro-batch-size",
         "2",
     ],
+    # 4 layers: the per-iteration communication outside the layers (embedding all-reduce, output
+    # layer's input-gradient all-reduce) weighs half as much as with 2.
+    "h2048l4": [
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "2048",
+        "--num-attention-heads",
+        "32",
+        "--seq-length",
+        "1024",
+        "--micro-batch-size",
+        "2",
+    ],
 }
 COMMON = ["--tensor-model-parallel-size", "2", "--vocab-size", "512"]
 MATRIX = [
     ("rtx3090-pcie", "h1024"),
     ("rtx3090-pcie", "h2048"),
+    ("rtx3090-pcie", "h2048l4"),
     ("rtx3090-nvlink", "h1024"),
     ("rtx3090-nvlink", "h2048"),
     ("h100-nvlink", "h2048"),  # a very fast link: the split must cost little
