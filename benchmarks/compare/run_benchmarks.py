@@ -145,14 +145,14 @@ def _variant(report, name):
 
 def acceptance(reports):
     lines = []
-    pcie = reports.get("rtx3090-pcie-h2048")
-    if pcie:
-        o = _variant(pcie, "oases")
+    for cfg, label in (("rtx3090-pcie-h2048", "L=2"), ("rtx3090-pcie-h2048l4", "L=4")):
+        rep = reports.get(cfg)
+        o = _variant(rep, "oases") if rep else None
         if o:
             eff = (o.get("trace") or {}).get("efficiency")
             ok = o["speedup"] >= 1.3 and eff is not None and eff >= 0.85
             lines.append(
-                f"- rtx3090-pcie, H=2048: oases {o['speedup']:.2f}x stock (target >= 1.3x), "
+                f"- rtx3090-pcie, H=2048 {label}: oases {o['speedup']:.2f}x stock (target >= 1.3x), "
                 f"efficiency {eff:.2f} (target >= 0.85): **{'met' if ok else 'missed'}**"
             )
     fast = reports.get("h100-nvlink-h2048")
