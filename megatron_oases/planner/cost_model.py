@@ -91,6 +91,10 @@ class ChainProblem:
     fixed_backward_s: float = 0.0
     grad_sync: np.ndarray = None  # (L, K) seconds per iteration: DP gradient all-reduce per layer
     include_grad_sync: bool = False
+    # (L, K) seconds per iteration: the per-layer TMP runtime sums a degree-d layer's gradients
+    # over its T/d replicas inside the TMP domain (megatron_oases.hetero.model.sync_replica_grads);
+    # always paid, and part of grad_sync when that is included.
+    replica_sync: np.ndarray = None
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -98,6 +102,13 @@ class ChainProblem:
             self.allowed = np.ones((self.num_layers, len(self.degrees)), dtype=bool)
         if self.grad_sync is None:
             self.grad_sync = np.zeros((self.num_layers, len(self.degrees)))
+        if self.replica_sync is None:
+            self.replica_sync = np.zeros((self.num_layers, len(self.degrees)))
+
+    @property
+    def per_iteration(self):
+        """(L, K) seconds paid once per iteration (not per micro-batch)."""
+        return self.grad_sync if self.include_grad_sync else self.replica_sync
 
     # ------------------------------------------------------------ memory (granules)
     @property
@@ -232,6 +243,7 @@ def evaluate(problem, ks):
     r = problem.repeats
     sync = [float(problem.grad_sync[l, k]) for l, k in enumerate(ks)]
     grad_sync = sum(sync)
+    per_iter = sum(float(problem.per_iteration[l, k]) for l, k in enumerate(ks))
     per_layer = []
     for l in range(L):
         per_layer.append(
@@ -242,18 +254,18 @@ def evaluate(problem, ks):
                 "backward_s": float(r * bwd_layers[l][0]),
                 "edges_s": float(r * (fwd_layers[l][1] + bwd_layers[l][1] + boundary[l])),
                 "grad_sync_s": sync[l],
+                "replica_sync_s": float(problem.replica_sync[l, ks[l]]),
                 "memory_bytes": float(problem.mem_add[l, ks[l]]),
             }
         )
     return {
-        "iteration_time_s": float(
-            r * (fwd + bwd + edges) + (grad_sync if problem.include_grad_sync else 0.0)
-        ),
+        "iteration_time_s": float(r * (fwd + bwd + edges) + per_iter),
         "forward_s": float(r * fwd),
         "backward_s": float(r * bwd),
         "edges_s": float(r * edges),
         "grad_sync_s": float(grad_sync),
         "grad_sync_included": problem.include_grad_sync,
+        "replica_sync_s": float(sum(problem.replica_sync[l, k] for l, k in enumerate(ks))),
         "peak_memory_bytes": problem.peak_memory_bytes(ks),
         "per_layer": per_layer,
     }
@@ -307,8 +319,7 @@ def decompose(problem):
     U += problem.boundary
     U[0] += problem.fixed_forward_s + problem.fixed_backward_s  # constant: same for every k
     U *= problem.repeats
-    if problem.include_grad_sync:
-        U += problem.grad_sync  # once per iteration, not per micro-batch
+    U += problem.per_iteration  # once per iteration, not per micro-batch
     return U, P * problem.repeats
 
 
@@ -564,6 +575,11 @@ def build_problem(
             sync_available = False
             t = 0.0
         sync[:, k] = t
+    replica = np.zeros((L, K))
+    for k, d in enumerate(degs):
+        if d < T:
+            nbytes = profile.mem("params_per_layer", d) * profile.dtype_bytes
+            replica[:, k] = profile.all_reduce_time(tp_ranks(T // d), nbytes)
     if grad_sync and not sync_available:
         raise OasesConfigError(
             "this profile has no data-parallel gradient all-reduce timings (measured profiles lack "
@@ -595,6 +611,7 @@ def build_problem(
         fixed_backward_s=fixed_bwd,
         grad_sync=sync,
         include_grad_sync=bool(grad_sync),
+        replica_sync=replica,
         meta={
             "schedule": schedule,
             "recompute": bool(recompute),
