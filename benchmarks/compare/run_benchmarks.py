@@ -225,7 +225,8 @@ def write_report(args):
         f"{platform.python_version()}; 2 ranks x 1 thread, gloo",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} (report); runs: "
         + ", ".join(f"{k} {v['date']}" for k, v in reports.items()),
-        f"- code: git {_git_commit()}",
+        f"- code: git {_git_commit()} at report time; per run: "
+        + ", ".join(f"{k} {(v.get('code') or {}).get('commit', '?')}" for k, v in reports.items()),
         "- command: `python benchmarks/compare/run_benchmarks.py` (each configuration is one "
         "`oases compare` call, listed in its section)",
         "",

@@ -262,6 +262,7 @@ def main(argv):
         "command": "oases compare " + shlex.join(argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "host": host_fingerprint(),
+        "code": _code_version(),
         "config": {
             "model": model,
             "train_argv": train_argv,
@@ -375,6 +376,33 @@ def reanalyze(out):
     except (OSError, ValueError) as exc:
         raise OasesConfigError(f"--reanalyze {out}: cannot read {path}: {exc}") from exc
     return finalize(report, os.path.abspath(out))
+
+
+def _code_version():
+    """megatron-oases version and, in a git checkout, the commit (``+dirty`` with local changes)."""
+    import subprocess
+
+    from .. import __version__ as version
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", ""
+    return {"version": version, "commit": (commit + ("+dirty" if dirty else "")) or None}
 
 
 def _progress(msg):
