@@ -272,3 +272,13 @@ def test_emulated_collectives_on_two_ranks():
         u = out["usage"]  # the blocked time covers at least the timed ops above
         assert u["ops"] == out["records"] and u["blocked_s"] >= 2 * (1 - TOL) * out["sync"][1] * 6
         assert 0.0 < u["cpu_share"] <= 1.0 and u["blocked_s"] < u["wall_s"]
+
+
+def test_oversubscribed_host_scales_the_per_rank_rate():
+    """More ranks x threads than CPUs: each rank's emulated GPU is slower, so D grows with it."""
+    from megatron_oases.testbed.calibrate import oversubscription_share
+
+    assert oversubscription_share(2, 1, cpus=2) == 1.0
+    assert oversubscription_share(1, 1, cpus=2) == 1.0
+    assert oversubscription_share(4, 1, cpus=2) == 0.5
+    assert oversubscription_share(2, 2, cpus=2) == 0.5

@@ -101,3 +101,20 @@ def test_invalid_plans_are_rejected(tmp_path, degrees, T, flags, match):
     )
     with pytest.raises(OasesConfigError, match=match):
         parse(argv, world_size=2)
+
+
+def test_replica_grad_runs_are_in_place_views():
+    """The replica gradient sync reduces views of the gradient buffer, never a flattened copy."""
+    import torch
+
+    from megatron_oases.hetero.model import _contiguous_runs
+
+    buf = torch.arange(12.0)
+    grads = [buf[3:5].view(1, 2), buf[0:3], buf[6:10].view(2, 2), buf[10:12]]
+    runs = _contiguous_runs(grads)
+    assert [(r.storage_offset(), r.numel()) for r in runs] == [(0, 5), (6, 6)]
+    assert all(r.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for r in runs)
+    runs[1].mul_(2)
+    assert buf[6:12].tolist() == [12.0, 14.0, 16.0, 18.0, 20.0, 22.0] and buf[5] == 5
+    other = torch.zeros(4)[::2]  # not contiguous: reduced on its own
+    assert _contiguous_runs([other])[0] is other

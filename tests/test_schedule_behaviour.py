@@ -10,7 +10,7 @@ import torch
 from schedule_helpers import GPT, schedules_worker
 
 from megatron_oases.testing import run_distributed
-from megatron_oases.testing.runs import max_rel_diff
+from megatron_oases.testing.runs import activation_peaks, max_rel_diff
 
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
 BASE = (
@@ -159,30 +159,6 @@ def test_every_inner_all_reduce_is_overlapped(traces, schedule):
                 assert not missing, missing[:3]
 
 
-def _memory_worker(base, variants):
-    from megatron_oases import patches
-    from megatron_oases.schedule.memory import LiveTensorMeter
-    from megatron_oases.testing.runs import _forward_backward, parse
-    from megatron_oases.training.initialize import initialize_distributed
-    from megatron_oases.training.loop import Trainer
-
-    peaks = {}
-    for name, extra in variants:
-        args = parse(base + " " + extra, world_size=torch.distributed.get_world_size())
-        initialize_distributed(args)
-        patches.install_from_args(args)
-        try:
-            trainer = Trainer(args)
-            _forward_backward(trainer)  # warm-up (lazy buffers, caches)
-            meter = LiveTensorMeter()
-            with meter:
-                _forward_backward(trainer)
-            peaks[name] = meter.peak_bytes
-        finally:
-            patches.uninstall_all()
-    return peaks
-
-
 @pytest.mark.timeout(300)
 def test_oases_activation_memory_close_to_stock_full_recompute():
     base = (
@@ -198,7 +174,8 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
         ("overlap-recompute", RECOMPUTE + "--oases-schedule overlap"),
         ("overlap", "--oases-schedule overlap"),
     ]
-    peaks = run_distributed(_memory_worker, 2, base, variants, timeout=280)[0]
+    configs = [(name, base + " " + extra) for name, extra in variants]
+    peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in peaks.items()})
     full = peaks["stock-full-recompute"]
     assert peaks["stock-no-recompute"] > 1.3 * full  # the meter sees what recompute saves

@@ -41,7 +41,7 @@ GLOBAL_BATCH, MICRO_BATCH, T, LAYERS = 4, 4, 2, 4
 TRAIN = (
     "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 256 "
     "--max-position-embeddings 256 --vocab-size 512 --micro-batch-size 4 --global-batch-size 4 "
-    "--tensor-model-parallel-size 2 --mock-data --hidden-dropout 0 --attention-dropout 0 --seed 1234"
+    "--tensor-model-parallel-size 2 --mock-data --seed 1234"
 )
 PLANNER_MEMORY_GB = (24, 0.26, 0.24)  # 24 GB: the 3090; the small limits make memory bind
 
@@ -139,12 +139,13 @@ def run_train(argv, out_dir, warmup, iters, timeout):
     golden = os.path.join(out_dir, "golden.json")
     if os.path.exists(golden):
         os.remove(golden)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_port", str(_free_port()), "-m", "megatron_oases", "train", *argv,
-        "--train-iters", str(warmup + iters), "--log-interval", "1", "--log-json", golden,
-        "--emulate-link", LINK,
-    ]  # fmt: skip
+    from megatron_oases.launch import torchrun_command
+
+    cmd = torchrun_command(
+        ["train", *argv, "--train-iters", str(warmup + iters), "--log-interval", "1",
+         "--log-json", golden, "--emulate-link", LINK],
+        nproc=2,
+    )  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.time()
     with open(os.path.join(out_dir, "log.txt"), "w") as log:
@@ -164,44 +165,12 @@ def run_train(argv, out_dir, warmup, iters, timeout):
     return res
 
 
-def _free_port():
-    from megatron_oases.testing.distributed import find_free_port
-
-    return find_free_port()
-
-
-def _memory_worker(configs):
-    """In-process, 2 ranks: LiveTensorMeter peak of one forward+backward per config."""
-    import torch
-
-    from megatron_oases import patches
-    from megatron_oases.schedule.memory import LiveTensorMeter
-    from megatron_oases.testing.runs import _forward_backward, parse
-    from megatron_oases.training.initialize import initialize_distributed
-    from megatron_oases.training.loop import Trainer
-
-    peaks = {}
-    for name, argv in configs:
-        args = parse(argv, world_size=torch.distributed.get_world_size())
-        initialize_distributed(args)
-        patches.install_from_args(args)
-        try:
-            trainer = Trainer(args)
-            _forward_backward(trainer)
-            meter = LiveTensorMeter()
-            with meter:
-                _forward_backward(trainer)
-            peaks[name] = meter.peak_bytes
-        finally:
-            patches.uninstall_all()
-    return peaks
-
-
 def measure_memory(rows, timeout):
     from megatron_oases.testing.distributed import run_distributed
+    from megatron_oases.testing.runs import activation_peaks
 
     configs = [(r["name"], r["argv"]) for r in rows]
-    per_rank = run_distributed(_memory_worker, 2, configs, timeout=timeout)
+    per_rank = run_distributed(activation_peaks, 2, configs, timeout=timeout)
     return {name: max(p[name] for p in per_rank) for name, _ in configs}
 
 

@@ -148,13 +148,13 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     progress = _progress
 
-    from ..testbed.calibrate import host_fingerprint
+    from ..testbed.calibrate import host_cpus, host_fingerprint
 
     emulation = comm_model = None
     if profile is not None:
         from ..viz.analysis import emulated_comm_model
 
-        emulation = _emulation_info(profile, threads, env)
+        emulation = _emulation_info(profile, threads, env, own.nproc)
         comm_model = emulated_comm_model(emulation)
     first = base
     tokens = first.global_batch_size * first.seq_length
@@ -170,8 +170,15 @@ def main(argv):
     )
     if emulation:
         progress(
-            f"  emulating {profile.name}: host {emulation['host_gflops']:.1f} GFLOP/s "
-            f"({emulation['host_source']}) => dilation D = {emulation['dilation']:.1f}"
+            f"  emulating {profile.name}: host {emulation['host_gflops']:.1f} GFLOP/s per rank "
+            f"({emulation['host_source']}"
+            + (
+                f"; {own.nproc} ranks x {threads} thread(s) on {host_cpus()} CPUs: "
+                f"{emulation['oversubscription_share']:.2f} of the rate alone"
+                if emulation["oversubscription_share"] < 1
+                else ""
+            )
+            + f") => dilation D = {emulation['dilation']:.1f}"
         )
     else:
         progress(
@@ -409,27 +416,36 @@ def _progress(msg):
     print(msg, flush=True)
 
 
-def _emulation_info(profile, threads, env):
-    """Fix the host rate once for all variants (so that every variant gets the same D)."""
+def _emulation_info(profile, threads, env, nproc):
+    """Fix the host rate once for all variants (so that every variant gets the same D). The rate is
+    that of one rank alone, scaled down when ``nproc`` ranks × ``threads`` oversubscribe the CPUs
+    (the ranks' emulator does the same from ``LOCAL_WORLD_SIZE``)."""
+    from ..testbed.calibrate import oversubscription_share
+
+    share = 1.0
     if os.environ.get("OASES_EMULATE_DILATION"):
         d = float(os.environ["OASES_EMULATE_DILATION"])
         flops, source = profile.sustained_tflops * 1e12 / d, "OASES_EMULATE_DILATION"
-    elif os.environ.get("OASES_HOST_FLOPS"):
-        flops, source = float(os.environ["OASES_HOST_FLOPS"]), "OASES_HOST_FLOPS"
     else:
-        from ..testbed.calibrate import host_flops
+        if os.environ.get("OASES_HOST_FLOPS"):
+            flops, source = float(os.environ["OASES_HOST_FLOPS"]), "OASES_HOST_FLOPS"
+        else:
+            from ..testbed.calibrate import host_flops
 
-        flops, info = host_flops(threads)
-        source = "cached calibration" if info["cached"] else "measured now"
-        env["OASES_HOST_FLOPS"] = repr(flops)
+            flops, info = host_flops(threads)
+            source = "cached calibration" if info["cached"] else "measured now"
+            env["OASES_HOST_FLOPS"] = repr(flops)
+        share = oversubscription_share(nproc, threads)
     return {
         "profile": profile.name,
         "gpu": profile.gpu,
         "dtype": profile.dtype,
         "dtype_bytes": profile.dtype_bytes,
         "target_tflops": profile.sustained_tflops,
-        "host_gflops": flops / 1e9,
+        "host_gflops": flops * share / 1e9,
+        "host_gflops_alone": flops / 1e9,
+        "oversubscription_share": share,
         "host_source": source,
         "threads_per_rank": threads,
-        "dilation": profile.sustained_tflops * 1e12 / flops,
+        "dilation": profile.sustained_tflops * 1e12 / (flops * share),
     }

@@ -129,7 +129,14 @@ def write_markdown(report, path):
     if emu:
         lines.append(
             f"- **emulated** interconnect `{emu['profile']}` ({emu['gpu']}): host "
-            f"{emu['host_gflops']:.1f} GFLOP/s, target {emu['target_tflops']:g} TFLOP/s "
+            f"{emu['host_gflops']:.1f} GFLOP/s per rank"
+            + (
+                f" ({emu['oversubscription_share']:.2f} of {emu['host_gflops_alone']:.1f} GFLOP/s "
+                "alone: more ranks than CPUs time-share them)"
+                if emu.get("oversubscription_share", 1.0) < 1.0
+                else ""
+            )
+            + f", target {emu['target_tflops']:g} TFLOP/s "
             f"{emu['dtype']} => dilation D = {emu['dilation']:.1f}; every collective runs on gloo and "
             "completes no earlier than D x its ring alpha-beta time on the target link. Times are "
             "host times (divide by D for target-GPU time)."

@@ -6,11 +6,10 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 
-from ..testing.distributed import find_free_port
+from ..launch import torchrun_command
 from ..viz.analysis import load_traces, run_metrics, trace_files
 
 _SHARE = re.compile(r"\[oases\] emulator rank (\d+):.*CPU share while not blocked ([\d.]+)")
@@ -19,16 +18,7 @@ _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+).*?elapsed time per iteration \(m
 
 def train_command(variant, train_argv, vdir, nproc, iters, emulate_link=None):
     """The torchrun command line of one variant."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(find_free_port()),
-        "-m",
-        "megatron_oases",
+    argv = [
         "train",
         *train_argv,
         *variant.flags,
@@ -42,8 +32,8 @@ def train_command(variant, train_argv, vdir, nproc, iters, emulate_link=None):
         os.path.join(vdir, "trace.rank{rank}.json"),
     ]
     if emulate_link:
-        cmd += ["--emulate-link", emulate_link]
-    return cmd
+        argv += ["--emulate-link", emulate_link]
+    return torchrun_command(argv, nproc)
 
 
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?(?:oases train: error: .*|[\w.]*(?:Error|Exception)\b.*)$")

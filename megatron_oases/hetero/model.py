@@ -68,21 +68,47 @@ def validate_plan_for_model(plan, args):
             )
 
 
+def _contiguous_runs(grads):
+    """Group gradient tensors into runs that are exactly adjacent in one storage (DDP's main_grad
+    buffer lays a layer's parameters out back to back), each returned as one 1-D view. Reducing the
+    views in place avoids a flattened copy of every replicated gradient (a transient as large as all
+    degree-<T layers' parameters, which would dominate peak memory under recomputation)."""
+    runs = []
+    for g in sorted(grads, key=lambda t: t.data_ptr()):
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and g.is_contiguous()
+            and g.dtype == last[0].dtype
+            and g.untyped_storage().data_ptr() == last[0].untyped_storage().data_ptr()
+            and g.data_ptr() == last[0].data_ptr() + last[1] * g.element_size()
+        ):
+            last[1] += g.numel()
+        elif g.is_contiguous():
+            runs.append([g, g.numel()])
+        else:
+            runs.append([g, None])
+    out = []
+    for first, numel in runs:
+        if numel is None:  # not contiguous: reduce it on its own
+            out.append(first)
+        else:
+            out.append(first.as_strided((numel,), (1,), first.storage_offset()))
+    return out
+
+
 def sync_replica_grads(model, groups):
-    """Sum the gradients of replicated (degree < T) parameters over their replicas."""
+    """Sum the gradients of replicated (degree < T) parameters over their replicas, in place."""
     by_degree = {}
     for p in model.parameters():
         d = getattr(p, "_oases_degree", groups.T)
         if d != groups.T and p.requires_grad:
-            by_degree.setdefault(d, []).append(p)
-    for d, params in sorted(by_degree.items()):
-        grads = [p.main_grad if hasattr(p, "main_grad") else p.grad for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=groups.replica_group(d))
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+            g = p.main_grad if hasattr(p, "main_grad") else p.grad
+            if g is not None:
+                by_degree.setdefault(d, []).append(g)
+    for d, grads in sorted(by_degree.items()):
+        for view in _contiguous_runs(grads):
+            dist.all_reduce(view, group=groups.replica_group(d))
 
 
 def make_param_is_not_tp_duplicate(original):

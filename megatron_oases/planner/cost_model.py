@@ -32,10 +32,14 @@ degree-independent constant per micro-batch. The iteration time is ``num_microba
 backward + edges)``, plus — only with ``grad_sync=True`` (not in the paper's eq. 5) — each layer's
 data-parallel gradient all-reduce of its ``params/d`` over ``D·T/d`` replicas, once per iteration.
 
-Memory (eq. 6, TP-aware): ``fixed state + Σ_l [state(d_l) + saved(d_l)·n_l] + max_l runtime(d_l)·n_l
-+ fixed activations·m + overhead``, where ``saved`` is the layer input (Megatron full recompute), the
-two block inputs (``oases`` fine-grained recompute) or all activations (no recompute), and
-``runtime`` is a layer's recomputed activations plus its backward working set. The constraint is
+Memory (eq. 6, TP-aware): ``fixed state + Σ_l [state(d_l) + saved(d_l, n_l)] + max_l runtime(d_l,
+n_l) + fixed activations·m + overhead``, where ``saved`` is the layer input (Megatron full
+recompute), the two block inputs (``oases`` fine-grained recompute) or all activations (no
+recompute), and ``runtime`` is the forward+backward peak of what is recomputed at once — the whole
+layer, or for ``oases`` the larger block of one sub-batch — measured at the group's sample count ``n_l`` (not a
+per-sample value times ``n_l``: weight-gradient temporaries do not grow with the batch). Split
+schedules with recomputation add one sub-batch's backward working set (peak − activations at
+``⌈n_l/2⌉``): the two sub-batches' backward passes interleave. The constraint is
 ``peak × (1 + margin) ≤ memory``. Solvers see memory in integer *granules* (rounded up, so never
 optimistic); the DP and the ILP share those integers and therefore the same feasible set.
 """
@@ -525,17 +529,29 @@ def build_problem(
     parts = {k: np.zeros((L, K)) for k in ("state", "saved", "runtime")}
     for k, d in enumerate(degs):
         n = m * d // T
-        full = profile.mem("layer_activation_bytes_per_sample", d)
-        trans = profile.mem("backward_transient_bytes_per_sample", d)
+        act = profile.layer_memory("activation", d, n)
+        peak = max(act, profile.layer_memory("runtime_peak", d, n))
         if not recompute:
-            saved, runtime = full, trans
+            saved, runtime = act, peak - act
         elif schedule == "oases":
-            saved, runtime = float(ckpt["block_inputs"]), full + trans
+            # block-wise recomputation, one sub-batch at a time (R_j+B_j of sub-batch 0, then of
+            # sub-batch 1): one block's activations of one sub-batch are live at a time
+            saved = float(ckpt["block_inputs"]) * n
+            runtime = profile.block_runtime_peak(d, -(-n // 2)) or peak
         else:
-            saved, runtime = float(ckpt["layer_input"]), full + trans
+            saved, runtime = float(ckpt["layer_input"]) * n, peak
+        if split and recompute:
+            # the two sub-batches' backward passes interleave: one sub-batch's backward working
+            # set (gradients in flight, weight-gradient temporaries) is live on top
+            h = -(-n // 2)
+            runtime += max(
+                0.0,
+                profile.layer_memory("runtime_peak", d, h)
+                - profile.layer_memory("activation", d, h),
+            )
         parts["state"][:, k] = state_bytes(d)
-        parts["saved"][:, k] = saved * n
-        parts["runtime"][:, k] = runtime * n
+        parts["saved"][:, k] = saved
+        parts["runtime"][:, k] = runtime
     mem_add = parts["state"] + parts["saved"]
     mem_rt = parts["runtime"]
     if distributed_optimizer:

@@ -171,6 +171,30 @@ class Profile:
         nbytes = float(gs["bytes_per_layer"][str(degree)])
         return float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
 
+    def layer_memory(self, kind, degree, samples):
+        """Bytes of one layer at ``degree`` for ``samples`` samples per group: ``kind`` is
+        ``"activation"`` (saved for backward) or ``"runtime_peak"`` (forward+backward peak).
+        Measured profiles hold the value at each sample count in play (interpolated); analytic
+        ones a per-sample value."""
+        points = self.data["memory"].get(f"layer_{kind}_bytes", {}).get(str(degree))
+        if points:
+            return interpolate(points, samples)
+        if kind == "activation":
+            return self.mem("layer_activation_bytes_per_sample", degree) * samples
+        return (
+            self.mem("layer_activation_bytes_per_sample", degree)
+            + self.mem("backward_transient_bytes_per_sample", degree)
+        ) * samples
+
+    def block_runtime_peak(self, degree, samples):
+        """The larger block's forward+backward peak (what block-wise recomputation holds), or None
+        when the profile has no per-block measurement (analytic profiles)."""
+        blocks = self.data["memory"].get("block_runtime_peak_bytes") or {}
+        points = [b.get(str(degree)) for b in blocks.values()]
+        if not points or not all(points):
+            return None
+        return max(interpolate(p, samples) for p in points)
+
     def mem(self, key, degree=None):
         value = self.data["memory"][key]
         if degree is not None:

@@ -48,6 +48,12 @@ FP32_STATE_BYTES_PER_PARAM = 16  # fp32 param + fp32 grad + Adam exp_avg + exp_a
 
 
 # ---------------------------------------------------------------------- fingerprint and cache
+# Bumped whenever what is measured changes, so cached profiles measured the old way are not reused
+# (2: the runtime peak frees each weight gradient once accumulated, as DDP does, the meter no longer
+# counts views/in-place results of pre-existing tensors, per-block peaks, values per sample count).
+MEASUREMENT_REVISION = 2
+
+
 def hardware_fingerprint(world_size, emulate_link=None):
     import torch
 
@@ -229,24 +235,38 @@ def _profile_block_times(layer, margs, n, repeats):
             times[block] = {"forward_s": fwd, "recompute_s": rec, "backward_s": bwd}
             saved[block] = nbytes
         saved["runtime_peak"] = _runtime_peak(layer, x, grad)
+        for block in ("attention", "mlp"):
+            saved[f"runtime_peak_{block}"] = _runtime_peak(layer, x, grad, blocks=(block,))
     return times, saved
 
 
-def _runtime_peak(layer, x, grad):
-    """Peak live bytes of one whole-layer forward + backward (activations, temporaries, gradients;
-    not parameters), with the schedule package's allocator-independent meter; None if unavailable.
-    """
-    try:
-        from ..schedule.memory import LiveTensorMeter
-    except ImportError:
-        return None
+def _runtime_peak(layer, x, grad, blocks=("attention", "mlp")):
+    """Peak live bytes of a forward + backward of ``blocks`` of one layer (activations,
+    temporaries, each weight gradient until it is accumulated; not parameters or gradient buffers),
+    with the schedule package's allocator-independent meter. The whole layer's peak is what a
+    layer-granular recomputation holds; a single block's is what ``oases``' block-wise
+    recomputation holds."""
+    from ..schedule.memory import LiveTensorMeter
+
     xin = x.detach().requires_grad_(True)
+
+    def drop_grad(p):  # as Megatron's DDP: add into the pre-allocated main_grad, free param.grad
+        p.grad = None
+
+    hooks = [p.register_post_accumulate_grad_hook(drop_grad) for p in layer.parameters()]
     meter = LiveTensorMeter()
-    with meter:
-        out, _ = layer._forward_attention(hidden_states=xin, attention_mask=None)
-        out = layer._forward_mlp(out)
-        out = out[0] if isinstance(out, (tuple, list)) else out
-        out.backward(grad)
+    try:
+        with meter:
+            out = xin
+            if "attention" in blocks:
+                out, _ = layer._forward_attention(hidden_states=out, attention_mask=None)
+            if "mlp" in blocks:
+                out = layer._forward_mlp(out)
+                out = out[0] if isinstance(out, (tuple, list)) else out
+            out.backward(grad)
+    finally:
+        for h in hooks:
+            h.remove()
     layer.zero_grad(set_to_none=True)
     return meter.peak_bytes
 
@@ -435,6 +455,7 @@ def measured_profile(
         "repeats": repeats,
         "micro_batch_size": m,
         "data_parallel_size": margs.data_parallel_size,
+        "method": MEASUREMENT_REVISION,
     }
     cache_key = sha256_of({"hardware": fp, "settings": settings})
     cache_dir = cache_dir or default_cache_dir()
@@ -530,13 +551,22 @@ def assemble(margs, shape, T, degrees, result, fingerprint, cache_key, emulate_l
         str(d): result["params"][d] * FP32_STATE_BYTES_PER_PARAM for d in degrees
     }
     mem["params_per_layer"] = {str(d): result["params"][d] for d in degrees}
-    measured_act, peaks = {}, {}
+    measured_act, peaks, act_points, peak_points, block_peaks = {}, {}, {}, {}, {}
     for d in degrees:
         per = result["saved"][d]
         measured_act[str(d)] = max((b["attention"] + b["mlp"]) / n for n, b in per.items())
+        act_points[str(d)] = [[n, b["attention"] + b["mlp"]] for n, b in sorted(per.items())]
         if all(b.get("runtime_peak") for b in per.values()):
             peaks[str(d)] = max(b["runtime_peak"] / n for n, b in per.items())
+            peak_points[str(d)] = [[n, b["runtime_peak"]] for n, b in sorted(per.items())]
+            for block in layer_math.BLOCKS:
+                block_peaks.setdefault(block, {})[str(d)] = [
+                    [n, b[f"runtime_peak_{block}"]] for n, b in sorted(per.items())
+                ]
     mem["layer_activation_bytes_per_sample"] = measured_act
+    # the same as measured at each sample count in play: a per-sample maximum times n would count
+    # n-independent parts (weight-gradient temporaries, masks) n times
+    mem["layer_activation_bytes"] = act_points
     source = "layer activations: saved_tensors_hooks; logits: layer_math"
     if len(peaks) == len(degrees):
         # backward working set beyond the saved activations, as measured (never below zero)
@@ -544,6 +574,8 @@ def assemble(margs, shape, T, degrees, result, fingerprint, cache_key, emulate_l
             d: max(0.0, peaks[d] - measured_act[d]) for d in peaks
         }
         mem["layer_runtime_peak_bytes_per_sample"] = peaks
+        mem["layer_runtime_peak_bytes"] = peak_points
+        mem["block_runtime_peak_bytes"] = block_peaks
         source += "; backward working set: LiveTensorMeter peak of forward+backward"
     else:
         source += "; backward working set: layer_math"

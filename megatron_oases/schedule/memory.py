@@ -2,7 +2,8 @@
 
 :class:`LiveTensorMeter` is a ``TorchDispatchMode`` that counts the bytes of every storage created
 by an ATen op while it is active and releases them when the last tensor referring to the storage
-is garbage-collected. ``peak_bytes`` is then the peak of live activation (+ temporary and gradient)
+is garbage-collected. Outputs that share a storage with an input (in-place ops such as the
+``zero_()`` of Megatron's gradient buffer, views) allocate nothing and are not counted. ``peak_bytes`` is then the peak of live activation (+ temporary and gradient)
 memory during the measured region; parameters, optimizer state and Megatron's gradient buffers
 exist before the region and are not counted. Slow (Python per op): use it for measurement runs,
 never for timing.
@@ -15,6 +16,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def _storage_ptr(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
 class LiveTensorMeter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -24,8 +32,13 @@ class LiveTensorMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {
+            _storage_ptr(t)
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor) and _storage_ptr(t) not in self._live
+        }
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and _storage_ptr(t) not in inputs:
                 self._track(t)
         return out
 

@@ -137,6 +137,25 @@ def host_flops(threads=None, refresh=False, measure=measure_host_flops):
     return flops, dict(entry, key=key, cached=False)
 
 
+def host_cpus():
+    """CPUs this process may run on (the affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def oversubscription_share(ranks_per_host, threads=1, cpus=None):
+    """Share of its calibrated rate one rank gets when ``ranks_per_host`` ranks × ``threads`` threads
+    compute at once on ``cpus`` CPUs: 1 when they fit, else cpus ÷ (ranks × threads). The calibration
+    times one process alone; e.g. a TMP=4 run on a 2-CPU host time-shares each CPU between two
+    ranks, so each rank's emulated GPU is half as fast and D must double to keep the target's
+    communication/computation balance. (Tensor-parallel ranks compute and wait in step, so they
+    contend for the CPUs together; the emulator's per-rank "CPU share" line shows what they got.)"""
+    cpus = host_cpus() if cpus is None else cpus
+    return min(1.0, cpus / max(1, int(ranks_per_host) * max(1, int(threads))))
+
+
 def dilation_for(profile, flops):
     """D = the target GPU's sustained FLOP/s ÷ the host's FLOP/s."""
     return profile.sustained_tflops * 1e12 / flops

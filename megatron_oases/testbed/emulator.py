@@ -527,7 +527,9 @@ def resolve_dilation(profile, log=None):
     """D for ``profile``: ``$OASES_EMULATE_DILATION``, else profile ÷ host rate.
 
     The host rate is ``$OASES_HOST_FLOPS`` or the cached measurement (:func:`.calibrate.host_flops`,
-    taken on global rank 0 and broadcast so that every rank uses the same D).
+    taken on global rank 0 and broadcast so that every rank uses the same D), both the rate of one
+    process alone, scaled by :func:`.calibrate.oversubscription_share` when this host runs more
+    ranks × threads than it has CPUs.
     Returns ``(dilation, info)``.
     """
     env_d = os.environ.get("OASES_EMULATE_DILATION")
@@ -558,7 +560,12 @@ def resolve_dilation(profile, log=None):
             flops = float(t.item())
     if flops <= 0:
         raise OasesConfigError(f"host FLOP/s must be positive, got {flops!r}")
-    return profile.sustained_tflops * 1e12 / flops, {"source": source, "host_flops": flops}
+    from .calibrate import oversubscription_share
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = oversubscription_share(ranks, torch.get_num_threads())
+    info = {"source": source, "host_flops": flops * share, "oversubscription_share": share}
+    return profile.sustained_tflops * 1e12 / (flops * share), info
 
 
 class EmulatorPatch(Patch):
@@ -604,6 +611,12 @@ def make_emulator(profile_name, dilation=None):
     return emu
 
 
+def _cpus():
+    from .calibrate import host_cpus
+
+    return host_cpus()
+
+
 def make_patch(args):
     """Factory for :func:`megatron_oases.patches.install_from_args`: a patch iff ``--emulate-link``."""
     name = getattr(args, "emulate_link", None)
@@ -613,5 +626,11 @@ def make_patch(args):
     if not dist.is_initialized() or dist.get_rank() == 0:
         host = emu.info.get("host_flops")
         host_s = f"host {host / 1e9:.1f} GFLOP/s ({emu.info['source']}), " if host else ""
+        share = emu.info.get("oversubscription_share", 1.0)
+        if share < 1.0:
+            host_s = (
+                f"host {host / share / 1e9:.1f} GFLOP/s ({emu.info['source']}) x {share:.2f} per "
+                f"rank (more ranks x threads than the {_cpus()} CPUs), "
+            )
         print(f"[oases] {host_s}{emu.describe()}", flush=True)
     return EmulatorPatch(emu)

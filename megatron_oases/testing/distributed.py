@@ -7,17 +7,11 @@ rank's return value (or traceback) sent back to the parent through a queue.
 import io
 import multiprocessing as mp
 import os
-import socket
 import subprocess
-import sys
 import traceback
 from datetime import timedelta
 
-
-def find_free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..launch import find_free_port, torchrun_command
 
 
 def _worker(rank, world_size, port, fn, args, queue):
@@ -100,17 +94,11 @@ def run_distributed(fn, world_size, *args, timeout=300):
 
 def run_torchrun(argv, nproc, timeout=300, env=None, module="megatron_oases"):
     """Launch ``python -m torch.distributed.run --nproc_per_node N -m <module> argv``."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(find_free_port()),
-        "-m",
-        module,
-        *argv,
-    ]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.run(
+        torchrun_command(argv, nproc, module),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )

@@ -78,3 +78,30 @@ def _forward_backward(trainer):
 def max_rel_diff(a, b):
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def activation_peaks(configs):
+    """``{name: bytes}``: the :class:`LiveTensorMeter` peak of one forward+backward (after a warm-up
+    one) per ``(name, argv)`` — activations, temporaries and in-flight gradients; parameters,
+    optimizer state and gradient buffers exist before and are not counted. A ``run_distributed``
+    worker, like the planner's memory model it is compared with: per rank."""
+    from .. import patches
+    from ..schedule.memory import LiveTensorMeter
+    from ..training.initialize import initialize_distributed
+    from ..training.loop import Trainer
+
+    peaks = {}
+    for name, argv in configs:
+        args = parse(argv, world_size=torch.distributed.get_world_size())
+        initialize_distributed(args)
+        patches.install_from_args(args)
+        try:
+            trainer = Trainer(args)
+            _forward_backward(trainer)  # warm-up (lazy buffers, caches)
+            meter = LiveTensorMeter()
+            with meter:
+                _forward_backward(trainer)
+            peaks[name] = meter.peak_bytes
+        finally:
+            patches.uninstall_all()
+    return peaks
