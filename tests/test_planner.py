@@ -492,3 +492,44 @@ def test_plan_summary_reports_memory_breakdown(h2048):
         == pytest.approx(bd["total"])
         == pytest.approx(plan["predicted"]["peak_memory_bytes_per_rank"])
     )
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+def test_pipeline_parallel_plans_one_stage_with_1f1b_costs(h2048):
+    """PP=2: the chain is one stage (12 of 24 layers), the iteration pays the 1F1B bubble
+    (M + P − 1 stage slots) and stage 0 holds min(P, M) micro-batches' saved activations."""
+    import copy
+
+    data = copy.deepcopy(h2048.data)
+    data["pipeline_model_parallel_size"] = 2
+    pp2 = Profile(data)
+    mb = 4
+    M = 128 // h2048.dp // mb
+    assert M >= 2
+    one = build_problem(h2048, global_batch_size=128, micro_batch_size=mb)
+    two = build_problem(pp2, global_batch_size=128, micro_batch_size=mb)
+    last = build_problem(pp2, global_batch_size=128, micro_batch_size=mb, stage=1)
+    assert (one.num_layers, two.num_layers) == (24, 12)
+    assert (one.repeats, two.repeats) == (M, M + 1)
+    assert two.meta["in_flight_microbatches"] == 2 and last.meta["in_flight_microbatches"] == 1
+    saved = lambda pb: pb.meta["memory_parts"]["saved"]  # noqa: E731
+    assert np.allclose(saved(two), 2 * saved(last))
+    # a stage's per-micro-batch time is about half the whole chain's (half as many layers; the
+    # two-sub-batch chain's fill and drain terms do not halve)
+    ks1, ks2 = [one.degrees.index(4)] * 24, [two.degrees.index(4)] * 12
+    per_mb = (
+        lambda pb, ks: (evaluate(pb, ks)["forward_s"] + evaluate(pb, ks)["backward_s"]) / pb.repeats
+    )  # noqa: E731,E501
+    fixed = one.fixed_forward_s + one.fixed_backward_s
+    assert per_mb(two, ks2) - fixed == pytest.approx((per_mb(one, ks1) - fixed) / 2, rel=0.02)
+    res = predict(pp2, [4] * 24, "oases", 128, mb)
+    assert len(res["stages"]) == 2
+    assert res["stages"][0]["peak_memory_bytes"] > res["stages"][1]["peak_memory_bytes"]
+    assert res["peak_memory_bytes"] == res["stages"][0]["peak_memory_bytes"]
+    with pytest.raises(OasesConfigError, match="split evenly"):
+        predict(pp2, [4] * 23, "oases", 128, mb)
+    # the plan file covers every layer: the planned stage repeated on each stage
+    plan, problem, _ = api.make_plan(pp2, global_batch_size=128, micro_batch_size=mb, memory_gb=24)
+    assert plan["pipeline_model_parallel_size"] == 2 and plan["num_layers"] == 24
+    assert plan["degrees"][:12] == plan["degrees"][12:] and len(plan["degrees"]) == 24
+    validate_plan(plan, num_layers=24, tensor_model_parallel_size=4)

@@ -210,6 +210,7 @@ def make_plan(
         distributed_optimizer=distributed_optimizer,
     )
     build_s = time.perf_counter() - t_build
+    pp = problem.meta["pipeline_model_parallel_size"]
     sol, check = solve(problem, solver=solver, verify=verify, time_limit_s=time_limit_s)
     res = evaluate(problem, sol.ks)
     uniform = uniform_costs(problem)
@@ -242,8 +243,11 @@ def make_plan(
         "version": PLAN_VERSION,
         "tensor_model_parallel_size": T,
         "data_parallel_size": problem.meta["data_parallel_size"],
-        "num_layers": problem.num_layers,
-        "degrees": [problem.degrees[k] for k in sol.ks],
+        "num_layers": problem.meta["total_layers"],
+        # one stage's plan, repeated on every pipeline stage (stage 0, which holds the most
+        # in-flight activations, is the one planned)
+        "degrees": [problem.degrees[k] for k in sol.ks] * pp,
+        "pipeline_model_parallel_size": pp,
         "schedule": schedule,
         "recompute": problem.meta["recompute"],
         "allow_unsplit": bool(allow_unsplit),

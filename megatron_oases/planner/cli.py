@@ -10,7 +10,7 @@ import json
 import sys
 
 from ..errors import OasesConfigError
-from .cost_model import DEFAULT_MARGIN, SCHEDULES, build_problem, evaluate
+from .cost_model import DEFAULT_MARGIN, SCHEDULES, build_problem, predict
 from .ilp import DEFAULT_TIME_LIMIT_S
 
 
@@ -132,10 +132,8 @@ def _evaluate(args):
         raise OasesConfigError("pass --global-batch-size (the plan does not record one)")
     schedule = plan.get("schedule") or args.schedule
     recompute = plan.get("recompute", not args.no_recompute)
-    problem = build_problem(
-        profile,
+    common = dict(
         schedule=schedule,
-        global_batch_size=gbs,
         micro_batch_size=args.micro_batch_size or plan.get("micro_batch_size"),
         degrees=sorted(set(plan["degrees"])),
         recompute=recompute,
@@ -144,15 +142,24 @@ def _evaluate(args):
         num_layers=len(plan["degrees"]),
         grad_sync=args.grad_sync,
     )
-    ks = problem.index(plan["degrees"])
-    res = evaluate(problem, ks)
+    problem = build_problem(profile, global_batch_size=gbs, **common)  # pipeline stage 0
+    ks = problem.index(plan["degrees"][: problem.num_layers])
+    del common["schedule"], common["micro_batch_size"], common["degrees"], common["num_layers"]
+    res = predict(
+        profile,
+        plan["degrees"],
+        schedule,
+        global_batch=gbs,
+        micro_batch=args.micro_batch_size or plan.get("micro_batch_size"),
+        **common,
+    )
     print(f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule})")
     print(
         f"predicted iteration {res['iteration_time_s'] * 1e3:.2f} ms (forward "
         f"{res['forward_s'] * 1e3:.2f}, backward {res['backward_s'] * 1e3:.2f}, re-shard "
         f"{res['edges_s'] * 1e3:.2f}); peak memory {res['peak_memory_bytes'] / 1e9:.2f} GB per rank"
     )
-    if not problem.feasible(ks):
+    if res["peak_memory_bytes"] * (1 + problem.margin) > problem.memory_bytes:
         print(
             f"warning: needs more than {problem.memory_bytes / 1e9:g} GB with the "
             f"{problem.margin:.0%} margin",

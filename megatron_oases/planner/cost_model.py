@@ -369,8 +369,16 @@ def build_problem(
     grad_sync=False,
     allow_unsplit=False,
     distributed_optimizer=False,
+    stage=0,
 ):
-    """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.profiler.format.Profile`)."""
+    """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.profiler.format.Profile`).
+
+    With pipeline parallelism (the profile's ``pipeline_model_parallel_size`` P > 1) the chain is
+    one stage's ``num_layers / P`` layers (``num_layers``: the whole model's, default the
+    profile's), costed for Megatron's 1F1B schedule: the iteration takes ``(M + P − 1)`` stage
+    micro-batch times (pipeline bubble, M micro-batches), and pipeline ``stage`` s holds the saved
+    activations of ``min(P − s, M)`` micro-batches at its peak (stage 0, the default, holds the
+    most). Stage-to-stage p2p transfers are not modelled."""
     if schedule not in SCHEDULES:
         raise OasesConfigError(
             f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}"
@@ -384,12 +392,15 @@ def build_problem(
         )
     T, D = profile.tp, profile.dp
     pp = int(profile.data.get("pipeline_model_parallel_size", 1))
-    if pp > 1 and num_layers is None:
+    total_layers = int(num_layers or profile.num_layers)
+    if total_layers % pp:
         raise OasesConfigError(
-            f"the planner does not model pipeline parallelism (PP={pp}); profile one stage "
-            f"(--set num_layers=<layers per stage> --set pipeline_model_parallel_size=1)"
+            f"{total_layers} layers do not split evenly over {pp} pipeline stages; "
+            "change --num-layers or --pipeline-model-parallel-size"
         )
-    L = int(num_layers or profile.num_layers)
+    if not 0 <= stage < pp:
+        raise OasesConfigError(f"pipeline stage {stage} is out of range (0–{pp - 1})")
+    L = total_layers // pp
     shape = profile.shape
     p = profile.dtype_bytes
     if global_batch_size <= 0 or global_batch_size % D:
@@ -404,7 +415,11 @@ def build_problem(
             f"--micro-batch-size {m} does not divide the {per_domain} samples per TMP domain "
             f"(global batch {global_batch_size} / DP {D})"
         )
-    repeats = per_domain // m
+    microbatches = per_domain // m
+    # 1F1B: M micro-batches through P stages take M + P − 1 stage slots; stage s keeps up to
+    # P − s micro-batches' activations alive
+    repeats = microbatches + pp - 1
+    in_flight = min(pp - stage, microbatches)
     split = schedule in SPLIT_SCHEDULES
     available = profile.degrees
     cand = sorted(int(d) for d in (degrees or available))
@@ -550,7 +565,7 @@ def build_problem(
                 - profile.layer_memory("activation", d, h),
             )
         parts["state"][:, k] = state_bytes(d)
-        parts["saved"][:, k] = saved
+        parts["saved"][:, k] = saved * in_flight
         parts["runtime"][:, k] = runtime
     mem_add = parts["state"] + parts["saved"]
     mem_rt = parts["runtime"]
@@ -635,7 +650,11 @@ def build_problem(
             "data_parallel_size": D,
             "global_batch_size": int(global_batch_size),
             "micro_batch_size": m,
-            "num_microbatches": repeats,
+            "num_microbatches": microbatches,
+            "pipeline_model_parallel_size": pp,
+            "pipeline_stage": stage,
+            "in_flight_microbatches": in_flight,
+            "total_layers": total_layers,
             "excluded_degrees": why,
             "unsplit_degrees": [d for d in degs if split and m * d // T < 2],
             "distributed_optimizer": bool(distributed_optimizer),
@@ -671,6 +690,8 @@ def predict(profile, degrees, schedule="oases", global_batch=None, micro_batch=N
     the breakdown separates parameter/optimizer state from saved activations, the worst layer's
     backward working set, logits and framework overhead). ``profile`` is a Profile
     or a path. Extra keyword arguments go to :func:`build_problem` (``recompute``, ...).
+    With pipeline parallelism ``degrees`` covers every layer; each stage's slice is costed on its
+    own (times of the slowest stage, memory of the fullest, and ``stages``: both per stage).
     """
     from ..profiler.format import Profile, load_profile
 
@@ -679,18 +700,38 @@ def predict(profile, degrees, schedule="oases", global_batch=None, micro_batch=N
     if global_batch is None:
         raise OasesConfigError("predict needs global_batch")
     degrees = [int(d) for d in degrees]
-    problem = build_problem(
-        profile,
-        schedule=schedule,
-        global_batch_size=global_batch,
-        micro_batch_size=micro_batch,
-        degrees=sorted(set(degrees)),
-        num_layers=len(degrees),
-        **kwargs,
-    )
-    ks = problem.index(degrees)
-    out = evaluate(problem, ks)
-    out["memory_breakdown_bytes"] = memory_breakdown(problem, ks)
+    pp = int(profile.data.get("pipeline_model_parallel_size", 1))
+    if len(degrees) % pp:
+        raise OasesConfigError(
+            f"{len(degrees)} layer degrees do not split evenly over {pp} pipeline stages"
+        )
+    per_stage = len(degrees) // pp
+    stages = []
+    for stage in range(pp):
+        problem = build_problem(
+            profile,
+            schedule=schedule,
+            global_batch_size=global_batch,
+            micro_batch_size=micro_batch,
+            degrees=sorted(set(degrees)),
+            num_layers=len(degrees),
+            stage=stage,
+            **kwargs,
+        )
+        ks = problem.index(degrees[stage * per_stage : (stage + 1) * per_stage])
+        out = evaluate(problem, ks)
+        out["memory_breakdown_bytes"] = memory_breakdown(problem, ks)
+        stages.append(out)
+    # 1F1B runs at the pace of the slowest stage; memory binds on the fullest one
+    out = dict(max(stages, key=lambda o: o["iteration_time_s"]))
+    fullest = max(stages, key=lambda o: o["peak_memory_bytes"])
+    out["peak_memory_bytes"] = fullest["peak_memory_bytes"]
+    out["memory_breakdown_bytes"] = fullest["memory_breakdown_bytes"]
+    if pp > 1:
+        out["stages"] = [
+            {k: o[k] for k in ("iteration_time_s", "peak_memory_bytes", "memory_breakdown_bytes")}
+            for o in stages
+        ]
     return out
 
 
