@@ -201,56 +201,34 @@ def contention(log_path):
     return b, statistics.fmean(float(x[3]) for x in m)
 
 
-def replica_grad_sync_s(profile_path, degrees):
-    """Post-hoc estimate (not the planner's): the per-layer TMP runtime all-reduces the gradients
-    of a degree-d < T layer over its T/d replicas once per iteration. The planner omits this unless
-    ``grad_sync=True``, which measured profiles do not support; estimate it from the profile's own
-    all-reduce alpha-beta fit on the T-rank group and the layer's per-rank parameter count."""
-    with open(profile_path) as f:
-        prof = json.load(f)
-    fit = prof["comm"]["all_reduce"][",".join(map(str, range(T)))]
-    params = prof["memory"]["params_per_layer"]
-    nbytes = prof.get("dtype_bytes", 4)
-    return sum(
-        fit["alpha_s"] + fit["beta_s_per_byte"] * nbytes * params[str(d)] for d in degrees if d < T
-    )
-
-
 def analyze(report, out):
-    profile_path = os.path.join(out, report.get("profile", "profile.json"))
-    for r in report["rows"]:
-        sync = replica_grad_sync_s(profile_path, r["degrees"])
-        r["predicted"]["replica_grad_sync_s"] = sync
-        r["predicted"]["iteration_time_with_sync_s"] = r["predicted"]["iteration_time_s"] + sync
     for r in report["rows"]:
         if r.get("median_s"):
             b, share = contention(os.path.join(out, "runs", r["name"], "log.txt"))
             r["blocked_fraction"], r["cpu_share"] = b, share
-            # compute (not blocked) time rescaled to a free core: an estimate, not a measurement
-            r["share_corrected_s"] = r["median_s"] * (b + (1 - b) * share) if share else None
+        r.pop("share_corrected_s", None)
+        r["predicted"].pop("replica_grad_sync_s", None)
+        r["predicted"].pop("iteration_time_with_sync_s", None)
     rows = [r for r in report["rows"] if r.get("median_s")]
     stats = {}
     for issue in ("5", "6"):
         sub = [r for r in rows if issue in r["issues"]]
         pred = [r["predicted"]["iteration_time_s"] for r in sub]
         meas = [r["median_s"] for r in sub]
-        corr = [r["share_corrected_s"] or r["median_s"] for r in sub]
-        pred_sync = [r["predicted"]["iteration_time_with_sync_s"] for r in sub]
         stats[issue] = {
             "n": len(sub),
             "spearman_time": spearman(pred, meas),
             "mape_time_pct": mape(pred, meas) if sub else None,
-            "spearman_time_share_corrected": spearman(pred, corr),
-            "mape_time_share_corrected_pct": mape(pred, corr) if sub else None,
-            "spearman_time_with_sync": spearman(pred_sync, meas),
-            "mape_time_with_sync_pct": mape(pred_sync, meas) if sub else None,
         }
         mem = [r for r in sub if r.get("measured_activation_bytes")]
         if mem:
             pm = [r["predicted"]["activation_bytes"] for r in mem]
             mm = [r["measured_activation_bytes"] for r in mem]
             stats[issue].update(
-                n_memory=len(mem), spearman_memory=spearman(pm, mm), mape_memory_pct=mape(pm, mm)
+                n_memory=len(mem),
+                spearman_memory=spearman(pm, mm),
+                mape_memory_pct=mape(pm, mm),
+                worst_memory_error_pct=min(100 * (p - m) / m for p, m in zip(pm, mm)),
             )
     by_deg = {tuple(r["degrees"]): r for r in rows if "6" in r["issues"]}
     uni = [by_deg[k] for k in ((1,) * LAYERS, (2,) * LAYERS) if k in by_deg]
@@ -280,38 +258,37 @@ def analyze(report, out):
 
 def _markdown(report):
     lines = [
-        "| plan | degrees | schedule | recompute | issues | predicted ms | pred. + replica sync ms | measured ms "
-        "(median) | error % | CPU share | share-corrected ms | pred. act. MiB | meas. act. MiB |",
-        "|" + "---|" * 13,
+        "| plan | degrees | schedule | recompute | issues | predicted ms | measured ms (median) | "
+        "error % | CPU share | pred. act. MiB | meas. act. MiB | memory error % |",
+        "|" + "---|" * 12,
     ]
     for r in report["rows"]:
         p = r["predicted"]
         m = r.get("median_s")
         err = f"{100 * (p['iteration_time_s'] - m) / m:+.1f}" if m else "failed"
         ma = r.get("measured_activation_bytes")
+        pa = p["activation_bytes"]
         lines.append(
             f"| {r['name']} | {''.join(map(str, r['degrees']))} | {r['schedule']} | "
             f"{'full' if r['recompute'] else 'no'} | {','.join(r['issues'])} | "
-            f"{1e3 * p['iteration_time_s']:.0f} | {1e3 * p['iteration_time_with_sync_s']:.0f} | "
-            f"{f'{1e3 * m:.0f}' if m else '-'} | {err} | "
-            f"{_fmt(r.get('cpu_share'), 2)} | {_fmt(r.get('share_corrected_s'), 0, 1e3)} | "
-            f"{p['activation_bytes'] / 2**20:.1f} | {f'{ma / 2**20:.1f}' if ma else '-'} |"
+            f"{1e3 * p['iteration_time_s']:.0f} | {f'{1e3 * m:.0f}' if m else '-'} | {err} | "
+            f"{_fmt(r.get('cpu_share'), 2)} | {pa / 2**20:.1f} | "
+            f"{f'{ma / 2**20:.1f}' if ma else '-'} | "
+            f"{f'{100 * (pa - ma) / ma:+.1f}' if ma else '-'} |"
         )
     lines += [
         "",
-        "| plan set | n | Spearman (time) | MAPE time % | Spearman (+ replica sync) | "
-        "MAPE (+ replica sync) % | Spearman (CPU-share corrected) | MAPE (CPU-share corrected) % | "
-        "Spearman (act. memory) | MAPE act. memory % |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| plan set | n | Spearman (time) | MAPE time % | Spearman (act. memory) | "
+        "MAPE act. memory % | worst memory error % |",
+        "|---|---|---|---|---|---|---|",
     ]
     for issue, s in report["stats"].items():
         name = {"5": "issue 5: uniform plans × schedules", "6": "issue 6: per-layer plans, oases"}
         lines.append(
             f"| {name[issue]} | {s['n']} | {s['spearman_time']:.3f} | {s['mape_time_pct']:.1f} | "
-            f"{s['spearman_time_with_sync']:.3f} | {s['mape_time_with_sync_pct']:.1f} | "
-            f"{s['spearman_time_share_corrected']:.3f} | {s['mape_time_share_corrected_pct']:.1f} | "
             f"{s.get('spearman_memory', float('nan')):.3f} | "
-            f"{s.get('mape_memory_pct', float('nan')):.1f} |"
+            f"{s.get('mape_memory_pct', float('nan')):.1f} | "
+            f"{s.get('worst_memory_error_pct', float('nan')):+.1f} |"
         )
     lines += [
         "",
@@ -347,13 +324,18 @@ def _plot(rows, path):
     }
     fig, axes = plt.subplots(1, 2, figsize=(11, 5))
     panels = (
-        ("iteration_time_s", "planner prediction (as is)"),
-        ("iteration_time_with_sync_s", "+ replica grad sync (post hoc)"),
-    )
-    for ax, (key, what) in zip(axes, panels):
+        (axes[0], "time", lambda r: 1e3 * r["predicted"]["iteration_time_s"],
+         lambda r: 1e3 * r["median_s"], "iteration time (ms)"),
+        (axes[1], "memory", lambda r: r["predicted"]["activation_bytes"] / 2**20,
+         lambda r: (r.get("measured_activation_bytes") or float("nan")) / 2**20,
+         "activation memory per rank (MiB)"),
+    )  # fmt: skip
+    for ax, kind, fx, fy, what in panels:
         pts = []
         for r in rows:
-            x, y = 1e3 * r["predicted"][key], 1e3 * r["median_s"]
+            x, y = fx(r), fy(r)
+            if y != y:  # not measured
+                continue
             pts += [x, y]
             marker = "o" if "5" in r["issues"] else "^"
             face = colors[r["schedule"]] if r["recompute"] else "none"
@@ -361,14 +343,19 @@ def _plot(rows, path):
             label = "".join(map(str, r["degrees"])) + ("" if r["recompute"] else " norc")
             ax.annotate(label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         if pts:
-            ax.plot([min(pts), max(pts)], [min(pts), max(pts)], "k--", lw=0.8, label="y = x")
+            lo, hi = min(pts), max(pts)
+            ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
+            if kind == "memory":
+                ax.plot(
+                    [lo, hi], [lo / 0.95, hi / 0.95], "r:", lw=0.8, label="5 % under-prediction"
+                )
         for s, c in colors.items():
             ax.scatter([], [], c=c, label=s)
         ax.scatter([], [], marker="^", c="k", label="per-layer plan (oases)")
         ax.scatter([], [], marker="o", facecolors="none", edgecolors="k", label="no recompute")
-        ax.set_xlabel(f"predicted iteration time (ms): {what}")
-        ax.set_ylabel("measured iteration time (ms, median of timed iterations)")
-        ax.set_title(f"H512 L4, T=2, 2 CPU ranks, emulated {LINK}", fontsize=8)
+        ax.set_xlabel(f"predicted {what}")
+        ax.set_ylabel(f"measured {what}")
+        ax.set_title(f"H512 L4, T=2, 2 CPU ranks, emulated {LINK}: {kind}", fontsize=8)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
