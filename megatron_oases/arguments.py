@@ -119,7 +119,9 @@ def add_oases_args(parser):
         "--emulate-link",
         default=None,
         metavar="PROFILE",
-        help="testbed: emulate a cluster's links (configs/clusters/PROFILE.yaml) on CPU/gloo",
+        help="testbed emulation, not a measurement: every collective completes no earlier than "
+        "D x its ring alpha-beta time on PROFILE's links (configs/clusters/PROFILE.yaml), D = "
+        "the target GPU's rate / this host's matmul rate (per rank; see oases calibrate)",
     )
     return parser
 

@@ -39,7 +39,9 @@ def build_parser():
         "--emulate-link",
         default=None,
         metavar="PROFILE",
-        help="emulate a cluster's links (configs/clusters/PROFILE.yaml)",
+        help="testbed emulation, not a measurement: every collective completes no earlier than "
+        "D x its ring alpha-beta time on PROFILE's links (configs/clusters/PROFILE.yaml), D = "
+        "the target GPU's rate / this host's matmul rate (per rank; see oases calibrate)",
     )
     p.add_argument(
         "--oases-plan",
