@@ -289,3 +289,36 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     assert all(e >= -0.05 for _, e in rows), rows
     # and not uselessly pessimistic either
     assert all(e <= 1.0 for _, e in rows), rows
+
+
+@pytest.mark.timeout(400)
+def test_memory_model_pipeline_stages(measured, tmp_path):
+    """PP=2 (1F1B, 4 micro-batches): stage 0 keeps two micro-batches' checkpoints, stage 1 one;
+    the per-stage predictions never under-predict the measured per-stage peak by > 5 %."""
+    import copy
+
+    from megatron_oases.planner.cost_model import predict
+    from megatron_oases.profiler.format import Profile
+    from megatron_oases.testing import run_distributed
+    from megatron_oases.testing.runs import activation_peaks
+
+    data = copy.deepcopy(measured["profile"].data)
+    data["pipeline_model_parallel_size"] = 2
+    profile = Profile(data)
+    flags = (
+        "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --vocab-size 256 --tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 8 "
+        "--mock-data --seed 1234 --recompute-granularity full"
+    )
+    configs = [(s, f"{flags} --oases-schedule {s}") for s in ("off", "oases")]
+    per_rank = run_distributed(activation_peaks, 4, configs, timeout=380)
+    for schedule, _ in configs:
+        res = predict(profile, [2] * 4, schedule, global_batch=8, micro_batch=2, recompute=True)
+        for stage, ranks in ((0, (0, 1)), (1, (2, 3))):
+            bd = res["stages"][stage]["memory_breakdown_bytes"]
+            pred = bd["fixed_activations"] + bd["saved_activations"] + bd["runtime_peak_layer"]
+            meas = max(per_rank[r][schedule] for r in ranks)
+            print(f"{schedule} stage {stage}: predicted {pred / meas - 1:+.1%} vs measured")
+            assert pred >= 0.95 * meas, (schedule, stage, pred, meas)
+            assert pred <= 2.0 * meas, (schedule, stage, pred, meas)
