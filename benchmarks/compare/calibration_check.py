@@ -172,8 +172,9 @@ def main(argv=None):
         f"included), {100 * eff_rate / emu['host_gflops'] / 1e9:.0f} % of the",
         "calibrated matmul rate: softmax, layer norm, GELU, dropout, the optimizer and framework",
         "overhead are not GEMMs. That makes the emulated GPU slower than the profile's GEMM rate and",
-        "lowers the communication share; with the measured compute time the model agrees with the",
-        "measurement (last two lines).",
+        "lowers the communication share; with the compute time measured there the model gives "
+        f"{100 * o_share_busy:.1f} %,",
+        f"close to the {100 * measured:.1f} % measured.",
         "",
         "Why the testbed number is lower than the paper's: the paper's Figure 2 runs TMP=4, where a",
         "ring all-reduce moves 2(N-1)/N = 1.5x the message over PCIe while each GPU computes 1/4 of",

@@ -273,9 +273,9 @@ def write_report(args):
         "collective runs for real on gloo but completes no earlier than D x its modelled time on "
         "the target link (ring alpha-beta, message counted at fp16/bf16), where D = target GPU "
         "sustained FLOP/s / host matmul FLOP/s. Throughputs are host tokens/s (divide the times by "
-        "D for target-GPU times); only ratios between variants are meaningful. The host is a "
-        "shared 2-core VM on which other developers were running test suites at the same time: "
-        "single runs vary by 10-30 %, so small speedup differences are within noise.",
+        "D for target-GPU times); only ratios between variants are meaningful, and only within "
+        "one `oases compare` call: the host is a 2-core VM whose speed drifts between calls "
+        "(see the notes; the `host CPU share` column shows contention the emulator saw).",
         "",
         "## Summary",
         "",
