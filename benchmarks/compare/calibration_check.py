@@ -26,22 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 PAPER = (0.592, 0.647)  # Figure 2, Megatron-LM, two models on 4x RTX 3090
-SHAPE = [
-    "--tensor-model-parallel-size",
-    "2",
-    "--vocab-size",
-    "512",
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "2048",
-    "--num-attention-heads",
-    "32",
-    "--seq-length",
-    "1024",
-    "--micro-batch-size",
-    "2",
-]
+from run_benchmarks import COMMON, SHAPES  # noqa: E402  (same directory)
+
+SHAPE = ["--tensor-model-parallel-size", "2", *COMMON, *SHAPES["h2048"]]
 
 
 def modelled_stock_share(profile, hidden, layers, seq, micro_batch, tp, vocab, heads):

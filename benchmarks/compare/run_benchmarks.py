@@ -28,74 +28,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OUT = os.path.join(ROOT, "benchmarks", "results", "compare")
 
+
+def shape(layers, hidden, heads, seq, micro_batch):
+    """Model/batch flags of one benchmark shape."""
+    return [
+        "--num-layers", str(layers), "--hidden-size", str(hidden),
+        "--num-attention-heads", str(heads), "--seq-length", str(seq),
+        "--micro-batch-size", str(micro_batch),
+    ]  # fmt: skip
+
+
 SHAPES = {
-    "h1024": [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "1024",
-        "--num-attention-heads",
-        "16",
-        "--seq-length",
-        "1024",
-        "--micro-batch-size",
-        "2",
-    ],
-    "h2048": [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "2048",
-        "--num-attention-heads",
-        "32",
-        "--seq-length",
-        "1024",
-        "--micro-batch-size",
-        "2",
-    ],
+    "h1024": shape(2, 1024, 16, 1024, 2),
+    "h2048": shape(2, 2048, 32, 1024, 2),
     # seq 512 (the paper's range is 512-1024), micro-batch 4: same tokens per step as h2048. The
     # unfused attention's softmax/mask/dropout over s^2 scores is far slower on a CPU than the
     # fused kernels on a GPU; a shorter sequence halves its weight in the emulated compute.
-    "h2048s512": [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "2048",
-        "--num-attention-heads",
-        "32",
-        "--seq-length",
-        "512",
-        "--micro-batch-size",
-        "4",
-    ],
+    "h2048s512": shape(2, 2048, 32, 512, 4),
     # TMP=4 on 4 ranks, as in the paper's Figure 2 / Table 3 set-up. The 2-CPU host time-shares
     # each CPU between two ranks; the emulator scales the per-rank host rate (and D) to match.
-    "h2048tp4": [
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "2048",
-        "--num-attention-heads",
-        "32",
-        "--seq-length",
-        "1024",
-        "--micro-batch-size",
-        "2",
-    ],
+    "h2048tp4": shape(2, 2048, 32, 1024, 2),
     # 4 layers: the per-iteration communication outside the layers (embedding all-reduce, output
     # layer's input-gradient all-reduce) weighs half as much as with 2.
-    "h2048l4": [
-        "--num-layers",
-        "4",
-        "--hidden-size",
-        "2048",
-        "--num-attention-heads",
-        "32",
-        "--seq-length",
-        "1024",
-        "--micro-batch-size",
-        "2",
-    ],
+    "h2048l4": shape(4, 2048, 32, 1024, 2),
 }
 COMMON = ["--vocab-size", "512"]
 TP = {"h2048tp4": 4}  # TMP degree (= ranks) per shape; default 2
