@@ -28,16 +28,19 @@ overlap across that boundary is lost: the ``max{d^0, c^1}`` term becomes ``c^1 +
 (4)'s ``T_allgather + min{c^1, d^0}`` on top of the max. The embedding and output layer run at ``T``,
 so a first/last layer below ``T`` adds one all-gather each (backward at the embedding, forward at the
 output). The output layer's GEMMs and the embedding/output all-reduces over ``T`` are a
-degree-independent constant per micro-batch. The iteration time is ``num_microbatches × (forward +
-backward + edges)``, plus — only with ``grad_sync=True`` (not in the paper's eq. 5) — each layer's
-data-parallel gradient all-reduce of its ``params/d`` over ``D·T/d`` replicas, once per iteration.
+degree-independent constant per micro-batch. The iteration time is ``(num_microbatches + P − 1) ×
+(forward + backward + edges)`` (1F1B over P pipeline stages; P = 1 without PP), plus, once per
+iteration, the all-reduce of each degree-d < T layer's gradients over its T/d replicas (the per-layer
+runtime's replica sync; not in the paper's eq. 5) — or, with ``grad_sync=True``, each layer's whole
+data-parallel gradient all-reduce of its ``params/d`` over ``D·T/d`` replicas.
 
 Memory (eq. 6, TP-aware): ``fixed state + Σ_l [state(d_l) + saved(d_l, n_l)] + max_l runtime(d_l,
 n_l) + fixed activations·m + overhead``, where ``saved`` is the layer input (Megatron full
 recompute), the two block inputs (``oases`` fine-grained recompute) or all activations (no
 recompute), and ``runtime`` is the forward+backward peak of what is recomputed at once — the whole
-layer, or for ``oases`` the larger block of one sub-batch — measured at the group's sample count ``n_l`` (not a
-per-sample value times ``n_l``: weight-gradient temporaries do not grow with the batch). Split
+layer, or for ``oases`` the larger block of one sub-batch — measured at the group's sample count
+``n_l`` (not a per-sample value times ``n_l``: weight-gradient temporaries do not grow with the
+batch). Split
 schedules with recomputation add one sub-batch's backward working set (peak − activations at
 ``⌈n_l/2⌉``): the two sub-batches' backward passes interleave. The constraint is
 ``peak × (1 + margin) ≤ memory``. Solvers see memory in integer *granules* (rounded up, so never
