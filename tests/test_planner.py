@@ -533,3 +533,20 @@ def test_pipeline_parallel_plans_one_stage_with_1f1b_costs(h2048):
     assert plan["pipeline_model_parallel_size"] == 2 and plan["num_layers"] == 24
     assert plan["degrees"][:12] == plan["degrees"][12:] and len(plan["degrees"]) == 24
     validate_plan(plan, num_layers=24, tensor_model_parallel_size=4)
+
+
+def test_cli_plans_and_evaluates_a_pipeline_parallel_model(tmp_path, capsys):
+    prof, plan = str(tmp_path / "pp2.json"), str(tmp_path / "plan.json")
+    common = ["--model", f"{MODELS}:h2048", "--analytic", "--cluster", "rtx3090-nvlink"]
+    assert (
+        oases(["profile", *common, "--set", "pipeline_model_parallel_size=2", "--out", prof]) == 0
+    )
+    assert oases(["plan", "--profile", prof, "--global-batch-size", "128", "--memory", "24",
+                  "--quiet", "--out", plan]) == 0  # fmt: skip
+    written = json.load(open(plan))
+    assert written["pipeline_model_parallel_size"] == 2 and len(written["degrees"]) == 24
+    capsys.readouterr()
+    assert oases(["plan", "--profile", prof, "--evaluate", plan, "--quiet"]) == 0
+    out = capsys.readouterr().out
+    ms = float(out.split("predicted iteration ")[1].split(" ms")[0])
+    assert ms == pytest.approx(1e3 * written["predicted"]["iteration_time_s"], rel=1e-4)
