@@ -9,10 +9,11 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_oases", "megatron_oases.*"]),
     package_data={"megatron_oases": ["py.typed"]},
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     install_requires=[
-        "megatron-core>=0.16,<0.17",
+        "megatron-core>=0.17,<0.20",
         "torch>=2.6",
+        "psutil",  # megatron-core's torch_dist checkpoints need it, the wheel does not declare it
         "pulp>=2.7",
         "numpy",
         "pyyaml",
@@ -26,7 +27,7 @@ setup(
     entry_points={
         "console_scripts": [
             "oases=megatron_oases.cli:main",
-            "oases-pretrain-gpt=megatron_oases.pretrain_gpt_oases:console_main",
+            "oases-pretrain-gpt=megatron_oases.training.pretrain:console_main",
         ]
     },
 )

@@ -6,18 +6,20 @@ imported only when its subcommand runs. Each function takes the remaining argv.
 
 import argparse
 import importlib
+import os
 import sys
 
 from .errors import OasesConfigError
 
 COMMANDS = {
     "train": (
-        "megatron_oases.training.cli:main",
-        "train a GPT model on Megatron-Core (pretrain_gpt.py flags)",
+        "megatron_oases.training.pretrain:train_main",
+        "Megatron-LM's pretrain_gpt.py loop with the --oases-* flags; a tiny demo model and mock "
+        "data where flags are absent",
     ),
     "run": (
-        "megatron_oases.pretrain_gpt_oases:main",
-        "run Megatron-LM's pretrain_gpt.py (checkout on PYTHONPATH) with the --oases-* flags",
+        "megatron_oases.training.pretrain:main",
+        "the same as oases-pretrain-gpt: Megatron-LM's pretrain_gpt.py with the --oases-* flags",
     ),
     "compare": (
         "megatron_oases.compare.cli:main",
@@ -60,7 +62,8 @@ def main(argv=None):
     try:
         rc = _resolve(COMMANDS[argv[0]][0])(argv[1:])
     except OasesConfigError as exc:
-        print(f"oases {argv[0]}: error: {exc}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # once per job, not once per rank
+            print(f"oases {argv[0]}: error: {exc}", file=sys.stderr, flush=True)
         return 2
     return rc or 0
 

@@ -14,6 +14,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import build_module
 
 from ..errors import OasesConfigError
+from .shards import full_tensor, take_shard
 
 
 def _with_tp(pgc, tp_group):
@@ -24,8 +25,27 @@ def _with_tp(pgc, tp_group):
     return ProcessGroupCollection(**kwargs)
 
 
+@torch.no_grad()
+def _copy_weights(old, new, degree, groups, config):
+    """Give the degree-d layer the weights of the degree-T layer it replaces (same model)."""
+    from megatron.core import parallel_state
+
+    T, tp_group = groups.T, parallel_state.get_tensor_model_parallel_group()
+    old_params = dict(old.named_parameters())
+    for name, p in new.named_parameters():
+        src = old_params[name]
+        full = full_tensor(src.data, src, name, config, size=T, group=tp_group)
+        dim = p.partition_dim if getattr(p, "tensor_model_parallel", False) else None
+        gated = "linear_fc1" in name and getattr(config, "gated_linear_unit", False)
+        p.copy_(take_shard(full, dim, groups.tp_rank(degree), degree, gated))
+
+
 def apply_plan(model, degrees, groups):
-    """Rebuild this stage's layers with their planned degree; returns the layer degrees."""
+    """Rebuild this stage's layers with their planned degree; returns the layer degrees.
+
+    A rebuilt layer gets the weights of the layer Megatron built (all-gathered over the TMP
+    domain and re-sharded), so a plan changes the layout, never the model.
+    """
     decoder = model.decoder
     stage_degrees = []
     for i, layer in enumerate(decoder.layers):
@@ -40,12 +60,12 @@ def apply_plan(model, degrees, groups):
                 vp_stage=decoder.vp_stage,
             )
             assert new.layer_number == layer.layer_number
+            _copy_weights(layer, new, d, groups, decoder.config)
             decoder.layers[i] = new
             layer = new
         for p in layer.parameters():
             p._oases_degree = d
-            p._oases_tp = (d, groups.tp_rank(d))
-            p._oases_tp_group = groups.tp_group(d)
+            p._oases_tp_layout = (d, groups.tp_group(d))
             p._oases_replica_index = groups.group_index(d)
     return stage_degrees
 

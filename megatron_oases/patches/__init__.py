@@ -1,48 +1,48 @@
-"""Patches applied to Megatron-Core from parsed arguments — after parsing, before the model is built.
+"""Patches applied to Megatron from parsed arguments — after parsing, before the model is built.
 
-``install_from_args(args)`` installs, in this order (each a named, reversible :class:`Patch`):
+``install_from_args(args)`` installs, in this order (each a named, reversible :class:`Patch`;
+a factory returns None when its flag is not given):
 
 1. ``emulate-link``: link emulation of every collective (``--emulate-link PROFILE``, testbed).
 2. ``oases-trace``: schedule tracer (``--oases-trace PATH``).
-3. ``oases-schedule``: the overlapped TMP schedule (``--oases-schedule`` ≠ off).
+3. ``golden-values``: per-iteration golden values from Megatron's loop (``--log-json PATH``).
+4. ``oases-schedule``: the overlapped TMP schedule (``--oases-schedule`` ≠ off, or a plan).
 
-``uninstall_all()`` reverts everything (stock Megatron-Core behaviour).
+Each factory checks that the Megatron symbols it replaces exist and are the ones Megatron calls
+(:func:`megatron_oases.compat.require_symbol`). ``uninstall_all()`` reverts everything.
 """
 
 from .registry import Patch, PatchRegistry
 
 REGISTRY = PatchRegistry()
 
-# name -> "module:factory"; factory(args) returns a Patch or None (not requested).
-PATCH_FACTORIES = {
-    "emulate-link": "megatron_oases.testbed.emulator:make_patch",
-    "oases-trace": "megatron_oases.schedule.trace:make_patch",
-    "oases-schedule": "megatron_oases.schedule.patch:make_patch",
-}
 
+def factories():
+    """(name, factory) in install order; imported here, not named by strings, so a moved module
+    fails at import instead of turning its flag into a silent no-op."""
+    from ..instrument.golden import make_patch as golden_values
+    from ..schedule.patch import make_patch as oases_schedule
+    from ..schedule.trace import make_patch as oases_trace
+    from ..testbed.emulator import make_patch as emulate_link
 
-def _factory(target):
-    import importlib
-
-    module, func = target.split(":")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as exc:
-        if exc.name == module:
-            return None
-        raise
-    return getattr(mod, func)
+    return (
+        ("emulate-link", emulate_link),
+        ("oases-trace", oases_trace),
+        ("golden-values", golden_values),
+        ("oases-schedule", oases_schedule),
+    )
 
 
 def install_from_args(args):
-    """Install the patches ``args`` asks for; returns their names."""
+    """Install the patches ``args`` asks for (idempotent); returns the names installed now."""
     from ..compat import check_megatron_core
 
     check_megatron_core()
     names = []
-    for name, target in PATCH_FACTORIES.items():
-        factory = _factory(target)
-        patch = factory(args) if factory is not None else None
+    for name, factory in factories():
+        if REGISTRY.get(name) is not None:
+            continue
+        patch = factory(args)
         if patch is not None:
             REGISTRY.install(patch)
             names.append(name)
@@ -57,4 +57,12 @@ def installed():
     return REGISTRY.installed()
 
 
-__all__ = ["Patch", "PatchRegistry", "REGISTRY", "install_from_args", "uninstall_all", "installed"]
+__all__ = [
+    "Patch",
+    "PatchRegistry",
+    "REGISTRY",
+    "factories",
+    "install_from_args",
+    "uninstall_all",
+    "installed",
+]

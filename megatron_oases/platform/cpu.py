@@ -1,4 +1,4 @@
-"""CPU/gloo platform shims: run unmodified Megatron-Core 0.16 on a CPU-only torch.
+"""CPU/gloo platform shims: run unmodified Megatron-Core (0.19) and Megatron-LM's loop on CPU torch.
 
 Megatron-Core assumes CUDA in a handful of places. On a machine without CUDA we install the shims
 below (and only then: :func:`install` is a no-op when ``torch.cuda.is_available()``). Each shim is
@@ -33,10 +33,22 @@ Replaced symbol                             Why / what the shim does
 ``tensor_parallel.random.CudaRNGStatesTracker``  :class:`CpuRNGStatesTracker`: same ``add/fork/
   (instances made by ``initialize_rng_tracker``)  get_states/set_states`` API on CPU generator states,
                                             so model-parallel dropout and recompute stay RNG-exact.
+``torch.cuda.device_count`` / ``set_device`` ``initialize_megatron`` builds model-parallel groups and
+                                            seeds the TP RNG tracker only when ``device_count() > 0``:
+                                            one (virtual) device; ``set_device`` is a no-op.
+``megatron.training.arguments.``            ``validate_args`` queries ``cuda:0`` when TP > 1:
+  ``get_device_arch_version``               reports 0 (pre-Blackwell rules, i.e. it keeps asking for
+                                            ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which we set).
+``megatron.training.training.``             ``pretrain`` calls it without ``allow_no_cuda``: the same
+  ``initialize_megatron``                   function with ``allow_no_cuda=True``.
+``megatron.core.datasets.utils.``           the wheel ships the dataset helper prebuilt but no
+  ``compile_helpers``                       Makefile; ``make`` fails: a no-op.
 ==========================================  =====================================================
 """
 
 import contextlib
+import functools
+import importlib
 import logging
 
 import torch
@@ -59,6 +71,7 @@ _CUDA_ATTRS = (
     "get_rng_state",
     "set_rng_state",
     "device_count",
+    "set_device",
 )
 
 _state = {"installed": False, "originals": {}}
@@ -222,6 +235,29 @@ def _make_cpu_tracker_class():
     return CpuRNGStatesTracker
 
 
+def _training_shims():
+    """``{(module, attr): replacement}`` for Megatron-LM's loop (``megatron.training``, 0.17+)."""
+    try:
+        from megatron.training import arguments, training
+    except ImportError:  # megatron-core without megatron.training: nothing to shim
+        return {}
+    shims = {
+        ("megatron.training.arguments", "get_device_arch_version"): lambda *a, **k: 0,
+        ("megatron.training.training", "initialize_megatron"): functools.partial(
+            training.initialize_megatron, allow_no_cuda=True
+        ),
+        ("megatron.core.datasets.utils", "compile_helpers"): lambda: None,
+    }
+    for (module, name), _ in shims.items():
+        if not hasattr(importlib.import_module(module), name):
+            raise RuntimeError(
+                f"megatron_oases CPU shim: {module}.{name} no longer exists in this Megatron; "
+                "this version is not supported on CPU"
+            )
+    del arguments
+    return shims
+
+
 def is_active():
     return _state["installed"]
 
@@ -250,7 +286,8 @@ def install(force=False):
     cuda.manual_seed = lambda seed: None
     cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     cuda.set_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
-    cuda.device_count = lambda: 0
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda *a, **k: None
 
     for name, new in (
         ("_get_cuda_rng_state", _cpu_get_rng_state),
@@ -261,6 +298,10 @@ def install(force=False):
         setattr(mrandom, name, new)
     # A tracker created before install would be a CUDA one: force a fresh CPU tracker.
     mrandom.initialize_rng_tracker(force_reset=True)
+
+    for (module, name), new in _training_shims().items():
+        orig[(module, name)] = getattr(importlib.import_module(module), name)
+        setattr(importlib.import_module(module), name, new)
 
     for name in _FACTORIES:
         orig[("torch", name)] = getattr(torch, name)
@@ -286,7 +327,7 @@ def uninstall():
         "torch.Tensor": torch.Tensor,
     }
     for (where, name), value in _state["originals"].items():
-        target = targets[where]
+        target = targets[where] if where in targets else importlib.import_module(where)
         if value is None:
             if hasattr(target, name):
                 delattr(target, name)

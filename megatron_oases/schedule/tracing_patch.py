@@ -3,8 +3,9 @@
 Replaced symbols: ``torch.distributed.all_reduce`` (records issue / wait / completion; async ops
 return a work wrapper), ``TransformerLayer.forward`` (labels stock Megatron's forward and
 recompute communication with the layer, and its backward communication via gradient hooks on the
-layer output/input). The schedule engine labels its own ops explicitly. The trace of the last
-iteration is written when the patch is uninstalled (end of training).
+layer output/input), and Megatron-LM's ``train_step`` (an iteration starts and ends there). The
+schedule engine labels its own ops explicitly. The trace of the last iteration is written when the
+patch is uninstalled (end of training).
 
 Pass detection for stock Megatron: outside an autograd graph task a collective belongs to the
 forward; inside one, to the recomputation if a ``TransformerLayer.forward`` is running
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from ..compat import require_symbol
 from ..patches.registry import Patch
 from .trace import _ACTIVE, Tracer, trace_path
 
@@ -94,11 +96,25 @@ class TracePatch(Patch):
                 patch._hook(hidden, -1)
             return out
 
+        from megatron.training import training
+
+        orig_train_step = require_symbol(training, "train_step", called_by=[training.train])
+
+        def train_step(*args, **kwargs):
+            tracer = patch.tracer
+            if tracer is not None:
+                tracer.start_iteration((kwargs.get("iteration") or 0) + 1)
+            out = orig_train_step(*args, **kwargs)
+            if tracer is not None:
+                tracer.end_iteration()
+            return out
+
         super().__init__(
             "oases-trace",
             replacements=[
                 (dist, "all_reduce", all_reduce),
                 (TransformerLayer, "forward", layer_forward),
+                (training, "train_step", train_step),
             ],
             on_install=self._start,
             on_uninstall=self._finish,

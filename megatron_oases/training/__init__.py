@@ -1,1 +1,2 @@
-"""Megatron-Core training driver used by ``oases train`` (a pretrain_gpt.py equivalent)."""
+"""The training driver: Megatron-LM's own ``pretrain()`` loop (``megatron.training``) with the
+``--oases-*`` flags (:mod:`.pretrain`), fed by our ``pretrain_gpt`` pieces (:mod:`.gpt`)."""

@@ -1,0 +1,1 @@
+"""Instruments on Megatron's loop: golden values (``--log-json``)."""

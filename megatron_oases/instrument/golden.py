@@ -1,0 +1,120 @@
+"""``--log-json``: Megatron functional-test golden values, recorded from Megatron-LM's own loop.
+
+Shape: ``{"lm loss": {"start_step", "end_step", "step_interval", "values"}, "iteration-time",
+"tokens-per-sec", "throughput", "mem-allocated-bytes"}`` with one value per iteration (Megatron's
+console line shows a running mean over the log interval; golden values are per iteration). The
+patch wraps ``megatron.training.training.train_step`` (timed on the host, after a barrier-free
+``torch.cuda.synchronize``) and ``training_log`` (this iteration's reduced ``lm loss``). The last
+rank writes; the file is rewritten after every iteration so a run cut short keeps what it reached.
+"""
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..compat import require_symbol
+from ..patches.registry import Patch
+
+KEYS = ("lm loss", "iteration-time", "tokens-per-sec", "throughput", "mem-allocated-bytes")
+
+
+class GoldenValuesRecorder:
+    def __init__(self, path):
+        self.path = path
+        self.steps = []
+        self.values = {k: [] for k in KEYS}
+
+    def record(self, iteration, **values):
+        self.steps.append(int(iteration))
+        for key in KEYS:
+            self.values[key].append(values.get(key))
+
+    def as_dict(self):
+        if not self.steps:
+            return {}
+        start, end = self.steps[0], self.steps[-1]
+        interval = self.steps[1] - self.steps[0] if len(self.steps) > 1 else 1
+        return {
+            key: {"start_step": start, "end_step": end, "step_interval": interval, "values": vals}
+            for key, vals in self.values.items()
+            if any(v is not None for v in vals)
+        }
+
+    def write(self):
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)) or ".", exist_ok=True)
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.as_dict(), f, indent=1)
+        os.replace(tmp, self.path)
+
+
+def _scalar(value):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.detach().float().reshape(-1)
+        return value[0].item() if value.numel() else None
+    if isinstance(value, (list, tuple)):
+        return _scalar(value[0]) if value else None
+    return float(value)
+
+
+def _is_last_rank():
+    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+
+
+def make_patch(args):
+    """A patch iff ``--log-json PATH``."""
+    path = getattr(args, "log_json", None)
+    if not path:
+        return None
+    from megatron.training import training
+
+    orig_step = require_symbol(training, "train_step", called_by=[training.train])
+    orig_log = require_symbol(training, "training_log", called_by=[training.train])
+    recorder = GoldenValuesRecorder(path)
+    state = {"elapsed": None}
+
+    def train_step(*a, **k):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = orig_step(*a, **k)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        state["elapsed"] = time.perf_counter() - t0
+        return out
+
+    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs):
+        result = orig_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs)
+        loss = _scalar((loss_dict or {}).get("lm loss"))
+        if _is_last_rank() and loss is not None and state["elapsed"]:
+            from megatron.training import get_args
+
+            margs = get_args()
+            elapsed = state["elapsed"]
+            batch = margs.global_batch_size
+            flops = training.num_floating_point_operations(margs, batch)
+            mem = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+            recorder.record(
+                iteration,
+                **{
+                    "lm loss": loss,
+                    "iteration-time": elapsed,
+                    "tokens-per-sec": batch * margs.seq_length / elapsed,
+                    "throughput": flops / (elapsed * 1e12 * margs.world_size),
+                    "mem-allocated-bytes": mem,
+                },
+            )
+            recorder.write()
+        return result
+
+    patch = Patch(
+        "golden-values",
+        [(training, "train_step", train_step), (training, "training_log", training_log)],
+    )
+    patch.recorder = recorder
+    return patch

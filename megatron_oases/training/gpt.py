@@ -1,0 +1,132 @@
+"""What Megatron-LM's ``pretrain_gpt.py`` passes to ``pretrain()``, on the installed ``megatron.training``.
+
+The megatron-core wheel (0.17+) ships Megatron-LM's loop (``megatron.training``) but not the
+``pretrain_gpt.py`` script: this module supplies its four arguments — a model provider (Megatron's
+own ``GPTModelBuilder`` with the local layer spec), ``forward_step`` with the masked-mean-per-token
+loss and Megatron's NaN/Inf checks, and a dataset provider (``MockGPTDataset`` for ``--mock-data``,
+``GPTDataset`` for ``--data-path``) — plus the one Oases hook: :func:`model_provider` installs the
+patches the arguments ask for on its first call (distributed state is up, no model built yet) and
+applies a per-layer plan to the built model.
+"""
+
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.training import get_args, print_rank_0
+from megatron.training.argument_utils import gpt_config_from_args
+from megatron.training.models.gpt import GPTModelBuilder
+from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
+
+from ..patches import install_from_args
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """One pipeline stage of the GPT model: Megatron's builder, then the per-layer plan if any."""
+    args = get_args()
+    install_from_args(args)  # idempotent: after parsing and distributed init, before any model
+    if pg_collection is None:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+    model = GPTModelBuilder(gpt_config_from_args(args, config=config)).build_model(
+        pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+    )
+    if getattr(args, "oases_plan", None):
+        from ..hetero.runtime import attach_plan
+
+        attach_plan(model, args)
+    return model
+
+
+def get_batch(data_iterator, vp_stage=None):
+    """This micro-batch on the stages that read data (first and last); Nones elsewhere.
+
+    Every tensor-parallel rank of those stages reads the same samples from its own loader (the
+    dataset is built on each of them), so no broadcast inside the TP group is needed.
+    """
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return (None,) * len(BATCH_KEYS)
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    return tuple(
+        batch[k].to(device, non_blocking=True) if batch.get(k) is not None else None
+        for k in BATCH_KEYS
+    )
+
+
+def loss_func(loss_mask, output_tensor):
+    """Sum of token losses and the token count (Megatron divides globally); NaN/Inf stop the run."""
+    args = get_args()
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    if args.check_for_nan_in_loss_and_grad:
+        rerun = get_rerun_state_machine()
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            rerun.validate_result(
+                result=loss,
+                rejection_func=reject,
+                message=f"found {what} in local forward loss calculation",
+                tolerance=0.0,
+                fatal=True,
+            )
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    return loss, num_tokens, report
+
+
+def forward_step(data_iterator, model):
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
+        data_iterator, getattr(model, "vp_stage", None)
+    )
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(loss_func, loss_mask)
+
+
+def _dataset_config(args):
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
+        path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's GPT datasets, built on every rank of the stages that read data."""
+    args = get_args()
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    datasets = BlendedMegatronDatasetBuilder(
+        dataset_type,
+        train_val_test_num_samples,
+        lambda: is_first_or_last_pipeline_stage(vp_stage),
+        _dataset_config(args),
+    ).build()
+    print_rank_0("> finished creating GPT datasets ...")
+    return datasets
+
+
+# Megatron calls the provider on every rank; it decides per rank what to build.
+train_valid_test_datasets_provider.is_distributed = True
+
+
+

@@ -1,0 +1,78 @@
+"""``oases-pretrain-gpt`` and ``oases train``: Megatron-LM's ``pretrain_gpt.py`` with the Oases flags.
+
+Order of events, as in Megatron-LM: defaults for the flags a CPU run needs (:func:`with_defaults`)
+→ CPU/gloo platform shims when there is no CUDA → Megatron's parse + validate (+ ours) → Megatron's
+``pretrain()`` (distributed init, model via :func:`.gpt.model_provider`, which installs the patches
+before building the first model; Megatron's optimizer, 1F1B schedule, logging, checkpointing) → the
+patches are reverted.
+
+Launch like ``pretrain_gpt.py``: ``torchrun --nproc_per_node N $(which oases-pretrain-gpt) ...``
+or ``torchrun ... -m megatron_oases train ...``.
+"""
+
+import os
+import sys
+import time
+
+_PROGRAM_START = time.time()
+
+PROG = "oases-pretrain-gpt"
+
+
+def run(argv, demo=False, prog=PROG):
+    """Parse ``argv`` (program name excluded) and train; returns the exit status."""
+    from .. import patches, platform
+    from ..arguments import parse_megatron_args, with_defaults
+    from ..compat import check_megatron_core
+
+    check_megatron_core()
+    # Megatron asks for it with TP > 1; the overlap needs launch order = issue order on GPUs.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    argv = with_defaults(argv, demo=demo)
+    platform.install_cpu_shims()  # a no-op with CUDA
+    try:
+        args = parse_megatron_args(argv, prog=prog, set_globals=True)
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+        from megatron.training.training import set_startup_timestamps
+
+        from . import gpt
+
+        set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
+        pretrain(
+            pretrain_cfg_container_from_args(args),
+            gpt.train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            gpt.forward_step,
+            model_provider=gpt.model_provider,
+        )
+    finally:
+        patches.uninstall_all()
+    return 0
+
+
+def main(argv=None):
+    """``oases run`` / ``oases-pretrain-gpt``: exactly the given flags (plus CPU necessities)."""
+    return run(list(sys.argv[1:] if argv is None else argv))
+
+
+def train_main(argv=None):
+    """``oases train``: the same, with a tiny demo model and mock data where flags are absent."""
+    return run(list(sys.argv[1:] if argv is None else argv), demo=True, prog="oases train")
+
+
+def console_main(argv=None):
+    """Entry of the ``oases-pretrain-gpt`` console script: a user error is one line, exit 2."""
+    from ..errors import OasesConfigError
+
+    try:
+        return main(argv) or 0
+    except OasesConfigError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(console_main())
