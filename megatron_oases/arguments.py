@@ -162,6 +162,8 @@ def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_gl
     """
     from megatron.training import arguments as margs
 
+    # Megatron asks for it with TP > 1; on GPUs the overlap needs launch order = issue order.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if world_size is not None:
         os.environ.setdefault("WORLD_SIZE", str(world_size))
     with _argv(prog, argv):

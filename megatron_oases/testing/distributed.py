@@ -57,7 +57,7 @@ def run_distributed(fn, world_size, *args, timeout=300):
     queue = ctx.Queue()
     port = find_free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
         for r in range(world_size)
     ]
     for p in procs:

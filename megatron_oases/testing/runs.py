@@ -1,6 +1,14 @@
-"""In-process training runs for tests: parse ``oases train`` flags, train, return losses/gradients.
+"""In-process runs of Megatron-LM's own ``pretrain()`` for tests: losses and gradients per variant.
 
-Meant to be the ``fn`` of :func:`run_distributed` (the default process group is already up).
+Meant to be the ``fn`` of :func:`run_distributed` (the default gloo group is already up; Megatron's
+``initialize_megatron`` keeps it). Several variants run one after another in the same processes:
+after each, Megatron's global state and the patches are torn down
+(``megatron.training.training.destroy_global_state``), so each variant is a fresh Megatron job
+apart from the process start-up.
+
+Per iteration the loss is what Megatron's ``train_step`` returns (reduced over micro-batches and
+data-parallel ranks, last pipeline stage); gradients are read from DDP's ``main_grad`` buffers at
+the first ``optimizer.step()``, i.e. after ``finalize_model_grads`` and before clipping.
 """
 
 import shlex
@@ -8,100 +16,110 @@ import shlex
 import torch
 
 
-def parse(argv, world_size=None):
-    from ..arguments import build_parser, validate_args
+def parse(argv, world_size=None, demo=True):
+    """Megatron's parsed and validated args for ``argv`` (no global state is set)."""
+    from ..arguments import parse_megatron_args, with_defaults
 
     if isinstance(argv, str):
         argv = shlex.split(argv)
-    args = build_parser().parse_args(argv)
-    return validate_args(args, world_size=world_size)
+    return parse_megatron_args(with_defaults(argv, demo=demo), prog="test", world_size=world_size)
 
 
-def train_and_capture(argv, iters=None, grads=False, step=True):
-    """Train; return {'losses': [...], 'grads': {global param name: grad}}.
+def _capture_patch(record, grads):
+    """Wrap ``train_step`` (by name in ``megatron.training.training``) to record its results."""
+    from megatron.training import training
 
-    ``grads=True`` captures this rank's shards; ``grads="full"`` gathers every gradient to its
-    full, unsharded tensor (for comparing different TP layouts or per-layer plans).
+    from ..hetero.shards import full_tensor, global_param_names
+    from ..patches.registry import Patch
 
-    With ``step=False`` only forward/backward runs for the first iteration (gradients of the
-    initial weights), which is what gradient parity needs.
-    """
-    import torch.distributed as dist
+    original = training.train_step
 
-    from .. import patches
-    from ..training.initialize import initialize_distributed
-    from ..training.loop import Trainer
-    from ..training.model import full_tensor, global_param_names
-
-    args = parse(argv, world_size=dist.get_world_size())
-    initialize_distributed(args)
-    installed = patches.install_from_args(args)
-    try:
-        trainer = Trainer(args)
-        losses, captured = [], {}
-        for _ in range(iters or args.train_iters):
-            if step:
-                losses.append(trainer.train_step())
-            else:
-                losses.append(_forward_backward(trainer))
-                break
-        if grads:
-            for name, p in global_param_names(trainer.module):
+    def capture_grads(model):
+        out = {}
+        for chunk in model:
+            module = chunk.module if hasattr(chunk, "module") else chunk
+            for name, p in global_param_names(module):
                 g = getattr(p, "main_grad", None)
                 g = (g if g is not None else p.grad).detach().clone()
-                captured[name] = full_tensor(g, p, name) if grads == "full" else g
-        return {"losses": losses, "grads": captured, "installed": installed}
-    finally:
-        patches.uninstall_all()
+                out[name] = full_tensor(g, p, name, module.config) if grads == "full" else g
+        return out
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs):
+        if grads and "grads" not in record:
+            step = optimizer.step
+
+            def step_capturing():
+                record["grads"] = capture_grads(model)
+                return step()
+
+            optimizer.step = step_capturing
+            try:
+                out = original(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
+            finally:
+                optimizer.step = step
+        else:
+            out = original(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
+        loss = out[0].get("lm loss") if out[0] else None
+        record["losses"].append(None if loss is None else float(torch.as_tensor(loss).reshape(-1)[0]))
+        return out
+
+    return Patch("test-capture", [(training, "train_step", train_step)])
 
 
-def _forward_backward(trainer):
-    """Forward+backward of iteration 0 without the optimizer step (grads stay in main_grad)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def pretrain_and_capture(argv, grads=False, demo=True):
+    """Run Megatron's ``pretrain()`` on ``argv``; return {'losses', 'grads', 'installed'}.
 
-    from ..training.data import mock_data_iterator
+    ``grads=True`` captures this rank's shards; ``grads="full"`` all-gathers every gradient to its
+    full tensor (to compare different TP layouts or per-layer plans).
+    """
+    import torch.distributed as dist
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.training import destroy_global_state
 
-    args = trainer.args
-    trainer.model.zero_grad_buffer()
-    losses = get_forward_backward_func()(
-        forward_step_func=trainer._forward_step,
-        data_iterator=mock_data_iterator(args, 0),
-        model=[trainer.model],
-        num_microbatches=args.num_microbatches,
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
-        forward_only=False,
+    from .. import patches, platform
+    from ..arguments import parse_megatron_args, with_defaults
+    from ..training import gpt
+
+    if isinstance(argv, str):
+        argv = shlex.split(argv)
+    if "--num-workers" not in argv:  # no data-loader processes inside spawned test ranks
+        argv += ["--num-workers", "0"]
+    platform.install_cpu_shims()
+    args = parse_megatron_args(
+        with_defaults(argv, demo=demo),
+        prog="test",
+        world_size=dist.get_world_size(),
+        set_globals=True,
     )
-    return trainer._reduce_loss(losses)
+    record = {"losses": []}
+    capture = _capture_patch(record, grads)
+    capture.install()
+    try:
+        pretrain(
+            pretrain_cfg_container_from_args(args),
+            gpt.train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            gpt.forward_step,
+            model_provider=gpt.model_provider,
+        )
+        record["installed"] = patches.installed()
+    finally:
+        capture.uninstall()
+        patches.uninstall_all()
+        destroy_global_state()
+    record.setdefault("grads", {})
+    return record
+
+
+def variants_worker(base, variants, grads=True):
+    """Run each (name, extra flags) variant of ``base`` in turn in this process group."""
+    return {
+        name: pretrain_and_capture(f"{base} {extra}", grads=grads) for name, extra in variants
+    }
 
 
 def max_rel_diff(a, b):
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
-def activation_peaks(configs):
-    """``{name: bytes}``: the :class:`LiveTensorMeter` peak of one forward+backward (after a warm-up
-    one) per ``(name, argv)`` — activations, temporaries and in-flight gradients; parameters,
-    optimizer state and gradient buffers exist before and are not counted. A ``run_distributed``
-    worker, like the planner's memory model it is compared with: per rank."""
-    from .. import patches
-    from ..schedule.memory import LiveTensorMeter
-    from ..training.initialize import initialize_distributed
-    from ..training.loop import Trainer
-
-    peaks = {}
-    for name, argv in configs:
-        args = parse(argv, world_size=torch.distributed.get_world_size())
-        initialize_distributed(args)
-        patches.install_from_args(args)
-        try:
-            trainer = Trainer(args)
-            _forward_backward(trainer)  # warm-up (lazy buffers, caches)
-            meter = LiveTensorMeter()
-            with meter:
-                _forward_backward(trainer)
-            peaks[name] = meter.peak_bytes
-        finally:
-            patches.uninstall_all()
-    return peaks

@@ -26,8 +26,6 @@ def run(argv, demo=False, prog=PROG):
     from ..compat import check_megatron_core
 
     check_megatron_core()
-    # Megatron asks for it with TP > 1; the overlap needs launch order = issue order on GPUs.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     argv = with_defaults(argv, demo=demo)
     platform.install_cpu_shims()  # a no-op with CUDA
     try:
