@@ -7,18 +7,16 @@ import os
 
 import pytest
 import torch
-from schedule_helpers import GPT, schedules_worker
+from helpers import DROP, GPT, RECOMPUTE, variants_worker
 
 from megatron_oases.testing import run_distributed
-from megatron_oases.testing.runs import activation_peaks, max_rel_diff
+from megatron_oases.testing.runs import max_rel_diff
 
-RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
 BASE = (
     GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
-    "--global-batch-size 4 "
+    "--global-batch-size 4 --train-iters 1 "
 )
 R = RECOMPUTE
-DROP = "--hidden-dropout 0.2 --attention-dropout 0.2 "
 
 
 @pytest.mark.timeout(300)
@@ -31,7 +29,7 @@ def test_dropout_recompute_is_rng_exact_and_deterministic():
         ("oases-again", R + "--oases-schedule oases"),
         ("stock", R + "--oases-schedule off"),
     ]
-    for res in run_distributed(schedules_worker, 2, BASE + DROP, variants, timeout=280):
+    for res in run_distributed(variants_worker, 2, BASE + DROP, variants, timeout=280):
         ref = res["overlap"]
         for name in ("overlap-recompute", "cross-pass", "oases"):
             assert max_rel_diff(res[name]["losses"], ref["losses"]) < 1e-6, name
@@ -49,21 +47,23 @@ def test_dropout_recompute_is_rng_exact_and_deterministic():
 def test_dropout_training_run_tracks_stock():
     variants = [("stock", R + "--oases-schedule off"), ("oases", R + "--oases-schedule oases")]
     res = run_distributed(
-        schedules_worker, 2, BASE + DROP + "--lr 1e-2", variants, 8, True, False, timeout=280
+        variants_worker, 2, BASE + DROP + "--lr 1e-2 --train-iters 8", variants, False, timeout=280
     )[-1]
     stock, oases = res["stock"]["losses"], res["oases"]["losses"]
     assert stock != oases  # different masks (per sub-batch) …
-    # … but the same training trajectory within dropout noise
-    assert max(abs(a - b) for a, b in zip(stock, oases)) < 0.02 * stock[0], (stock, oases)
+    # … but the same training trajectory within dropout noise. Megatron's mock data is random
+    # tokens, so a 2-sample iteration's loss moves by ~2 % with the dropout masks alone: compare
+    # the run's mean tightly and each iteration loosely.
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert abs(mean(stock) - mean(oases)) < 0.01 * stock[0], (stock, oases)
+    assert max(abs(a - b) for a, b in zip(stock, oases)) < 0.03 * stock[0], (stock, oases)
 
 
 def _trace_worker(base, variants, outdir):
-    from megatron_oases.testing.runs import train_and_capture
+    from megatron_oases.testing.runs import pretrain_and_capture
 
     for name, extra in variants:
-        train_and_capture(
-            f"{base} {extra} --oases-trace {outdir}/{name}.json", iters=1, grads=False, step=True
-        )
+        pretrain_and_capture(f"{base} {extra} --oases-trace {outdir}/{name}.json")
     return True
 
 
@@ -174,6 +174,8 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
         ("overlap-recompute", RECOMPUTE + "--oases-schedule overlap"),
         ("overlap", "--oases-schedule overlap"),
     ]
+    from megatron_oases.testing.runs import activation_peaks
+
     configs = [(name, base + " " + extra) for name, extra in variants]
     peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in peaks.items()})
@@ -189,16 +191,16 @@ def _uninstall_worker(base):
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_oases.schedule import patch as sched_patch
-    from megatron_oases.testing.runs import train_and_capture
+    from megatron_oases.testing.runs import pretrain_and_capture
 
     orig = (
         TransformerBlock.forward,
         layers.reduce_from_tensor_model_parallel_region,
         layers.ColumnParallelLinear.forward,
     )
-    before = train_and_capture(base + " --oases-schedule off", grads=True, step=False)
-    train_and_capture(base + " --oases-schedule oases", grads=True, step=False)
-    after = train_and_capture(base + " --oases-schedule off", grads=True, step=False)
+    before = pretrain_and_capture(base + " --oases-schedule off", grads=True)
+    pretrain_and_capture(base + " --oases-schedule oases", grads=True)
+    after = pretrain_and_capture(base + " --oases-schedule off", grads=True)
     now = (
         TransformerBlock.forward,
         layers.reduce_from_tensor_model_parallel_region,
