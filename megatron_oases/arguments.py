@@ -174,10 +174,16 @@ def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_gl
     if world_size is not None:
         args.world_size = world_size
     validate_oases_args(args, before_megatron=True)
+    from . import platform
+
+    installed = platform.install_cpu_shims()  # validate_args queries the device (no-op on CUDA)
     try:
         margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
     except (AssertionError, ValueError, RuntimeError) as exc:
         raise OasesConfigError(f"Megatron rejects the arguments: {_one_line(exc)}") from exc
+    finally:
+        if installed:  # leave the process as we found it
+            platform.uninstall_cpu_shims()
     validate_oases_args(args)
     if set_globals:
         from megatron.training.global_vars import set_global_variables

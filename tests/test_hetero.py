@@ -8,12 +8,13 @@ import pytest
 
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.testing import run_distributed
-from megatron_oases.testing.runs import max_rel_diff, parse, train_and_capture
+from megatron_oases.testing.runs import max_rel_diff, parse, pretrain_and_capture
 
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
 BASE = (
-    "--hidden-size 64 --num-attention-heads 8 --seq-length 16 --vocab-size 500 --mock-data "
-    "--hidden-dropout 0 --attention-dropout 0 --lr 1e-2 " + RECOMPUTE
+    "--hidden-size 64 --num-attention-heads 8 --seq-length 16 --max-position-embeddings 16 "
+    "--vocab-size 500 --mock-data --hidden-dropout 0 --attention-dropout 0 --lr 1e-2 "
+    "--train-iters 2 " + RECOMPUTE
 )
 
 
@@ -26,7 +27,7 @@ def write_plan(path, T, degrees):
 def _worker(base, variants):
     out = {}
     for name, extra in variants:
-        r = train_and_capture(base + " " + extra, iters=1, grads="full", step=False)
+        r = pretrain_and_capture(base + " " + extra, grads="full")
         out[name] = {"losses": r["losses"], "grads": r["grads"]}
     return out
 

@@ -2,7 +2,8 @@
 
 Every variant is a separate ``oases train`` run (torchrun subprocess) with the same flags, the same
 seed and data, and the identical link emulator (same profile, same dilation ``D``); a few warm-up then
-timed iterations each. Prints a table like the paper's Table 3 and writes ``--out DIR``:
+timed iterations each. Unless given, compare adds ``--mock-data``, dropout 0, ``--num-workers 0`` and
+``--no-create-attention-mask-in-dataloader`` (a shared causal mask, which per-layer plans need). Prints a table like the paper's Table 3 and writes ``--out DIR``:
 ``results.json``, ``results.md``, ``throughput.png`` and ``timeline-<variant>.png`` (plus each
 variant's log, golden values and traces in ``DIR/<variant>/``). Exit code 1 when a variant failed or
 the variants' losses disagree.
@@ -87,17 +88,12 @@ def _has_flag(argv, flag):
 
 
 def _validate(variant, train_argv, nproc):
-    from ..arguments import build_parser as train_parser
-    from ..arguments import validate_args
+    """Megatron's parse + validate (+ the Oases rules) of one variant's ``oases train`` flags for
+    ``nproc`` ranks, before anything is launched."""
+    from ..profiler.model_config import parse_offline
 
     try:
-        args = train_parser().parse_args(list(train_argv) + list(variant.flags))
-    except SystemExit as exc:
-        raise OasesConfigError(
-            f"bad oases train flags {shlex.join(train_argv)} (see above)"
-        ) from exc
-    try:
-        return validate_args(args, world_size=nproc, cuda_available=False)
+        return parse_offline(list(train_argv) + list(variant.flags), world_size=nproc, demo=True)
     except OasesConfigError as exc:
         raise OasesConfigError(f"variant {variant.name}: {exc}") from exc
 
@@ -137,6 +133,12 @@ def main(argv):
         train_argv += ["--hidden-dropout", "0", "--attention-dropout", "0"]
     if not _has_flag(train_argv, "--mock-data"):
         train_argv.append("--mock-data")
+    if not _has_flag(train_argv, "--num-workers"):  # no data-loader processes competing for CPUs
+        train_argv += ["--num-workers", "0"]
+    if not _has_flag(train_argv, "--no-create-attention-mask-in-dataloader"):
+        # one causal mask shared by all samples (built by the model), as per-layer plans need: the
+        # same data path for every variant
+        train_argv.append("--no-create-attention-mask-in-dataloader")
     base = _validate(VARIANTS["megatron"], train_argv, own.nproc)
     variants = [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
     parsed = {v.name: _validate(v, train_argv, own.nproc) for v in variants}

@@ -134,12 +134,12 @@ def sync_replica_grads(model, groups):
 def make_param_is_not_tp_duplicate(original):
     """Grad-norm clipping counts each replica of a degree-d shard once (replica index 0)."""
 
-    def param_is_not_tensor_parallel_duplicate(param, tp_group=None):
+    def param_is_not_tensor_parallel_duplicate(param, *args, **kwargs):
         if getattr(param, "_oases_replica_index", 0) > 0 and getattr(
             param, "tensor_model_parallel", False
         ):
             return False
-        return original(param, tp_group)
+        return original(param, *args, **kwargs)
 
     param_is_not_tensor_parallel_duplicate.__wrapped__ = original
     return param_is_not_tensor_parallel_duplicate

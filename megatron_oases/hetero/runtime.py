@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from .groups import HeteroGroups
-from .model import apply_plan, validate_plan_for_model
+from .model import apply_plan, sync_replica_grads, validate_plan_for_model
 
 
 @dataclass
@@ -36,4 +36,23 @@ def attach_plan(model, args):
     groups = HeteroGroups(args.tensor_model_parallel_size, plan["degrees"])
     stage = HeteroStage(groups, apply_plan(model, plan["degrees"], groups))
     model.decoder._oases_hetero = stage
+    model.config.finalize_model_grads_func = finalize_with_replica_sync(groups)
     return stage
+
+
+def finalize_with_replica_sync(groups):
+    """Megatron's ``finalize_model_grads``, then the sum over the replicas of degree-d layers.
+
+    Installed as the model config's ``finalize_model_grads_func``, which Megatron-LM's loop keeps
+    when a model builder set it (it defaults it only when unset).
+    """
+    from megatron.core.distributed import finalize_model_grads
+
+    def finalize(model, *args, **kwargs):
+        out = finalize_model_grads(model, *args, **kwargs)
+        for chunk in model:
+            sync_replica_grads(chunk, groups)
+        return out
+
+    finalize.oases_replica_sync = True
+    return finalize

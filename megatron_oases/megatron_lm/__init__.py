@@ -1,396 +1,187 @@
-"""Megatron-LM integration: the ``--oases-*`` flags and patch install inside ``pretrain_gpt.py``.
+"""Megatron-LM checkout integration: the two calls ``patches/pretrain_gpt.oases.patch`` adds.
 
-Two ways in, sharing the helpers below:
+With a Megatron-LM checkout (tag :data:`MEGATRON_LM_TAG`), its own ``pretrain_gpt.py`` takes the
+``--oases-*`` flags after the patch adds, in ``__main__``::
 
-* ``oases-pretrain-gpt`` / ``oases run`` (:mod:`megatron_oases.pretrain_gpt_oases`): runs a
-  Megatron-LM checkout's ``pretrain_gpt.py`` machinery unmodified, with our flags chained in;
-* ``patches/pretrain_gpt.oases.patch``: the same calls written into a fork's ``pretrain_gpt.py``.
+    args = parse_and_validate_args(
+        extra_args_provider=oases_megatron_lm.extra_args_provider(<the existing provider>), ...)
+    oases_megatron_lm.install(args)
+    ...
+    pretrain(full_config, ...)
 
-What they do, in Megatron-LM's order of events:
+* :func:`extra_args_provider` chains the provider already there (ModelOpt's when installed) with
+  :func:`megatron_oases.arguments.add_oases_args`, makes ``--transformer-impl local`` the default
+  (:data:`megatron_oases.arguments.ALWAYS_DEFAULTS`), and on a machine without CUDA installs the CPU
+  platform shims (:func:`megatron_oases.platform.install_cpu_shims`) — Megatron's ``validate_args``,
+  which runs right after the provider, already queries the GPU.
+* :func:`install` checks the parsed args with :func:`megatron_oases.arguments.validate_oases_args`
+  (a rejected combination: one ``pretrain_gpt.py: error: ...`` line per job, exit status 2) and
+  hooks Megatron's ``setup_model_and_optimizer``: its first call — distributed state up, no model
+  built yet — runs :func:`megatron_oases.patches.install_from_args` (the schedule, trace, link
+  emulation and ``--log-json`` golden values), and a per-layer plan (``--oases-plan``) is applied to
+  each built model stage before Megatron wraps it, as ``oases-pretrain-gpt`` does in
+  :func:`megatron_oases.training.gpt.model_provider`.
 
-1. argv: ``--transformer-impl local`` is added when absent (TE linears do their own TP
-   communication and bypass the layers the patches act on); an explicit other value is an error
-   (:func:`force_local_transformer_impl`).
-2. parsing: :func:`chain_extra_args_providers` keeps any existing ``extra_args_provider``
-   (``pretrain_gpt.py`` passes ``add_modelopt_args`` when ModelOpt is importable) and adds
-   :func:`add_args` — the ``oases`` group of ``oases train``
-   (:func:`megatron_oases.arguments.add_oases_args`) plus ``--log-json``. :func:`prepare` parses
-   once with Megatron-LM's ``parse_args`` and validates before ``pretrain`` starts anything.
-3. model build: :func:`wrap_builder` wraps ``gpt_builder``; its first call (distributed state is
-   up, the model not yet built) runs :func:`install_patches`: validate
-   (:func:`validate_megatron_args`), then
-   :func:`megatron_oases.patches.install_from_args`, plus a golden-values recorder on
-   ``megatron.training.training.training_log`` when ``--log-json`` is given.
+Without a checkout, ``oases-pretrain-gpt`` (:mod:`megatron_oases.training.pretrain`) is the same
+program on the ``megatron.training`` that the megatron-core wheel ships.
 """
 
-import importlib
-import json
+import atexit
+import functools
 import os
 import sys
 import time
 
-from ..arguments import add_oases_args
+from .. import patches, platform
+from ..arguments import ALWAYS_DEFAULTS, add_oases_args, validate_oases_args
 from ..errors import OasesConfigError
 
-#: The Megatron-LM tag this integration (and ``patches/``) is written against.
-MEGATRON_LM_TAG = "core_v0.16.0"
+#: The Megatron-LM tag ``patches/pretrain_gpt.oases.patch`` is written against.
+MEGATRON_LM_TAG = "core_v0.19.0"
 MEGATRON_LM_URL = "https://github.com/NVIDIA/Megatron-LM"
-#: Environment variable naming a Megatron-LM checkout (alternative to putting it on PYTHONPATH).
-MEGATRON_LM_DIR_ENV = "MEGATRON_LM_DIR"
-
-_STATE = {"installed": False}
-
-
-def missing_megatron_lm_message(detail):
-    return (
-        f"Megatron-LM is not importable ({detail}): the megatron-core wheel ships only "
-        f"megatron.core; check out Megatron-LM tag {MEGATRON_LM_TAG} (git clone --branch "
-        f"{MEGATRON_LM_TAG} {MEGATRON_LM_URL}) and put it on PYTHONPATH or set "
-        f"{MEGATRON_LM_DIR_ENV}=/path/to/Megatron-LM"
-    )
+#: Name of the hook patch in :data:`megatron_oases.patches.REGISTRY`.
+HOOK_PATCH = "megatron-lm-model-setup"
+#: Seconds a rank other than 0 waits before exiting on a rejected command line, so that rank 0's
+#: error line is out before the launcher (torchrun, srun) tears the job down.
+ERROR_EXIT_GRACE_S = 5.0
 
 
-def import_pretrain_gpt():
-    """Import Megatron-LM's ``megatron.training`` and ``pretrain_gpt`` (from a checkout).
-
-    Raises :class:`OasesConfigError` (one line naming the tag to check out) when the checkout is
-    missing, and a different one-liner when the checkout is there but one of its own dependencies is
-    not installed.
-    """
-    root = os.environ.get(MEGATRON_LM_DIR_ENV)
-    if root:
-        if not os.path.isfile(os.path.join(root, "pretrain_gpt.py")):
-            raise OasesConfigError(
-                missing_megatron_lm_message(f"{MEGATRON_LM_DIR_ENV}={root} has no pretrain_gpt.py")
-            )
-        root = os.path.abspath(root)
-        if root not in sys.path:
-            sys.path.insert(0, root)
-    for module in ("megatron.training", "pretrain_gpt"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name in ("megatron", "megatron.training", "pretrain_gpt"):
-                raise OasesConfigError(
-                    missing_megatron_lm_message(f"no module named {exc.name!r}")
-                ) from exc
-            raise OasesConfigError(
-                f"importing Megatron-LM's {module} failed: no module named {exc.name!r}; install "
-                f"Megatron-LM's requirements (pip install {exc.name.split('.')[0]})"
-            ) from exc
-    return sys.modules["pretrain_gpt"]
-
-
-# --------------------------------------------------------------------------------------------- argv
-
-
-def _flag_value(argv, flag):
-    """Value of the last ``flag VALUE`` / ``flag=VALUE`` in argv, or None."""
-    value = None
-    for i, tok in enumerate(argv):
-        if tok == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif tok.startswith(flag + "="):
-            value = tok.split("=", 1)[1]
-    return value
-
-
-def force_local_transformer_impl(argv):
-    """Return argv with ``--transformer-impl local`` (added when absent; another value is an error).
-
-    Megatron-LM's default is ``transformer_engine``, whose linears do their own TP communication;
-    the Oases patches act on Megatron-Core's local linears.
-    """
-    argv = list(argv)
-    value = _flag_value(argv, "--transformer-impl")
-    if value is None:
-        return argv + ["--transformer-impl", "local"]
-    if value != "local":
-        raise OasesConfigError(
-            f"--transformer-impl {value} is not supported: TE linears do their own TP "
-            "communication; use --transformer-impl local (or leave the flag out)"
-        )
-    return argv
-
-
-# ------------------------------------------------------------------------------------------ parsing
-
-
-def add_args(parser):
-    """``extra_args_provider`` for Megatron-LM: the ``oases`` group plus ``--log-json``."""
-    add_oases_args(parser)
-    g = parser.add_argument_group("oases golden values")
-    g.add_argument(
-        "--log-json",
-        default=None,
-        help="write Megatron functional-test golden values (lm loss, iteration-time, "
-        "mem-allocated-bytes) to this JSON file from the last rank, rewritten every iteration",
-    )
-    return parser
-
-
-def chain_extra_args_providers(*providers):
-    """One ``extra_args_provider`` applying each given provider in order (``None`` entries skipped).
-
-    A provider may return the parser (Megatron's convention) or ``None`` (then the same parser is
-    kept).
-    """
+def _chain(*providers):
     providers = [p for p in providers if p is not None]
 
     def chained(parser):
         for provider in providers:
             result = provider(parser)
-            parser = parser if result is None else result
+            parser = parser if result is None else result  # Megatron's convention: return it
         return parser
 
     chained.providers = tuple(providers)
     return chained
 
 
+def _local_transformer_impl_default(parser):
+    """Our ``ALWAYS_DEFAULTS`` as parser defaults: an explicit flag on the command line still wins."""
+    for flag, value in ALWAYS_DEFAULTS:
+        for action in parser._actions:
+            if flag in action.option_strings:
+                parser.set_defaults(**{action.dest: value})
+    return parser
+
+
 def extra_args_provider(existing=None):
-    """The provider to pass to ``pretrain(..., extra_args_provider=...)``: ``existing`` + ours."""
-    return chain_extra_args_providers(existing, add_args)
+    """The ``extra_args_provider`` for Megatron-LM's ``parse_and_validate_args``: ``existing`` + ours.
 
-
-def prepare(existing_provider=None, argv=None):
-    """Everything before ``pretrain(...)``: returns the ``extra_args_provider`` to pass it.
-
-    Forces ``--transformer-impl local`` into ``sys.argv`` (Megatron-LM parses ``sys.argv``), chains
-    ``existing_provider`` with :func:`add_args`, parses once with Megatron-LM's ``parse_args`` and
-    validates our flags — so a bad combination fails before any process group starts. ``argv``
-    (program name excluded) replaces ``sys.argv[1:]`` when given. Raises :class:`OasesConfigError`.
+    Call it before Megatron parses (the patch does, in the call's arguments): without CUDA it
+    installs the CPU platform shims (a no-op with CUDA) and, as ``oases-pretrain-gpt`` does, sets
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment sets it.
     """
-    from megatron.training.arguments import parse_args
-
-    args_in = sys.argv[1:] if argv is None else list(argv)
-    sys.argv[:] = sys.argv[:1] + force_local_transformer_impl(args_in)
-    provider = extra_args_provider(existing_provider)
-    validate_megatron_args(parse_args(provider, ignore_unknown_args=False))
-    return provider
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    platform.install_cpu_shims()
+    return _chain(existing, add_oases_args, _local_transformer_impl_default)
 
 
-def prepare_or_exit(existing_provider=None, prog="pretrain_gpt.py"):
-    """:func:`prepare` for scripts: a user error is printed as one line and exits with status 2."""
+def exit_with_error(message, status=2, rank=None):
+    """Print ``message`` once per job (rank 0) and exit with ``status`` on every rank.
+
+    Every rank reaches the same verdict on the same command line; ranks other than 0 wait
+    :data:`ERROR_EXIT_GRACE_S` first, so the launcher does not stop rank 0 before it has printed.
+    """
+    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    else:
+        time.sleep(ERROR_EXIT_GRACE_S)
+    sys.exit(status)
+
+
+def install(args, prog=None):
+    """After Megatron parsed ``args``, before ``pretrain()``: check the Oases flags, hook the build.
+
+    A rejected combination exits with one ``<prog>: error: ...`` line and status 2
+    (:func:`exit_with_error`). Idempotent. :func:`uninstall` reverts the hook and every Oases patch;
+    it is registered to run at exit, which is when ``--oases-trace`` writes its trace files.
+    """
+    prog = prog or os.path.basename(sys.argv[0] or "pretrain_gpt.py")
     try:
-        return prepare(existing_provider)
+        from ..compat import check_megatron_core
+
+        check_megatron_core()
+        validate_oases_args(args)
+        hook = model_setup_hook()
     except OasesConfigError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_with_error(f"{prog}: error: {exc}")
+    platform.install_cpu_shims()  # already done by extra_args_provider(); a no-op with CUDA
+    if patches.REGISTRY.get(HOOK_PATCH) is None:
+        patches.REGISTRY.install(hook)
+        atexit.register(uninstall)
+    return patches.REGISTRY.get(HOOK_PATCH)
 
 
-# ----------------------------------------------------------------------------------------- validate
-
-
-def validate_megatron_args(args):
-    """Reject combinations the Oases patches do not support, on Megatron-LM's parsed args."""
-    impl = getattr(args, "transformer_impl", "local")
-    if impl != "local":
-        raise OasesConfigError(
-            f"--transformer-impl {impl} is not supported: TE linears do their own TP "
-            "communication; use --transformer-impl local"
-        )
-    if getattr(args, "oases_plan", None):
-        raise OasesConfigError(
-            "--oases-plan (per-layer TMP) runs with `oases train` only: Megatron-LM's training "
-            "loop does not sync replicated-layer gradients; drop --oases-plan here"
-        )
-    schedule = getattr(args, "oases_schedule", "off")
-    if schedule == "off":
-        return args
-    if getattr(args, "sequence_parallel", False):
-        raise OasesConfigError(
-            f"--oases-schedule {schedule} does not support --sequence-parallel (TMP all-reduce "
-            "path only); drop --sequence-parallel"
-        )
-    if (getattr(args, "context_parallel_size", 1) or 1) != 1:
-        raise OasesConfigError(
-            f"--oases-schedule {schedule} does not support --context-parallel-size > 1"
-        )
-    if getattr(args, "num_experts", None):
-        raise OasesConfigError(f"--oases-schedule {schedule} does not support MoE (--num-experts)")
-    if getattr(args, "micro_batch_size", 2) is None:
-        raise OasesConfigError(
-            f"--oases-schedule {schedule} splits each micro-batch in two; set "
-            "--micro-batch-size ≥ 2"
-        )
-    from ..schedule.patch import validate_schedule_args
-
-    validate_schedule_args(args)
-    return args
-
-
-# ------------------------------------------------------------------------------------------ install
-
-
-def install_patches(args):
-    """Validate and install the patches ``args`` asks for, once per process; returns their names."""
-    if _STATE["installed"]:
-        return list(_STATE.get("names", []))
-    from .. import patches
-
-    validate_megatron_args(args)
-    names = patches.install_from_args(args)
-    if getattr(args, "log_json", None):
-        patch = golden_values_patch(args.log_json)
-        if patch is not None:
-            patches.REGISTRY.install(patch)
-            names.append(patch.name)
-    _STATE.update(installed=True, names=names)
-    return list(names)
-
-
-def uninstall_patches():
-    from .. import patches
-
-    _STATE.update(installed=False, names=[])
+def uninstall():
+    """Revert :func:`install` and every patch it led to."""
     return patches.uninstall_all()
 
 
-def wrap_builder(builder, args_getter=None):
-    """Wrap a Megatron-LM model builder (``gpt_builder``) so patches install before the first model.
+def model_setup_hook(training_module=None):
+    """A :class:`~megatron_oases.patches.Patch` on ``megatron.training.training.setup_model_and_optimizer``.
 
-    ``builder(args, pre_process, post_process, ...)`` keeps its signature; ``args_getter`` defaults
-    to ``megatron.training.get_args`` and is used when the builder is called without args.
+    ``pretrain()`` calls it once, after ``initialize_megatron`` and before any model exists, with
+    either a config container holding the model config (``pretrain_gpt.py`` from core_v0.19) or a
+    ``model_provider_func`` (older scripts); both build the model inside it.
     """
-
-    def oases_builder(args=None, *rest, **kwargs):
-        if args is None:
-            getter = args_getter
-            if getter is None:
-                from megatron.training import get_args as getter
-            args = getter()
-        install_patches(args)
-        return builder(args, *rest, **kwargs)
-
-    oases_builder.__wrapped__ = builder
-    oases_builder.__name__ = getattr(builder, "__name__", "builder")
-    return oases_builder
-
-
-# ------------------------------------------------------------------------------------ golden values
-
-
-class GoldenValuesRecorder:
-    """Collect per-iteration metrics and write Megatron's golden-values JSON shape.
-
-    ``{"lm loss": {"start_step", "end_step", "step_interval", "values"}, "iteration-time": ...,
-    "mem-allocated-bytes": ...}``. The file is rewritten after every iteration so a run cut short
-    still leaves what it reached.
-    """
-
-    def __init__(self, path):
-        self.path = path
-        self.steps = []
-        self.values = {"lm loss": [], "iteration-time": [], "mem-allocated-bytes": []}
-        self._last = None
-
-    def record(self, iteration, loss, now=None, mem_bytes=None):
-        now = time.perf_counter() if now is None else now
-        elapsed = None if self._last is None else now - self._last
-        self._last = now
-        if loss is None:
-            return
-        self.steps.append(int(iteration))
-        self.values["lm loss"].append(float(loss))
-        self.values["iteration-time"].append(elapsed)
-        self.values["mem-allocated-bytes"].append(mem_bytes)
-
-    def as_dict(self):
-        if not self.steps:
-            return {}
-        start, end = self.steps[0], self.steps[-1]
-        interval = self.steps[1] - self.steps[0] if len(self.steps) > 1 else 1
-        out = {}
-        for key, vals in self.values.items():
-            if all(v is None for v in vals):
-                continue
-            out[key] = {
-                "start_step": start,
-                "end_step": end,
-                "step_interval": interval,
-                "values": vals,
-            }
-        return out
-
-    def write(self):
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)) or ".", exist_ok=True)
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.as_dict(), f, indent=1)
-        os.replace(tmp, self.path)
-
-
-def _scalar(value):
-    if value is None:
-        return None
-    if hasattr(value, "detach"):
-        value = value.detach().float()
-        if value.numel() == 0:
-            return None
-        return value.reshape(-1)[0].item()
-    if isinstance(value, (list, tuple)):
-        return _scalar(value[0]) if value else None
-    return float(value)
-
-
-def golden_values_patch(path, training_module=None, is_logging_rank=None):
-    """A :class:`Patch` wrapping ``training_log`` to record the golden values into ``path``.
-
-    ``loss_dict`` is non-empty only on the last pipeline stage; the logging rank is the last rank
-    (last stage, as in ``oases train``).
-    """
-    from ..patches import Patch
+    from ..compat import require_symbol
 
     if training_module is None:
-        training_module = importlib.import_module("megatron.training.training")
-    original = getattr(training_module, "training_log", None)
-    if original is None:
-        return None
-    if is_logging_rank is None:
-        is_logging_rank = _is_last_rank
-    recorder = GoldenValuesRecorder(path)
+        from megatron.training import training as training_module
+    original = require_symbol(
+        training_module, "setup_model_and_optimizer", called_by=[training_module.pretrain]
+    )
 
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs):
-        result = original(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs)
-        if is_logging_rank():
-            loss = _scalar((loss_dict or {}).get("lm loss"))
-            recorder.record(iteration, loss, mem_bytes=_mem_allocated())
-            if loss is not None:
-                recorder.write()
-        return result
+    @functools.wraps(original)
+    def setup_model_and_optimizer(model_type, model_provider_func=None, *rest, **kwargs):
+        from megatron.training import get_args
 
-    training_log.recorder = recorder
-    return Patch("megatron-lm-golden-values", [(training_module, "training_log", training_log)])
+        args = get_args()
+        patches.install_from_args(args)  # idempotent
+        if getattr(args, "oases_plan", None):
+            model_cfg = getattr(kwargs.get("cfg_container"), "model", None)
+            if model_cfg is not None:
+                model_cfg.pre_wrap_hooks.append(functools.partial(_attach_plan_to_stages, args))
+            elif model_provider_func is not None:
+                model_provider_func = _provider_with_plan(model_provider_func, args)
+        return original(model_type, model_provider_func, *rest, **kwargs)
 
-
-def _is_last_rank():
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        return True
-    return dist.get_rank() == dist.get_world_size() - 1
+    return patches.Patch(
+        HOOK_PATCH, [(training_module, "setup_model_and_optimizer", setup_model_and_optimizer)]
+    )
 
 
-def _mem_allocated():
-    import torch
+def _attach_plan_to_stages(args, stages):
+    from ..hetero.runtime import attach_plan
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.memory_allocated())
-    return None
+    for stage in stages:
+        attach_plan(stage, args)
+    return stages
+
+
+def _provider_with_plan(model_provider_func, args):
+    @functools.wraps(model_provider_func)
+    def provider(*a, **k):
+        from ..hetero.runtime import attach_plan
+
+        model = model_provider_func(*a, **k)
+        attach_plan(model, args)
+        return model
+
+    return provider
 
 
 __all__ = [
     "MEGATRON_LM_TAG",
-    "GoldenValuesRecorder",
-    "add_args",
-    "chain_extra_args_providers",
+    "MEGATRON_LM_URL",
+    "exit_with_error",
     "extra_args_provider",
-    "force_local_transformer_impl",
-    "golden_values_patch",
-    "import_pretrain_gpt",
-    "install_patches",
-    "missing_megatron_lm_message",
-    "uninstall_patches",
-    "validate_megatron_args",
-    "wrap_builder",
+    "install",
+    "model_setup_hook",
+    "uninstall",
 ]

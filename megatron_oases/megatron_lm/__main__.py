@@ -4,6 +4,7 @@ python -m megatron_oases.megatron_lm flags MODEL [--section model ...]   # shell
 python -m megatron_oases.megatron_lm get FILE_OR_MODEL KEY.PATH [DEFAULT]
 python -m megatron_oases.megatron_lm matrix FILE [NAME]                  # TSV, one run a line
 python -m megatron_oases.megatron_lm summary RUNS_TSV [--baseline VARIANT]
+python -m megatron_oases.megatron_lm defaults [--cpu]                     # shell-quoted flags
 """
 
 import argparse
@@ -32,7 +33,20 @@ def _build_parser():
     p = sub.add_parser("summary", help="markdown summary table of a comparison's runs")
     p.add_argument("runs", help="TSV: name tp pp schedule status json")
     p.add_argument("--baseline", default=None, help="variant the speedup is relative to")
+    p = sub.add_parser(
+        "defaults",
+        help="the flags oases-pretrain-gpt adds when absent, which a patched Megatron-LM "
+        "pretrain_gpt.py needs spelled out (LOOP_DEFAULTS; --cpu: CPU_DEFAULTS too)",
+    )
+    p.add_argument("--cpu", action="store_true", help="also the flags a run without CUDA needs")
     return parser
+
+
+def _defaults(cpu):
+    from ..arguments import CPU_DEFAULTS, LOOP_DEFAULTS
+
+    groups = (LOOP_DEFAULTS, CPU_DEFAULTS) if cpu else (LOOP_DEFAULTS,)
+    return [tok for g in groups for flag, value in g for tok in ([flag] if value is None else [flag, value])]
 
 
 def main(argv=None):
@@ -61,6 +75,8 @@ def main(argv=None):
                 print(value)
             else:
                 print(configs.matrix_tsv(matrix))
+        elif args.cmd == "defaults":
+            print(shlex.join(_defaults(args.cpu)))
         elif args.cmd == "summary":
             rows = configs.read_runs_file(args.runs)
             print(configs.summary_table(rows, args.baseline))

@@ -50,8 +50,9 @@ FP32_STATE_BYTES_PER_PARAM = 16  # fp32 param + fp32 grad + Adam exp_avg + exp_a
 # ---------------------------------------------------------------------- fingerprint and cache
 # Bumped whenever what is measured changes, so cached profiles measured the old way are not reused
 # (2: the runtime peak frees each weight gradient once accumulated, as DDP does, the meter no longer
-# counts views/in-place results of pre-existing tensors, per-block peaks, values per sample count).
-MEASUREMENT_REVISION = 2
+# counts views/in-place results of pre-existing tensors, per-block peaks, values per sample count;
+# 3: the layer's TransformerConfig from Megatron-LM's core_transformer_config_from_args).
+MEASUREMENT_REVISION = 3
 
 
 def hardware_fingerprint(world_size, emulate_link=None):
@@ -151,20 +152,37 @@ def _max_over_ranks(values):
     return t.tolist()
 
 
+#: Settings of the profiled layer on this host: fp32, unfused kernels (as ``oases train`` on CPU).
+CPU_LAYER_SETTINGS = {
+    "use_cpu_initialization": True,
+    "bias_gelu_fusion": False,
+    "bias_swiglu_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "no_persist_layer_norm": True,
+}
+
+
 def _build_layer(margs, degree, tp_group, single_group):
+    """One TransformerLayer (local spec) at TP ``degree`` on ``tp_group``, configured from the
+    model's Megatron args by Megatron-LM's own ``core_transformer_config_from_args``."""
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import build_module
-
-    from ..training.model import transformer_config_from_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
 
     a = copy.copy(margs)
     a.tensor_model_parallel_size = degree
     a.pipeline_model_parallel_size = 1
     a.num_layers = 1
     a.recompute_granularity = a.recompute_method = a.recompute_num_layers = None
-    config = transformer_config_from_args(a)
+    if not torch.cuda.is_available():
+        for key, value in CPU_LAYER_SETTINGS.items():
+            setattr(a, key, value)
+    config = core_transformer_config_from_args(a)
     pgc = ProcessGroupCollection()
     pgc.tp = tp_group
     pgc.pp = single_group
@@ -469,28 +487,8 @@ def measured_profile(
         data["from_cache"] = True
         return data if rank == 0 else None
 
-    keep = (
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "kv_channels",
-        "seq_length",
-        "hidden_dropout",
-        "attention_dropout",
-        "normalization",
-        "disable_bias_linear",
-        "swiglu",
-        "init_method_std",
-        "recompute_granularity",
-        "recompute_method",
-        "recompute_num_layers",
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-    )
     payload = {
-        "args": {k: getattr(margs, k) for k in keep},
+        "args": dict(vars(margs)),  # Megatron's validated args: the layer's TransformerConfig
         "degrees": degrees,
         "repeats": repeats,
         "sizes": {str(d): v for d, v in sizes.items()},

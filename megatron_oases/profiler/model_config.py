@@ -19,7 +19,11 @@ Sections (``model:``, ``parallel:``, ``training:`` …) are flattened. A file ho
 under ``models:`` is addressed as ``PATH:NAME``. Keys ``oases train`` does not know are rejected.
 """
 
+import contextlib
+import copy
+import io
 import os
+import warnings
 
 import yaml
 
@@ -28,6 +32,8 @@ from ..errors import OasesConfigError
 # Keys that are ours, not Megatron-LM flags.
 _EXTRA_KEYS = ("data_parallel_size", "world_size", "name", "description", "notes", "source")
 FLAG_SECTIONS = ("model", "parallel", "training")
+#: Micro-batch of a model file that gives none (Megatron requires one; only measured profiles use it).
+DEFAULT_MICRO_BATCH = 2
 # Fields of the validated args that define the shape of one transformer layer and the model ends.
 SHAPE_FIELDS = (
     "num_layers",
@@ -120,14 +126,96 @@ def read_model_file(spec):
     return flat
 
 
-def model_args(flat, overrides=None):
-    """Validate a flat mapping through ``oases train``'s parser; returns Megatron-style args."""
-    from ..arguments import build_parser, validate_args
+@contextlib.contextmanager
+def _offline():
+    """What Megatron's ``validate_args`` needs outside a job, and nothing it leaves behind: the
+    device query answered (pre-Blackwell, as the CPU shims do) on a machine without CUDA, its
+    argument dump on stdout and its warnings swallowed (the job prints them), and ``WORLD_SIZE`` as
+    it was (``parse_megatron_args`` defaults it; the measured profiler reads it to detect
+    torchrun)."""
+    import torch
+    from megatron.training import arguments as margs
 
+    saved_env = os.environ.get("WORLD_SIZE")
+    saved_arch = margs.get_device_arch_version
+    if not torch.cuda.is_available():
+        margs.get_device_arch_version = lambda *a, **k: 0
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. the tokenizer default we override
+            yield
+    finally:
+        margs.get_device_arch_version = saved_arch
+        if saved_env is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = saved_env
+
+
+def derive(args):
+    """What ``pretrain()`` derives after ``validate_args`` (``set_global_variables``), without
+    setting anything global: the padded vocabulary (tokenizer vocabulary padded to a multiple of
+    ``make_vocab_size_divisible_by`` × TP) and the number of micro-batches per iteration."""
+    if getattr(args, "padded_vocab_size", None) is None:
+        from megatron.core.tokenizers.utils.build_tokenizer import (
+            build_tokenizer,
+            vocab_size_with_padding,
+        )
+
+        if args.vocab_size is not None:  # NullTokenizer's vocabulary is --vocab-size
+            args.padded_vocab_size = vocab_size_with_padding(
+                args.vocab_size, args, logging_enabled=False
+            )
+        else:
+            tok = copy.copy(args)  # the tokenizer reads its vocabulary files
+            build_tokenizer(tok)
+            args.padded_vocab_size = tok.padded_vocab_size
+    if getattr(args, "num_microbatches", None) is None:
+        args.num_microbatches = args.global_batch_size // (
+            args.micro_batch_size * args.data_parallel_size
+        )
+    if not getattr(args, "group_query_attention", False):  # Megatron: one group per head
+        args.num_query_groups = args.num_attention_heads
+    args.disable_bias_linear = not args.add_bias_linear  # the flag's name, as in the shapes
+    return args
+
+
+def parse_offline(argv, world_size, demo=False, cuda=None):
+    """Megatron's parse + validate (+ the Oases rules) of an ``oases train`` / ``oases-pretrain-gpt``
+    command line for ``world_size`` ranks, without launching or setting any global state; plus
+    :func:`derive`. ``cuda=True`` checks it as for a GPU job (no CPU defaults: bf16 and the fused
+    kernels are allowed), otherwise as for this machine. Raises :class:`OasesConfigError`."""
+    from ..arguments import parse_megatron_args, with_defaults
+
+    argv = with_defaults(list(argv), demo=demo, cuda=cuda)
+    with _offline():
+        args = parse_megatron_args(argv, prog="oases", world_size=world_size)
+    return derive(args)
+
+
+def megatron_dests():
+    """Names (``num_layers``, ``disable_bias_linear``) of every Megatron-LM flag and of the
+    ``oases`` group."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from ..arguments import add_oases_args
+
+    parser = add_oases_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    names = set()
+    for action in parser._actions:  # dest, and the flag's own name (--disable-bias-linear)
+        names.add(action.dest)
+        names.update(s[2:].replace("-", "_") for s in action.option_strings if s.startswith("--"))
+    return names
+
+
+def model_args(flat, overrides=None):
+    """Validate a flat mapping the Megatron-LM way (its parser and ``validate_args``, as for a GPU
+    job of ``data_parallel_size`` × TP × PP ranks); returns Megatron's args."""
     flat = dict(flat)
     flat.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    parser = build_parser("oases profile")
-    known = {a.dest for a in parser._actions}
+    known = megatron_dests()
     argv = []
     for key, value in flat.items():
         if key in _EXTRA_KEYS:
@@ -142,15 +230,21 @@ def model_args(flat, overrides=None):
                 argv.append(flag)
         elif value is not None:
             argv += [flag, str(value)]
-    args = parser.parse_args(argv)
-    tp = args.tensor_model_parallel_size
+    if flat.get("max_position_embeddings") is None and flat.get("seq_length") is not None:
+        argv += ["--max-position-embeddings", str(flat["seq_length"])]  # shapes only
+    if flat.get("vocab_size") is None and not flat.get("vocab_file"):
+        argv += ["--vocab-size", "512"]
+    if flat.get("micro_batch_size") is None:
+        argv += ["--micro-batch-size", str(DEFAULT_MICRO_BATCH)]
+    if not flat.get("tokenizer_type"):
+        argv += ["--tokenizer-type", "NullTokenizer"]  # no vocabulary files for a shape
+    tp = int(flat.get("tensor_model_parallel_size") or 1)
+    pp = int(flat.get("pipeline_model_parallel_size") or 1)
     dp = flat.get("data_parallel_size")
     world = flat.get("world_size")
     if dp is None:
-        dp = (int(world) // (tp * args.pipeline_model_parallel_size)) if world else 1
-    args = validate_args(
-        args, world_size=int(dp) * tp * args.pipeline_model_parallel_size, cuda_available=True
-    )
+        dp = (int(world) // (tp * pp)) if world else 1
+    args = parse_offline(argv, world_size=int(dp) * tp * pp, cuda=True)
     args.name = flat.get("name")
     return args
 

@@ -114,21 +114,20 @@ def make_block_forward(original, mode):
             runs, T = [(None, list(range(len(self.layers))))], None
         else:
             runs, T = hetero.runs(), hetero.groups.T
-            if attention_mask is not None and attention_mask.size(0) > 1:
-                raise OasesConfigError("per-layer TMP plans need a shared (causal) attention mask")
-        degree = T
+        degree, mask = T, attention_mask
         for d, idx in runs:
             layers = [self.layers[i] for i in idx]
             if hetero is not None:
                 hidden_states = reshard(hidden_states, degree, d, hetero.groups)
+                mask = _mask_share(attention_mask, hidden_states.size(1), d, hetero.groups)
                 degree = d
             if mode == "off":
                 hidden_states = _stock_layers(
-                    self, layers, hidden_states, attention_mask, rotary_pos_emb, attention_bias
+                    self, layers, hidden_states, mask, rotary_pos_emb, attention_bias
                 )
             else:
                 run = ScheduledLayers(
-                    LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias),
+                    LayerBlocks(layers, mask, rotary_pos_emb, attention_bias),
                     mode,
                     microbatch=mb,
                     recompute=self.config.recompute_granularity == "full",
@@ -145,6 +144,14 @@ def make_block_forward(original, mode):
 
     forward.__wrapped__ = original
     return forward
+
+
+def _mask_share(mask, batch, degree, groups):
+    """A per-sample attention mask cut to this degree-d group's batch share (as :func:`reshard`
+    cuts the activations); a shared mask is returned as it is."""
+    if mask is None or mask.dim() == 0 or mask.size(0) == 1 or mask.size(0) == batch:
+        return mask
+    return torch.chunk(mask, groups.T // degree, dim=0)[groups.group_index(degree)]
 
 
 def _stock_layers(block, layers, hidden, attention_mask, rotary_pos_emb, attention_bias):

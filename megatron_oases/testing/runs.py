@@ -123,3 +123,62 @@ def variants_worker(base, variants, grads=True):
 def max_rel_diff(a, b):
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _meter_patch(record, at_call=2):
+    """Wrap ``train_step`` so that its ``at_call``-th call runs its forward+backward (Megatron's
+    ``forward_backward_func``: the schedule, the losses and ``finalize_model_grads``) inside a
+    :class:`LiveTensorMeter`; the peak goes to ``record['peak']``. Gradient-buffer zeroing before it
+    and the optimizer step after it are outside the metered region."""
+    from megatron.training import training
+
+    from ..patches.registry import Patch
+    from ..schedule.memory import LiveTensorMeter
+
+    original = training.train_step
+    calls = {"n": 0}
+
+    def metered(forward_backward_func):
+        def run(*a, **k):
+            meter = LiveTensorMeter()
+            with meter:
+                out = forward_backward_func(*a, **k)
+            record["peak"] = max(record.get("peak", 0), meter.peak_bytes)
+            return out
+
+        return run
+
+    def train_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == at_call:
+            if "forward_backward_func" in kwargs:
+                kwargs["forward_backward_func"] = metered(kwargs["forward_backward_func"])
+            else:  # (forward_step_func, data_iterator, model, optimizer, scheduler, config, f_b_f)
+                args = args[:6] + (metered(args[6]),) + args[7:]
+        return original(*args, **kwargs)
+
+    return Patch("test-activation-meter", [(training, "train_step", train_step)])
+
+
+def activation_peaks(configs):
+    """``{name: bytes}``: the :class:`LiveTensorMeter` peak of the forward+backward of the second
+    iteration (the first warms up lazy buffers and creates the optimizer state) of Megatron's
+    ``pretrain()`` per ``(name, argv)`` — activations, temporaries and in-flight gradients;
+    parameters, optimizer state and gradient buffers exist before and are not counted. A
+    ``run_distributed`` worker, like the planner's memory model it is compared with: per rank."""
+    peaks = {}
+    for name, argv in configs:
+        argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
+        if "--train-iters" not in argv:
+            argv += ["--train-iters", "2"]
+        record = {}
+        meter = _meter_patch(record)
+        meter.install()
+        try:
+            pretrain_and_capture(argv)
+        finally:
+            meter.uninstall()
+        if "peak" not in record:
+            raise RuntimeError(f"{name}: fewer than two iterations ran; nothing was metered")
+        peaks[name] = record["peak"]
+    return peaks
