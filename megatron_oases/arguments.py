@@ -133,6 +133,10 @@ def with_defaults(argv, demo=False, cuda=None):
             if flag == "--vocab-size" and _has(argv, "--vocab-file"):
                 continue
             argv += [flag] if value is None else [flag, value]
+    if not _has(argv, "--save") and not _has(argv, "--rerun-mode"):
+        # Megatron's default rerun mode answers a NaN/Inf loss by saving a checkpoint for a
+        # re-run on another GPU, and crashes when there is no --save: stop with its message.
+        argv += ["--rerun-mode", "disabled"]
     if _has(argv, "--save") and not _has(argv, "--save-interval"):
         argv += ["--save-interval", flag_value(argv, "--train-iters") or "1000000"]
     return argv
@@ -243,6 +247,12 @@ def validate_oases_args(args, before_megatron=False):
                 "or --oases-schedule off"
             )
     if getattr(args, "oases_plan", None):
+        if args.save or args.load:
+            raise OasesConfigError(
+                "--save/--load with --oases-plan is not supported yet (Megatron's torch_dist "
+                "checkpoints need one TP layout per tensor); train with the plan without "
+                "--save/--load, or drop --oases-plan (stock layout) for checkpointed runs"
+            )
         from .hetero.model import validate_plan_for_model
         from .planner.plan_file import load_plan
 

@@ -59,12 +59,14 @@ def main(argv=None):
         return 0
     if argv[0] not in COMMANDS:
         parser.parse_args(argv[:1])  # prints argparse's "invalid choice" and exits 2
+    from .training.pretrain import TrainingStopped
+
     try:
         rc = _resolve(COMMANDS[argv[0]][0])(argv[1:])
-    except OasesConfigError as exc:
+    except (OasesConfigError, TrainingStopped) as exc:
         if int(os.environ.get("RANK", "0")) == 0:  # once per job, not once per rank
             print(f"oases {argv[0]}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return 2 if isinstance(exc, OasesConfigError) else 1
     return rc or 0
 
 

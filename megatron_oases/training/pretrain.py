@@ -19,6 +19,10 @@ _PROGRAM_START = time.time()
 PROG = "oases-pretrain-gpt"
 
 
+class TrainingStopped(Exception):
+    """Megatron stopped the run on a check (NaN/Inf loss); printed as one line, exit status 1."""
+
+
 def run(argv, demo=False, prog=PROG):
     """Parse ``argv`` (program name excluded) and train; returns the exit status."""
     from .. import patches, platform
@@ -38,13 +42,21 @@ def run(argv, demo=False, prog=PROG):
         from . import gpt
 
         set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
-        pretrain(
-            pretrain_cfg_container_from_args(args),
-            gpt.train_valid_test_datasets_provider,
-            ModelType.encoder_or_decoder,
-            gpt.forward_step,
-            model_provider=gpt.model_provider,
-        )
+        try:
+            pretrain(
+                pretrain_cfg_container_from_args(args),
+                gpt.train_valid_test_datasets_provider,
+                ModelType.encoder_or_decoder,
+                gpt.forward_step,
+                model_provider=gpt.model_provider,
+            )
+        except RuntimeError as exc:  # Megatron's NaN/Inf checks: one line, not a traceback
+            if "found NaN" in str(exc) or "found Inf" in str(exc):
+                raise TrainingStopped(
+                    f"training stopped: {str(exc).strip().splitlines()[-1]}; lower --lr or "
+                    "check the data, then resume from the last checkpoint (--load)"
+                ) from exc
+            raise
     finally:
         patches.uninstall_all()
     return 0
@@ -66,10 +78,10 @@ def console_main(argv=None):
 
     try:
         return main(argv) or 0
-    except OasesConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
+    except (OasesConfigError, TrainingStopped) as exc:
+        if int(os.environ.get("RANK", "0")) == 0:  # once per job, not once per rank
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return 2 if isinstance(exc, OasesConfigError) else 1
 
 
 if __name__ == "__main__":
