@@ -96,14 +96,20 @@ def pretrain_and_capture(argv, grads=False, demo=True):
     record = {"losses": []}
     capture = _capture_patch(record, grads)
     capture.install()
+    record["exit_code"] = None
     try:
-        pretrain(
-            pretrain_cfg_container_from_args(args),
-            gpt.train_valid_test_datasets_provider,
-            ModelType.encoder_or_decoder,
-            gpt.forward_step,
-            model_provider=gpt.model_provider,
-        )
+        try:
+            pretrain(
+                pretrain_cfg_container_from_args(args),
+                gpt.train_valid_test_datasets_provider,
+                ModelType.encoder_or_decoder,
+                gpt.forward_step,
+                model_provider=gpt.model_provider,
+            )
+        except SystemExit as exc:  # --exit-interval & co. end the job with sys.exit
+            record["exit_code"] = exc.code
+            if exc.code not in (0, None):
+                raise
         record["installed"] = patches.installed()
     finally:
         capture.uninstall()
