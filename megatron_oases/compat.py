@@ -52,7 +52,7 @@ def check_megatron_core(version=None):
     return version
 
 
-def require_symbol(owner, name, called_by=None, parameters=()):
+def require_symbol(owner, name, called_by=(), parameters=()):
     """Return ``owner.name`` after checking it is what Megatron calls.
 
     ``called_by``: functions whose source must mention ``name`` (the replaced symbol is still what

@@ -81,6 +81,7 @@ def pretrain_and_capture(argv, grads=False, demo=True):
     from .. import patches, platform
     from ..arguments import parse_megatron_args, with_defaults
     from ..training import gpt
+    from ..training.checkpoint_check import check_load_matches
 
     if isinstance(argv, str):
         argv = shlex.split(argv)
@@ -98,6 +99,7 @@ def pretrain_and_capture(argv, grads=False, demo=True):
     capture.install()
     record["exit_code"] = None
     try:
+        check_load_matches(args)
         try:
             pretrain(
                 pretrain_cfg_container_from_args(args),

@@ -40,6 +40,9 @@ def run(argv, demo=False, prog=PROG):
         from megatron.training.training import set_startup_timestamps
 
         from . import gpt
+        from .checkpoint_check import check_load_matches
+
+        check_load_matches(args)
 
         set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
         try:

@@ -1,0 +1,123 @@
+"""Megatron's own checkpoints (``--save/--load``, torch_dist) under the Oases schedules, in
+Megatron-LM's loop: exact resume across schedules and TP layouts, a different model refused with
+one line, an interrupted save that leaves the previous checkpoint loadable, NaN stopping the run."""
+
+import os
+
+import pytest
+from helpers import GPT, NO_DROP, RECOMPUTE
+
+from megatron_oases.testing import run_distributed
+from megatron_oases.testing.runs import max_rel_diff, pretrain_and_capture
+
+BASE = GPT.format(layers=2) + "--micro-batch-size 2 --global-batch-size 4 " + NO_DROP + RECOMPUTE
+TP2 = "--tensor-model-parallel-size 2 "
+
+
+def _round_trip_worker(base, ckpt):
+    """Iterations 1-2 under one schedule (saved at 2 by --exit-interval), 3 after loading."""
+    out = {"reference": pretrain_and_capture(f"{base} {TP2} --train-iters 3 --oases-schedule off")}
+    for saver, loader, layout in (
+        ("oases", "off", TP2),  # saved by a schedule, loaded by stock Megatron
+        ("off", "cross-pass", TP2),  # saved by stock, loaded by a schedule
+        ("overlap", "oases", "--tensor-model-parallel-size 1"),  # another TP layout (DP=2)
+    ):
+        path = os.path.join(ckpt, f"{saver}-{loader}")
+        save = pretrain_and_capture(
+            f"{base} {TP2} --train-iters 3 --exit-interval 2 --save {path} "
+            f"--oases-schedule {saver}"
+        )
+        load = pretrain_and_capture(
+            f"{base} {layout} --train-iters 3 --load {path} --oases-schedule {loader}"
+        )
+        out[f"{saver}->{loader}"] = {"save": save, "load": load, "files": sorted(os.listdir(path))}
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_resume_across_schedules_and_layouts(tmp_path):
+    res = run_distributed(_round_trip_worker, 2, BASE, str(tmp_path), timeout=560)[-1]
+    ref = res.pop("reference")["losses"]
+    assert len(ref) == 3
+    for name, r in res.items():
+        assert r["save"]["exit_code"] == 0 and r["save"]["losses"] == ref[:2], name
+        assert "latest_checkpointed_iteration.txt" in r["files"] and "iter_0000002" in r["files"]
+        assert len(r["load"]["losses"]) == 1, name  # resumed at iteration 3
+        err = max_rel_diff(r["load"]["losses"], ref[2:])
+        print(f"{name}: next loss {r['load']['losses'][0]:.9f} vs {ref[2]:.9f} (rel {err:.1e})")
+        assert err < 1e-5, name
+
+
+def _refuse_worker(base, ckpt):
+    from megatron_oases.errors import OasesConfigError
+
+    pretrain_and_capture(f"{base} {TP2} --train-iters 2 --save {ckpt} --oases-schedule oases")
+    other = base.replace("--num-layers 2", "--num-layers 4")
+    try:
+        pretrain_and_capture(f"{other} {TP2} --train-iters 3 --load {ckpt}")
+    except (OasesConfigError, AssertionError) as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    msg = run_distributed(_refuse_worker, 2, BASE, str(tmp_path / "ck"), timeout=280)[0]
+    assert msg and "num_layers" in msg and "another model" in msg, msg
+
+
+def _interrupted_save_worker(base, ckpt):
+    """A save that dies half-way (after writing some files) leaves the tracker on the old one."""
+    from megatron.core import dist_checkpointing
+    from megatron.training import checkpointing
+
+    first = pretrain_and_capture(
+        f"{base} {TP2} --train-iters 3 --exit-interval 1 --save {ckpt} --oases-schedule oases"
+    )
+    real_save = dist_checkpointing.save
+
+    def dying_save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        with open(os.path.join(checkpoint_dir, "partial"), "w") as f:
+            f.write("half a checkpoint")
+        raise OSError("No space left on device")
+
+    checkpointing.dist_checkpointing.save = dying_save
+    try:
+        try:
+            pretrain_and_capture(
+                f"{base} {TP2} --train-iters 3 --exit-interval 2 --save {ckpt} --load {ckpt} "
+                "--oases-schedule oases"
+            )
+            died = False
+        except OSError:
+            died = True
+    finally:
+        checkpointing.dist_checkpointing.save = real_save
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        tracker = f.read().strip()
+    resumed = pretrain_and_capture(f"{base} {TP2} --train-iters 3 --load {ckpt}")
+    full = pretrain_and_capture(f"{base} {TP2} --train-iters 3")
+    return {"first": first, "died": died, "tracker": tracker, "resumed": resumed, "full": full}
+
+
+@pytest.mark.timeout(400)
+def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
+    r = run_distributed(_interrupted_save_worker, 2, BASE, str(tmp_path / "ck"), timeout=380)[-1]
+    assert r["died"] and r["tracker"] == "1"
+    assert len(r["resumed"]["losses"]) == 2  # iterations 2 and 3 from the iteration-1 checkpoint
+    assert max_rel_diff(r["resumed"]["losses"], r["full"]["losses"][1:]) < 1e-5
+
+
+def _nan_worker(base):
+    try:
+        pretrain_and_capture(f"{base} {TP2} --train-iters 8 --lr 1e6")
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_nan_loss_stops_the_run(tmp_path):
+    msg = run_distributed(_nan_worker, 2, BASE, timeout=280)[0]
+    assert msg and "found NaN in local forward loss calculation" in msg, msg
