@@ -7,10 +7,14 @@ import sys
 
 import pytest
 
+# Megatron's first import logs library start-up warnings (no CUDA, no APEX): import it here, not in
+# the middle of a test that checks its stderr.
+import megatron.training.arguments  # noqa: F401,E402  isort: skip
+
 from megatron_oases.cli import main as oases_main
 from megatron_oases.compare.report import add_derived, check_losses, format_table
 from megatron_oases.compare.variants import VARIANTS, estimate_memory_gb, parse_variants
-from megatron_oases.testing.runs import parse
+from megatron_oases.profiler.model_config import parse_offline
 
 PNG = b"\x89PNG\r\n\x1a\n"
 TINY = [
@@ -65,7 +69,7 @@ def test_variants_and_flags():
     for name in ("overlap", "cross-pass", "oases"):
         assert VARIANTS[name].flags[:2] == ("--oases-schedule", name)
     # Control variant: stock Megatron on sub-batch-sized micro-batches, same tokens per iteration.
-    base = parse(TINY + ["--mock-data", "--global-batch-size", "8"], world_size=2)
+    base = parse_offline(TINY + ["--mock-data", "--global-batch-size", "8"], 2, demo=True)
     flags = VARIANTS["megatron-halfmb"].resolved_flags(base)
     assert flags[-4:] == ("--micro-batch-size", "1", "--global-batch-size", "8")
 
@@ -94,10 +98,10 @@ def test_loss_check_flags_disagreement():
 
 
 def test_memory_estimate_skips_what_cannot_fit():
-    small = parse(TINY + ["--mock-data"], world_size=2)
+    small = parse_offline(TINY + ["--mock-data"], 2, demo=True)
     assert estimate_memory_gb(small, recompute=False) < 0.1
     # ~3.4 GB of activations per layer and micro-batch without recompute: 8 layers do not fit.
-    long_seq = parse(
+    long_seq = parse_offline(
         [
             "--tensor-model-parallel-size",
             "2",
@@ -109,11 +113,14 @@ def test_memory_estimate_skips_what_cannot_fit():
             "16",
             "--seq-length",
             "4096",
+            "--max-position-embeddings",
+            "4096",
             "--micro-batch-size",
             "4",
             "--mock-data",
         ],
-        world_size=2,
+        2,
+        demo=True,
     )
     assert estimate_memory_gb(long_seq, recompute=False) > 24 > estimate_memory_gb(long_seq, True)
 

@@ -4,6 +4,10 @@ import json
 
 import pytest
 
+# Megatron's first import logs library start-up warnings (no CUDA, no APEX): import it here, not in
+# the middle of a test that checks its stderr.
+import megatron.training.arguments  # noqa: F401,E402  isort: skip
+
 from megatron_oases.cli import main as oases_main
 from megatron_oases.compare.variants import VARIANTS, parse_variants
 from megatron_oases.planner.plan_file import save_plan, uniform_plan

@@ -70,7 +70,8 @@ def test_model_config_errors(tmp_path):
     with pytest.raises(OasesConfigError, match="no model 'h5'"):
         read_model_file(f"{MODELS}:h5")
     p.write_text(
-        "model:\n  num-layers: 2\n  hidden-size: 64\nparallel:\n  tensor-model-parallel-size: 2\n"
+        "model:\n  num-layers: 2\n  hidden-size: 64\n  num-attention-heads: 4\n  seq-length: 32\n"
+        "parallel:\n  tensor-model-parallel-size: 2\n"
     )
     margs = model_args(read_model_file(str(p)))
     assert margs.num_layers == 2 and margs.tensor_model_parallel_size == 2
@@ -235,6 +236,7 @@ def test_project_model_configs_are_read():
         assert ours.global_batch_size == theirs.global_batch_size
 
 
+RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 MEMORY_PLANS = [
     ([1, 1, 1, 1], "off", True),
     ([2, 2, 2, 2], "off", True),
@@ -273,7 +275,7 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
         save_plan(plan, path)
         name = f"{''.join(map(str, degrees))}-{schedule}{'' if recompute else '-norecompute'}"
         argv = f"{flags} --oases-plan {path} --oases-schedule {schedule}"
-        configs.append((name, argv + (" --recompute-granularity full" if recompute else "")))
+        configs.append((name, argv + (f" {RECOMPUTE}" if recompute else "")))
         bd = predict(
             measured["profile"], degrees, schedule, global_batch=8, micro_batch=4,
             recompute=recompute,
@@ -309,7 +311,7 @@ def test_memory_model_pipeline_stages(measured, tmp_path):
         "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --vocab-size 256 --tensor-model-parallel-size 2 "
         "--pipeline-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 8 "
-        "--mock-data --seed 1234 --recompute-granularity full"
+        f"--mock-data --seed 1234 {RECOMPUTE}"
     )
     configs = [(s, f"{flags} --oases-schedule {s}") for s in ("off", "oases")]
     per_rank = run_distributed(activation_peaks, 4, configs, timeout=380)

@@ -34,7 +34,7 @@ def shape(layers, hidden, heads, seq, micro_batch):
     return [
         "--num-layers", str(layers), "--hidden-size", str(hidden),
         "--num-attention-heads", str(heads), "--seq-length", str(seq),
-        "--micro-batch-size", str(micro_batch),
+        "--max-position-embeddings", str(seq), "--micro-batch-size", str(micro_batch),
     ]  # fmt: skip
 
 

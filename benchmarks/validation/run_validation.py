@@ -10,8 +10,10 @@ On the CPU testbed (2 gloo ranks, TMP domain T=2, links emulated as rtx3090-pcie
    random plans — issue 6;
 3. runs every plan with ``oases train --oases-plan … --emulate-link`` (torchrun, 2 ranks) and takes the
    median of the timed iterations' ``iteration-time``;
-4. measures activation memory per plan in-process with ``LiveTensorMeter`` (one forward+backward of
-   one iteration, after a warm-up one) and compares it with the planner's activation parts;
+4. measures activation memory per plan in-process with ``LiveTensorMeter`` (the forward+backward of
+   the second iteration of Megatron's ``pretrain()``, after a warm-up one:
+   ``megatron_oases.testing.runs.activation_peaks``) and compares it with the planner's activation
+   parts;
 5. writes ``results.json``, ``results.md`` and ``scatter.png`` to ``--out``.
 
 Usage::
@@ -41,8 +43,10 @@ GLOBAL_BATCH, MICRO_BATCH, T, LAYERS = 4, 4, 2, 4
 TRAIN = (
     "--num-layers 4 --hidden-size 512 --num-attention-heads 8 --seq-length 256 "
     "--max-position-embeddings 256 --vocab-size 512 --micro-batch-size 4 --global-batch-size 4 "
-    "--tensor-model-parallel-size 2 --mock-data --seed 1234"
+    "--tensor-model-parallel-size 2 --mock-data --seed 1234 --num-workers 0"
 )
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+RECOMPUTE += ["--recompute-num-layers", "1"]
 PLANNER_MEMORY_GB = (24, 0.26, 0.24)  # 24 GB: the 3090; the small limits make memory bind
 
 
@@ -87,7 +91,7 @@ def hetero_set(profile_path, n_random=8, seed=0):
 def flags(degrees, schedule, recompute, plan_path):
     f = shlex.split(TRAIN) + ["--oases-schedule", schedule, "--oases-plan", plan_path]
     if recompute:
-        f += ["--recompute-granularity", "full"]
+        f += RECOMPUTE
     return f
 
 

@@ -2,11 +2,11 @@
 
 Every variant is a separate ``oases train`` run (torchrun subprocess) with the same flags, the same
 seed and data, and the identical link emulator (same profile, same dilation ``D``); a few warm-up then
-timed iterations each. Unless given, compare adds ``--mock-data``, dropout 0, ``--num-workers 0`` and
-``--no-create-attention-mask-in-dataloader`` (a shared causal mask, which per-layer plans need). Prints a table like the paper's Table 3 and writes ``--out DIR``:
-``results.json``, ``results.md``, ``throughput.png`` and ``timeline-<variant>.png`` (plus each
-variant's log, golden values and traces in ``DIR/<variant>/``). Exit code 1 when a variant failed or
-the variants' losses disagree.
+timed iterations each. Unless given, compare adds ``--mock-data``, dropout 0 and ``--num-workers 0``
+(no data-loader processes competing for the CPUs). Prints a table like the paper's Table 3 and
+writes ``--out DIR``: ``results.json``, ``results.md``, ``throughput.png`` and
+``timeline-<variant>.png`` (plus each variant's log, golden values and traces in
+``DIR/<variant>/``). Exit code 1 when a variant failed or the variants' losses disagree.
 """
 
 import argparse
@@ -135,10 +135,6 @@ def main(argv):
         train_argv.append("--mock-data")
     if not _has_flag(train_argv, "--num-workers"):  # no data-loader processes competing for CPUs
         train_argv += ["--num-workers", "0"]
-    if not _has_flag(train_argv, "--no-create-attention-mask-in-dataloader"):
-        # one causal mask shared by all samples (built by the model), as per-layer plans need: the
-        # same data path for every variant
-        train_argv.append("--no-create-attention-mask-in-dataloader")
     base = _validate(VARIANTS["megatron"], train_argv, own.nproc)
     variants = [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
     parsed = {v.name: _validate(v, train_argv, own.nproc) for v in variants}

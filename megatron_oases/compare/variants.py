@@ -42,7 +42,14 @@ class Variant:
 
 
 # Megatron's full recompute of every layer, the only kind the Oases schedules merge with backward.
-_FULL = ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1")
+_FULL = (
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--recompute-num-layers",
+    "1",
+)
 VARIANTS = {
     v.name: v
     for v in (

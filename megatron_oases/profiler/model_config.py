@@ -16,7 +16,11 @@ dashes or underscores (``num_layers`` / ``num-layers``)::
     global_batch_size: 128
 
 Sections (``model:``, ``parallel:``, ``training:`` …) are flattened. A file holding several models
-under ``models:`` is addressed as ``PATH:NAME``. Keys ``oases train`` does not know are rejected.
+under ``models:`` is addressed as ``PATH:NAME``. Keys that name no Megatron-LM (or ``--oases-*``)
+flag are rejected. The mapping becomes a command line checked by Megatron-LM's own ``parse_args`` and
+``validate_args`` as for a GPU job of DP × TP × PP ranks (so ``bf16`` and the like are accepted);
+a shape needs no tokenizer files (``NullTokenizer``), and ``max_position_embeddings`` (the sequence
+length), ``vocab_size`` (512) and ``micro_batch_size`` (2) are filled in when absent.
 """
 
 import contextlib
@@ -32,7 +36,7 @@ from ..errors import OasesConfigError
 # Keys that are ours, not Megatron-LM flags.
 _EXTRA_KEYS = ("data_parallel_size", "world_size", "name", "description", "notes", "source")
 FLAG_SECTIONS = ("model", "parallel", "training")
-#: Micro-batch of a model file that gives none (Megatron requires one; only measured profiles use it).
+#: Micro-batch of a model file that gives none (Megatron requires one; measured profiles use it).
 DEFAULT_MICRO_BATCH = 2
 # Fields of the validated args that define the shape of one transformer layer and the model ends.
 SHAPE_FIELDS = (
@@ -128,24 +132,15 @@ def read_model_file(spec):
 
 @contextlib.contextmanager
 def _offline():
-    """What Megatron's ``validate_args`` needs outside a job, and nothing it leaves behind: the
-    device query answered (pre-Blackwell, as the CPU shims do) on a machine without CUDA, its
-    argument dump on stdout and its warnings swallowed (the job prints them), and ``WORLD_SIZE`` as
-    it was (``parse_megatron_args`` defaults it; the measured profiler reads it to detect
-    torchrun)."""
-    import torch
-    from megatron.training import arguments as margs
-
+    """Megatron's parse and validation outside a job leave nothing behind: its argument dump on
+    stdout and its warnings are swallowed (the job prints them), and ``WORLD_SIZE`` is restored
+    (``parse_megatron_args`` defaults it; the measured profiler reads it to detect torchrun)."""
     saved_env = os.environ.get("WORLD_SIZE")
-    saved_arch = margs.get_device_arch_version
-    if not torch.cuda.is_available():
-        margs.get_device_arch_version = lambda *a, **k: 0
     try:
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. the tokenizer default we override
             yield
     finally:
-        margs.get_device_arch_version = saved_arch
         if saved_env is None:
             os.environ.pop("WORLD_SIZE", None)
         else:
@@ -181,10 +176,11 @@ def derive(args):
 
 
 def parse_offline(argv, world_size, demo=False, cuda=None):
-    """Megatron's parse + validate (+ the Oases rules) of an ``oases train`` / ``oases-pretrain-gpt``
-    command line for ``world_size`` ranks, without launching or setting any global state; plus
-    :func:`derive`. ``cuda=True`` checks it as for a GPU job (no CPU defaults: bf16 and the fused
-    kernels are allowed), otherwise as for this machine. Raises :class:`OasesConfigError`."""
+    """Megatron's parse + validate (+ the Oases rules) of an ``oases train`` /
+    ``oases-pretrain-gpt`` command line for ``world_size`` ranks, without launching or setting any
+    global state; plus :func:`derive`. ``cuda=True`` checks it as for a GPU job (no CPU defaults:
+    bf16 and the fused kernels are allowed), otherwise as for this machine. Raises
+    :class:`OasesConfigError`."""
     from ..arguments import parse_megatron_args, with_defaults
 
     argv = with_defaults(list(argv), demo=demo, cuda=cuda)
