@@ -14,7 +14,7 @@ setup(
         "megatron-core>=0.17,<0.20",
         "torch>=2.6",
         "psutil",  # megatron-core's torch_dist checkpoints need it, the wheel does not declare it
-        "pulp>=2.7",
+        "pulp>=2.7,<3",  # 2.x bundles the CBC solver the ILP uses; 3+ ships none
         "numpy",
         "pyyaml",
         "matplotlib",

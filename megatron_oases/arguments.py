@@ -153,8 +153,49 @@ def _argv(prog, argv):
 
 
 def _one_line(exc):
+    """The exception's first line; for a bare ``assert`` the asserted condition and its place."""
+    import traceback
+
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    if text:
+        return text[0]
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{frame.line} ({os.path.basename(frame.filename)}:{frame.lineno})"
+
+
+def check_model_shape(args):
+    """Sizes Megatron checks only when it builds the model (or not at all): one line each."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise OasesConfigError(f"--{name.replace('_', '-')} {value} must be >= 1")
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        raise OasesConfigError(f"--micro-batch-size {args.micro_batch_size} must be >= 1")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise OasesConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
+    if args.lr is not None and args.lr < 0:
+        raise OasesConfigError(f"--lr {args.lr} must be >= 0")
+    tp, heads = args.tensor_model_parallel_size, args.num_attention_heads
+    if args.hidden_size and heads and args.kv_channels is None and args.hidden_size % heads:
+        raise OasesConfigError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}"
+        )
+    if heads and heads % tp:
+        raise OasesConfigError(
+            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}"
+        )
+    groups = args.num_query_groups if args.group_query_attention else None
+    if groups and (heads % groups or groups % tp):
+        raise OasesConfigError(
+            f"--num-query-groups {groups} must divide --num-attention-heads {heads} and be "
+            f"divisible by --tensor-model-parallel-size {tp}"
+        )
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size % tp:
+        raise OasesConfigError(
+            f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
 
 
 def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_globals=False):
@@ -168,8 +209,6 @@ def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_gl
 
     # Megatron asks for it with TP > 1; on GPUs the overlap needs launch order = issue order.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    if world_size is not None:
-        os.environ.setdefault("WORLD_SIZE", str(world_size))
     with _argv(prog, argv):
         try:
             args = margs.parse_args(add_oases_args)
@@ -177,17 +216,19 @@ def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_gl
             raise OasesConfigError(f"invalid command line (exit {exc.code}); see {prog} --help")
     if world_size is not None:
         args.world_size = world_size
+    check_model_shape(args)
     validate_oases_args(args, before_megatron=True)
     from . import platform
 
     installed = platform.install_cpu_shims()  # validate_args queries the device (no-op on CUDA)
     try:
         margs.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-    except (AssertionError, ValueError, RuntimeError) as exc:
+    except (AssertionError, ValueError, RuntimeError, ZeroDivisionError) as exc:
         raise OasesConfigError(f"Megatron rejects the arguments: {_one_line(exc)}") from exc
     finally:
         if installed:  # leave the process as we found it
             platform.uninstall_cpu_shims()
+    check_model_shape(args)  # again: Megatron derives ffn_hidden_size
     validate_oases_args(args)
     if set_globals:
         from megatron.training.global_vars import set_global_variables
