@@ -60,7 +60,9 @@ def _capture_patch(record, grads):
         else:
             out = original(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
         loss = out[0].get("lm loss") if out[0] else None
-        record["losses"].append(None if loss is None else float(torch.as_tensor(loss).reshape(-1)[0]))
+        record["losses"].append(
+            None if loss is None else float(torch.as_tensor(loss).reshape(-1)[0])
+        )
         return out
 
     return Patch("test-capture", [(training, "train_step", train_step)])
@@ -123,9 +125,7 @@ def pretrain_and_capture(argv, grads=False, demo=True):
 
 def variants_worker(base, variants, grads=True):
     """Run each (name, extra flags) variant of ``base`` in turn in this process group."""
-    return {
-        name: pretrain_and_capture(f"{base} {extra}", grads=grads) for name, extra in variants
-    }
+    return {name: pretrain_and_capture(f"{base} {extra}", grads=grads) for name, extra in variants}
 
 
 def max_rel_diff(a, b):

@@ -26,7 +26,9 @@ from ..patches import install_from_args
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+def model_provider(
+    pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None
+):
     """One pipeline stage of the GPT model: Megatron's builder, then the per-layer plan if any."""
     args = get_args()
     install_from_args(args)  # idempotent: after parsing and distributed init, before any model
@@ -127,6 +129,3 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 
 # Megatron calls the provider on every rank; it decides per rank what to build.
 train_valid_test_datasets_provider.is_distributed = True
-
-
-
