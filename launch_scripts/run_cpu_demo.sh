@@ -3,7 +3,8 @@
 # with `oases train`, TP=2, through the same launcher the SLURM jobs use, and print the golden values.
 #
 #   bash launch_scripts/run_cpu_demo.sh
-#   OASES_SCHEDULE=oases EXTRA_ARGS="--recompute-granularity full" bash launch_scripts/run_cpu_demo.sh
+#   OASES_SCHEDULE=oases EXTRA_ARGS="--recompute-granularity full --recompute-method uniform \
+#       --recompute-num-layers 1" bash launch_scripts/run_cpu_demo.sh
 #   bash launch_scripts/compare_vs_megatron.sh     # the whole cpu-demo matrix, also without SLURM
 set -euo pipefail
 OASES_ROOT=${OASES_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}

@@ -7,20 +7,21 @@
 #       sbatch --nodes 4 launch_scripts/slurm_pretrain_gpt_oases.sh
 #
 # Environment (upper case, all optional):
-#   ENTRY            oases-train (default): `python -m megatron_oases train` (Megatron-Core, mock data)
-#                    pretrain-gpt-oases: Megatron-LM's pretrain_gpt.py machinery + --oases-* flags
-#                                        (`oases-pretrain-gpt`; needs MEGATRON_LM_DIR, tag core_v0.16.0)
-#                    pretrain-gpt: ${MEGATRON_LM_DIR}/pretrain_gpt.py with patches/ applied
+#   ENTRY            the program, each on Megatron-LM's own pretrain() loop with the --oases-* flags:
+#                    oases-train (default): `python -m megatron_oases train`
+#                    pretrain-gpt-oases: `oases-pretrain-gpt` (Megatron-LM's pretrain_gpt.py on the
+#                                        megatron.training the megatron-core wheel ships; no checkout)
+#                    pretrain-gpt: ${MEGATRON_LM_DIR}/pretrain_gpt.py of a Megatron-LM checkout (tag
+#                                  core_v0.19.x) with patches/pretrain_gpt.oases.patch applied
 #   MODEL            configs/models/<MODEL>.yaml or a path (default tiny-cpu)
 #   TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE   override the model config
 #   TRAIN_ITERS (100), LR (1.0e-4), OASES_SCHEDULE (off|overlap|cross-pass|oases), LOG_JSON (path)
 #   EXTRA_ARGS       more flags, space-separated, appended last (they win over earlier ones)
 #   GPUS_PER_NODE    ranks per node (default 8 with GPUs, 2 on CPU); NUM_NODES (the allocation's)
-#   DEVICE           auto|cuda|cpu (cpu ⇒ --distributed-backend gloo)
+#   DEVICE           auto|cuda|cpu (cpu => --distributed-backend gloo; ENTRY=pretrain-gpt also gets
+#                    the other flags a CPU run needs, which the oases entries add by themselves)
 #   MASTER_ADDR, MASTER_PORT, DIST_TIMEOUT_MINUTES (10), PYTHON (python3), OASES_ROOT (repo root)
-#   MEGATRON_LM_ARGS Megatron-LM entries only (default --no-persist-layer-norm: the local layer spec
-#                    falls back to torch LayerNorm without Apex; add --no-gradient-accumulation-fusion
-#                    when Apex's fused wgrad kernel is missing)
+#   DRY_RUN=1        print the command line and exit
 #
 #SBATCH --job-name=oases-pretrain-gpt
 #SBATCH --nodes=1
@@ -76,26 +77,43 @@ MODEL=${MODEL:-tiny-cpu}
 case "${ENTRY}" in
     oases-train)
         PROGRAM=(-m megatron_oases train)
-        DATA_ARGS=(--mock-data)
-        MEGATRON_LM_ARGS=""
+        PLATFORM_ARGS=()  # it adds what this host needs (megatron_oases.arguments.with_defaults)
         ;;
     pretrain-gpt-oases)
-        : "${MEGATRON_LM_DIR:?ENTRY=pretrain-gpt-oases needs MEGATRON_LM_DIR (Megatron-LM core_v0.16.0)}"
-        export MEGATRON_LM_DIR PYTHONPATH="${MEGATRON_LM_DIR}:${PYTHONPATH}"
-        PROGRAM=(-m megatron_oases.pretrain_gpt_oases)
-        DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)
+        OASES_PRETRAIN_GPT="$(dirname "$(command -v "${PYTHON}")")/oases-pretrain-gpt"
+        if [[ ! -x "${OASES_PRETRAIN_GPT}" ]]; then
+            OASES_PRETRAIN_GPT=$(command -v oases-pretrain-gpt) || {
+                echo "error: ENTRY=pretrain-gpt-oases: oases-pretrain-gpt is not installed next to" \
+                    "${PYTHON} nor on PATH (pip install megatron-oases)" >&2
+                exit 2
+            }
+        fi
+        PROGRAM=("${OASES_PRETRAIN_GPT}")
+        PLATFORM_ARGS=()
         ;;
     pretrain-gpt)
-        : "${MEGATRON_LM_DIR:?ENTRY=pretrain-gpt needs MEGATRON_LM_DIR (patched, see patches/)}"
+        if [[ -z "${MEGATRON_LM_DIR:-}" ]]; then
+            echo "error: ENTRY=pretrain-gpt needs MEGATRON_LM_DIR: a Megatron-LM checkout (tag" \
+                "core_v0.19.x) with patches/pretrain_gpt.oases.patch applied" >&2
+            exit 2
+        fi
+        if [[ ! -f "${MEGATRON_LM_DIR}/pretrain_gpt.py" ]]; then
+            echo "error: MEGATRON_LM_DIR=${MEGATRON_LM_DIR} has no pretrain_gpt.py" >&2
+            exit 2
+        fi
         export PYTHONPATH="${MEGATRON_LM_DIR}:${PYTHONPATH}"
         PROGRAM=("${MEGATRON_LM_DIR}/pretrain_gpt.py")
-        DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)
+        # A patched pretrain_gpt.py takes Megatron-LM's flags as given: spell out our defaults.
+        DEFAULTS_FOR=()
+        [[ "${DEVICE}" == cpu ]] && DEFAULTS_FOR=(--cpu)
+        read -r -a PLATFORM_ARGS <<< "$(cfg defaults "${DEFAULTS_FOR[@]}")"
         ;;
     *)
         echo "error: ENTRY=${ENTRY}: choose oases-train, pretrain-gpt-oases or pretrain-gpt" >&2
         exit 2
         ;;
 esac
+DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)
 
 TP=${TP:-$(cfg get "${MODEL}" parallel.tensor-model-parallel-size 1)}
 PP=${PP:-$(cfg get "${MODEL}" parallel.pipeline-model-parallel-size 1)}
@@ -107,7 +125,6 @@ LR=${LR:-1.0e-4}
 OASES_SCHEDULE=${OASES_SCHEDULE:-off}
 LOG_JSON=${LOG_JSON:-${OASES_ROOT}/out/${SLURM_JOB_NAME:-oases}-${SLURM_JOB_ID:-local}.json}
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
-read -r -a MEGATRON_LM_EXTRA <<< "${MEGATRON_LM_ARGS---no-persist-layer-norm}"
 
 DISTRIBUTED_ARGS=(
     --nproc_per_node "${GPUS_PER_NODE}"
@@ -148,15 +165,19 @@ CMD=(
     "${DATA_ARGS[@]}"
     "${OASES_ARGS[@]}"
     "${LOGGING_ARGS[@]}"
-    "${MEGATRON_LM_EXTRA[@]}"
+    "${PLATFORM_ARGS[@]}"
     "${EXTRA[@]}"
 )
 
-mkdir -p "$(dirname "${LOG_JSON}")"
 echo "oases launch: entry=${ENTRY} model=${MODEL} device=${DEVICE} nodes=${NUM_NODES}" \
     "ranks/node=${GPUS_PER_NODE} world=${WORLD_SIZE} TP=${TP} PP=${PP} schedule=${OASES_SCHEDULE}" \
     "master=${MASTER_ADDR}:${MASTER_PORT} json=${LOG_JSON}"
-echo "oases launch: ${CMD[*]}"
+printf -v CMD_LINE '%q ' "${CMD[@]}"
+echo "oases launch: ${CMD_LINE% }"
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    exit 0
+fi
+mkdir -p "$(dirname "${LOG_JSON}")"
 
 if [[ -n "${SLURM_JOB_ID:-}" ]]; then
     # One task per node; torchrun there gets its node rank from SLURM. --kill-on-bad-exit ends every

@@ -32,7 +32,7 @@ import os
 import sys
 import time
 
-from .. import patches, platform
+from .. import patches
 from ..arguments import ALWAYS_DEFAULTS, add_oases_args, validate_oases_args
 from ..errors import OasesConfigError
 
@@ -68,6 +68,12 @@ def _local_transformer_impl_default(parser):
     return parser
 
 
+def _install_cpu_shims():
+    from .. import platform  # imports torch: not for the config helpers of this package
+
+    return platform.install_cpu_shims()
+
+
 def extra_args_provider(existing=None):
     """The ``extra_args_provider`` for Megatron-LM's ``parse_and_validate_args``: ``existing`` + ours.
 
@@ -76,7 +82,7 @@ def extra_args_provider(existing=None):
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment sets it.
     """
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    platform.install_cpu_shims()
+    _install_cpu_shims()
     return _chain(existing, add_oases_args, _local_transformer_impl_default)
 
 
@@ -110,7 +116,7 @@ def install(args, prog=None):
         hook = model_setup_hook()
     except OasesConfigError as exc:
         exit_with_error(f"{prog}: error: {exc}")
-    platform.install_cpu_shims()  # already done by extra_args_provider(); a no-op with CUDA
+    _install_cpu_shims()  # already done by extra_args_provider(); a no-op with CUDA
     if patches.REGISTRY.get(HOOK_PATCH) is None:
         patches.REGISTRY.install(hook)
         atexit.register(uninstall)

@@ -46,7 +46,12 @@ def _defaults(cpu):
     from ..arguments import CPU_DEFAULTS, LOOP_DEFAULTS
 
     groups = (LOOP_DEFAULTS, CPU_DEFAULTS) if cpu else (LOOP_DEFAULTS,)
-    return [tok for g in groups for flag, value in g for tok in ([flag] if value is None else [flag, value])]
+    return [
+        tok
+        for g in groups
+        for flag, value in g
+        for tok in ([flag] if value is None else [flag, value])
+    ]
 
 
 def main(argv=None):
