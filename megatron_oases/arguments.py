@@ -288,12 +288,6 @@ def validate_oases_args(args, before_megatron=False):
                 "or --oases-schedule off"
             )
     if getattr(args, "oases_plan", None):
-        if args.save or args.load:
-            raise OasesConfigError(
-                "--save/--load with --oases-plan is not supported yet (Megatron's torch_dist "
-                "checkpoints need one TP layout per tensor); train with the plan without "
-                "--save/--load, or drop --oases-plan (stock layout) for checkpointed runs"
-            )
         from .hetero.model import validate_plan_for_model
         from .planner.plan_file import load_plan
 

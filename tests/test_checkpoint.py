@@ -121,3 +121,51 @@ def _nan_worker(base):
 def test_nan_loss_stops_the_run(tmp_path):
     msg = run_distributed(_nan_worker, 2, BASE, timeout=280)[0]
     assert msg and "found NaN in local forward loss calculation" in msg, msg
+
+
+def _plan_worker(base, ckpt, plan_a, plan_b):
+    """A plan's checkpoint is a stock checkpoint: stock, TP=1 and another plan resume from it;
+    a stock checkpoint resumes under a plan."""
+    tp2 = f"{base} {TP2} --train-iters 3"
+    out = {"reference": pretrain_and_capture(f"{tp2} --oases-schedule off")["losses"]}
+    saved = os.path.join(ckpt, "plan")
+    out["save"] = pretrain_and_capture(
+        f"{tp2} --exit-interval 2 --save {saved} --oases-schedule oases --oases-plan {plan_a}"
+    )["losses"]
+    for name, flags in (
+        ("stock", f"{tp2} --oases-schedule off"),
+        ("tp1", f"{base} --tensor-model-parallel-size 1 --train-iters 3"),
+        ("other-plan", f"{tp2} --oases-schedule overlap --oases-plan {plan_b}"),
+    ):
+        out[f"plan->{name}"] = pretrain_and_capture(f"{flags} --load {saved}")["losses"]
+    stock = os.path.join(ckpt, "stock")
+    pretrain_and_capture(f"{tp2} --exit-interval 2 --save {stock}")
+    out["stock->plan"] = pretrain_and_capture(
+        f"{tp2} --load {stock} --oases-schedule oases --oases-plan {plan_a}"
+    )["losses"]
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_per_layer_plan_checkpoints_are_stock_checkpoints(tmp_path):
+    import json
+
+    from helpers import LLAMA
+
+    plans = []
+    for name, degrees in (("a", [1, 2, 1, 2]), ("b", [2, 1, 1, 2])):
+        path = tmp_path / f"plan_{name}.json"
+        path.write_text(
+            json.dumps({"version": 1, "tensor_model_parallel_size": 2, "degrees": degrees})
+        )
+        plans.append(str(path))
+    base = (
+        LLAMA.format(layers=4) + "--micro-batch-size 4 --global-batch-size 8 " + NO_DROP + RECOMPUTE
+    )
+    res = run_distributed(_plan_worker, 2, base, str(tmp_path), *plans, timeout=560)[-1]
+    ref = res.pop("reference")
+    assert max_rel_diff(res.pop("save"), ref[:2]) < 1e-5
+    for name, losses in res.items():
+        err = max_rel_diff(losses, ref[2:])
+        print(f"{name}: next loss {losses[0]:.9f} vs {ref[2]:.9f} (rel {err:.1e})")
+        assert len(losses) == 1 and err < 1e-5, name

@@ -92,7 +92,6 @@ def test_plans_match_uniform(case, tmp_path):
             "--micro-batch-size 2 --global-batch-size 4 --oases-schedule overlap",
             "cannot be split into two sub-batches",
         ),
-        ([1, 2, 1, 2], 2, "--save /tmp/oases-plan-ckpt", "--save/--load with --oases-plan"),
     ],
 )
 def test_invalid_plans_are_rejected(tmp_path, degrees, T, flags, match):

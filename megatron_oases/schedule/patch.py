@@ -197,6 +197,10 @@ def make_patch(args):
         ),
         (ColumnParallelLinear, "forward", make_column_forward(ColumnParallelLinear.forward)),
     ]
+    if plan:  # checkpoints of a plan are written in the stock layout
+        from ..hetero.checkpoint import make_checkpoint_replacements
+
+        replacements += make_checkpoint_replacements()
     if plan:  # grad-norm clipping counts each replica of a degree-d shard once
         for owner in (tensor_parallel, clip_grads):
             replacements.append(
