@@ -453,39 +453,65 @@ def test_install_rejects_a_bad_combination_once_per_job(
     assert megatron_lm.HOOK_PATCH not in patches.installed()
 
 
-def test_install_defers_the_patches_to_model_setup(megatron_parse, monkeypatch, tmp_path):
-    """``install`` only hooks ``setup_model_and_optimizer``; calling it installs the patches first,
-    then builds; a plan becomes a pre-wrap hook of the model config."""
+def test_install_hooks_megatron_model_setup_once(megatron_parse, monkeypatch):
+    """``install`` installs nothing but the hook on ``setup_model_and_optimizer`` (idempotent);
+    ``uninstall`` restores Megatron's function."""
     from megatron.training import training
+
+    original = training.setup_model_and_optimizer
+    args = megatron_parse(TINY + MOCK + RECOMPUTE + ["--oases-schedule", "oases"])
+    try:
+        megatron_lm.install(args)
+        megatron_lm.install(args)
+        assert patches.installed() == [megatron_lm.HOOK_PATCH]
+        assert training.setup_model_and_optimizer.__wrapped__ is original
+    finally:
+        megatron_lm.uninstall()
+    assert patches.installed() == [] and training.setup_model_and_optimizer is original
+
+
+def _fake_pretrain(setup_model_and_optimizer):
+    """A stand-in for ``megatron.training.training``'s ``pretrain`` → ``setup_model_and_optimizer``."""
+    return setup_model_and_optimizer("model_type")
+
+
+def test_model_setup_hook_installs_the_patches_before_the_build(
+    megatron_parse, monkeypatch, tmp_path
+):
+    """Called by ``pretrain()``: the patches install first, then Megatron builds; a plan becomes a
+    pre-wrap hook of the model config (or wraps an old-style model provider)."""
+    import megatron.training as mtraining
 
     args = megatron_parse(
         TINY + MOCK + ["--log-json", str(tmp_path / "g.json"), "--oases-plan", "plan.json"]
     )
-    seen = {}
+    monkeypatch.setattr(mtraining, "get_args", lambda: args)
+    seen = []
 
     def setup_model_and_optimizer(model_type, model_provider_func=None, *rest, **kwargs):
-        seen.update(patches=patches.installed(), provider=model_provider_func, kwargs=kwargs)
+        seen.append(dict(patches=patches.installed(), provider=model_provider_func, **kwargs))
         return "model", "optimizer", "scheduler"
 
-    monkeypatch.setattr(training, "setup_model_and_optimizer", setup_model_and_optimizer)
-    monkeypatch.setattr(megatron_lm, "validate_oases_args", lambda a: a)  # no plan file needed
-    import megatron.training as mtraining
-
-    monkeypatch.setattr(mtraining, "get_args", lambda: args)
+    training = types.SimpleNamespace(
+        __name__="training",
+        setup_model_and_optimizer=setup_model_and_optimizer,
+        pretrain=_fake_pretrain,
+    )
+    hook = megatron_lm.model_setup_hook(training_module=training)
+    hook.install()
     try:
-        megatron_lm.install(args)
-        assert patches.installed() == [megatron_lm.HOOK_PATCH]
-        megatron_lm.install(args)  # idempotent
-        assert patches.installed() == [megatron_lm.HOOK_PATCH]
         model_cfg = types.SimpleNamespace(pre_wrap_hooks=[])
         container = types.SimpleNamespace(model=model_cfg)
         out = training.setup_model_and_optimizer("type", None, cfg_container=container)
         assert out == ("model", "optimizer", "scheduler")
-        assert {"golden-values", "oases-schedule"} <= set(seen["patches"])
+        assert {"golden-values", "oases-schedule"} <= set(seen[0]["patches"])
         assert len(model_cfg.pre_wrap_hooks) == 1  # attaches the plan to each built stage
+        provider = lambda *a, **k: "stage"  # noqa: E731
+        training.setup_model_and_optimizer("type", model_provider_func=provider)
+        assert seen[1]["provider"].__wrapped__ is provider
     finally:
-        megatron_lm.uninstall()
-    assert patches.installed() == []
+        hook.uninstall()
+        patches.uninstall_all()
     assert training.setup_model_and_optimizer is setup_model_and_optimizer
 
 
