@@ -228,28 +228,56 @@ def _start_daemons(root, env):
     )
     start([_which("slurmctld"), "-f", conf], "slurmctld")
     start([_which("slurmd"), "-f", conf, "-N", host], "slurmd")
-    return pids
+    started = {}
+    for name, path in pids.items():  # daemons write their pid files once they run
+        deadline = time.time() + 10
+        while (pid := _read_pid(path)) is None and time.time() < deadline:
+            time.sleep(0.1)
+        started[name] = pid
+    return started
 
 
-def _stop_daemons(env, pids):
+def _stepds_of(root):
+    """This cluster's leftover ``slurmstepd`` processes (their working directory is under root)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                if f.read().strip() != "slurmstepd":
+                    continue
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:
+            continue
+        if cwd.startswith(root) and _alive(int(entry)):
+            found.append(int(entry))
+    return found
+
+
+def _stop_daemons(env, pids, root=None):
+    """Cancel the jobs, shut SLURM down, then make sure: daemons (by the pids read at start — a
+    slurmd that is shutting down removes its pid file but may wait on its job steps) and leftover
+    job steps are killed."""
     if env.get("SLURM_CONF"):
         for cmd in (["scancel", "--user=root"], ["scontrol", "shutdown"]):
             try:
                 subprocess.run(cmd, env=env, capture_output=True, timeout=30)
             except (OSError, subprocess.SubprocessError):
                 pass
-    ordered = [pids.get("slurmd"), pids.get("slurmctld"), pids.get("munged")]
-    for pid_file in ordered:
-        pid = _read_pid(pid_file) if pid_file else None
+    for name in ("slurmd", "slurmctld", "munged"):
+        pid = pids.get(name)
         if pid is None:
             continue
         deadline = time.time() + 15
-        if _alive(pid) and pid_file.endswith("munged.pid"):
+        if _alive(pid) and name == "munged":
             os.kill(pid, signal.SIGTERM)
         while _alive(pid) and time.time() < deadline:
             time.sleep(0.2)
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
+    for pid in _stepds_of(root) if root else ():
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +310,7 @@ def slurm(tmp_path_factory):
             raise RuntimeError(f"the SLURM node did not become idle (sinfo: {state!r})\n{logs}")
         yield cluster
     finally:
-        _stop_daemons(env, pids)
+        _stop_daemons(env, pids, root)
 
 
 def _job_processes(job_id, slurm_conf):
