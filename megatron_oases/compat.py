@@ -7,6 +7,15 @@ which is our only training driver; 0.16 and older have no such loop and are not 
 The patches replace Megatron symbols by name. :func:`require_symbol` is how each of them checks, at
 install time, that the symbol still exists and is the one Megatron calls, so that a Megatron
 release which moves or renames it fails with one line instead of silently doing nothing.
+
+Differences between the releases, each handled here and nowhere else:
+
+- 0.18: ``pretrain()`` takes ``model_provider`` before ``model_type`` (0.19: after
+  ``forward_step_func``) -- :func:`pretrain_kwargs` passes them by name; the wheel has no GPT model
+  builder (0.19: ``megatron.training.models.gpt``) -- :func:`build_gpt_model`.
+- 0.17 is not handled: its ``pretrain()`` has no ``cfg_container`` and parses the command line
+  itself (``initialize_megatron`` -> ``parse_args``/``validate_args``/``set_global_variables``),
+  so the parse-then-``pretrain()`` order of :mod:`megatron_oases.training.pretrain` does not fit it.
 """
 
 import inspect
@@ -85,3 +94,100 @@ def require_symbol(owner, name, called_by=(), parameters=()):
         if missing:
             fail(f"changed the signature (missing {', '.join(missing)})")
     return value
+
+
+def pretrain_kwargs(cfg_container, datasets_provider, model_type, forward_step, model_provider):
+    """Arguments of ``megatron.training.pretrain`` by name: 0.18 takes ``model_provider`` third
+    (before ``model_type``), 0.19 takes it after ``forward_step_func`` and optional; the names are
+    the same in both."""
+    return dict(
+        cfg_container=cfg_container,
+        train_valid_test_dataset_provider=datasets_provider,
+        model_type=model_type,
+        forward_step_func=forward_step,
+        model_provider=model_provider,
+    )
+
+
+def build_gpt_model(
+    args, pg_collection, pre_process=True, post_process=True, vp_stage=None, config=None
+):
+    """One GPT model stage, as Megatron-LM's ``pretrain_gpt.py`` builds it (local layer spec).
+
+    0.19+: ``megatron.training.models.gpt.GPTModelBuilder`` on ``gpt_config_from_args``. 0.18's
+    wheel has neither (the builder was Megatron-LM's ``gpt_builders.py``, outside the wheel): its
+    dense local-spec branch is reproduced here; models it would build otherwise (MoE, MTP, a
+    ``--spec``, experimental attention, heterogeneous layers) need 0.19.
+    """
+    try:
+        from megatron.training.argument_utils import gpt_config_from_args
+        from megatron.training.models.gpt import GPTModelBuilder
+    except ImportError:
+        pass
+    else:
+        return GPTModelBuilder(gpt_config_from_args(args, config=config)).build_model(
+            pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+        )
+    return local_gpt_model(args, pg_collection, pre_process, post_process, vp_stage, config)
+
+
+def local_gpt_model(
+    args, pg_collection, pre_process=True, post_process=True, vp_stage=None, config=None
+):
+    """0.18's path of :func:`build_gpt_model` (also run on 0.19 by the tests, against the
+    builder, so that it keeps building the same model)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    for flag in (
+        "num_experts",
+        "mtp_num_layers",
+        "spec",
+        "experimental_attention_variant",
+        "heterogeneous_layers_config_path",
+        "yaml_cfg",
+    ):
+        if getattr(args, flag, None):
+            raise OasesConfigError(
+                f"--{flag.replace('_', '-')} needs megatron-core >= 0.19 (Megatron's GPT model "
+                f"builder); this is {megatron_core_version()}"
+            )
+    config = config if config is not None else core_transformer_config_from_args(args)
+    vocab_size = args.padded_vocab_size
+    if vocab_size is None:  # set with Megatron's globals; as the 0.19 builder does without them
+        from megatron.training.vocab_utils import calculate_padded_vocab_size
+
+        vocab_size = calculate_padded_vocab_size(
+            args.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+        )
+    spec = get_gpt_layer_local_spec(
+        args.num_experts,
+        args.moe_grouped_gemm,
+        args.qk_layernorm,
+        args.multi_latent_attention,
+        normalization=args.normalization,
+        qk_l2_norm=getattr(args, "qk_l2_norm", False),
+        use_kitchen=config.use_kitchen,
+        use_kitchen_attention=config.use_kitchen_attention,
+        kitchen_attention_backend=config.kitchen_attention_backend,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+        seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )

@@ -82,6 +82,7 @@ def pretrain_and_capture(argv, grads=False, demo=True):
 
     from .. import patches, platform
     from ..arguments import parse_megatron_args, with_defaults
+    from ..compat import pretrain_kwargs
     from ..training import gpt
     from ..training.checkpoint_check import check_load_matches
 
@@ -104,11 +105,13 @@ def pretrain_and_capture(argv, grads=False, demo=True):
         check_load_matches(args)
         try:
             pretrain(
-                pretrain_cfg_container_from_args(args),
-                gpt.train_valid_test_datasets_provider,
-                ModelType.encoder_or_decoder,
-                gpt.forward_step,
-                model_provider=gpt.model_provider,
+                **pretrain_kwargs(
+                    pretrain_cfg_container_from_args(args),
+                    gpt.train_valid_test_datasets_provider,
+                    ModelType.encoder_or_decoder,
+                    gpt.forward_step,
+                    gpt.model_provider,
+                )
             )
         except SystemExit as exc:  # --exit-interval & co. end the job with sys.exit
             record["exit_code"] = exc.code

@@ -2,7 +2,8 @@
 
 The megatron-core wheel (0.17+) ships Megatron-LM's loop (``megatron.training``) but not the
 ``pretrain_gpt.py`` script: this module supplies its four arguments — a model provider (Megatron's
-own ``GPTModelBuilder`` with the local layer spec), ``forward_step`` with the masked-mean-per-token
+own ``GPTModelBuilder`` with the local layer spec, through
+:func:`megatron_oases.compat.build_gpt_model`), ``forward_step`` with the masked-mean-per-token
 loss and Megatron's NaN/Inf checks, and a dataset provider (``MockGPTDataset`` for ``--mock-data``,
 ``GPTDataset`` for ``--data-path``) — plus the one Oases hook: :func:`model_provider` installs the
 patches the arguments ask for on its first call (distributed state is up, no model built yet) and
@@ -17,10 +18,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training import get_args, print_rank_0
-from megatron.training.argument_utils import gpt_config_from_args
-from megatron.training.models.gpt import GPTModelBuilder
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
+from ..compat import build_gpt_model
 from ..patches import install_from_args
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -36,9 +36,7 @@ def model_provider(
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    model = GPTModelBuilder(gpt_config_from_args(args, config=config)).build_model(
-        pg_collection, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
-    )
+    model = build_gpt_model(args, pg_collection, pre_process, post_process, vp_stage, config)
     if getattr(args, "oases_plan", None):
         from ..hetero.runtime import attach_plan
 

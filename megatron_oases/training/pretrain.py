@@ -27,7 +27,7 @@ def run(argv, demo=False, prog=PROG):
     """Parse ``argv`` (program name excluded) and train; returns the exit status."""
     from .. import patches, platform
     from ..arguments import parse_megatron_args, with_defaults
-    from ..compat import check_megatron_core
+    from ..compat import check_megatron_core, pretrain_kwargs
 
     check_megatron_core()
     argv = with_defaults(argv, demo=demo)
@@ -47,11 +47,13 @@ def run(argv, demo=False, prog=PROG):
         set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
         try:
             pretrain(
-                pretrain_cfg_container_from_args(args),
-                gpt.train_valid_test_datasets_provider,
-                ModelType.encoder_or_decoder,
-                gpt.forward_step,
-                model_provider=gpt.model_provider,
+                **pretrain_kwargs(
+                    pretrain_cfg_container_from_args(args),
+                    gpt.train_valid_test_datasets_provider,
+                    ModelType.encoder_or_decoder,
+                    gpt.forward_step,
+                    gpt.model_provider,
+                )
             )
         except RuntimeError as exc:  # Megatron's NaN/Inf checks: one line, not a traceback
             if "found NaN" in str(exc) or "found Inf" in str(exc):

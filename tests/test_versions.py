@@ -1,0 +1,197 @@
+"""megatron-core versions: the installed one is accepted, and every Megatron symbol our patches
+replace is there and is still what Megatron calls; releases out of range are refused.
+
+Runs on whatever megatron-core is installed (CI: 0.19; 0.18 was checked by hand the same way).
+Fast: one argument parse, the patches built, installed and uninstalled, no training.
+"""
+
+import inspect
+
+import pytest
+
+from megatron_oases import compat
+from megatron_oases.errors import OasesConfigError
+from megatron_oases.testing.runs import parse
+
+TINY = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 16 "
+    "--max-position-embeddings 16 --vocab-size 500 --mock-data "
+    "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8 "
+    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+)
+
+
+def test_installed_version_is_supported():
+    version = compat.megatron_core_version()
+    assert version is not None
+    assert compat.check_megatron_core() == version
+
+
+@pytest.mark.parametrize("version", ["0.16.1", "0.20.0"])
+def test_versions_out_of_range_are_refused(version):
+    with pytest.raises(OasesConfigError, match=f"megatron-core {version} is not supported"):
+        compat.check_megatron_core(version)
+
+
+@pytest.fixture(scope="module")
+def args(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("versions")
+    plan = tmp / "plan.json"
+    plan.write_text('{"version": 1, "tensor_model_parallel_size": 2, "degrees": [1, 2]}')
+    return parse(
+        TINY + f"--oases-schedule oases --oases-plan {plan} --oases-trace {tmp / 'trace.json'} "
+        f"--log-json {tmp / 'golden.json'}",
+        world_size=2,
+    )
+
+
+def _current(owner, attr):
+    return owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr)
+
+
+def _built_patches(args):
+    from megatron_oases import megatron_lm
+    from megatron_oases.instrument import golden
+    from megatron_oases.schedule import patch as schedule
+    from megatron_oases.schedule import trace
+
+    built = {
+        "oases-schedule": schedule.make_patch(args),
+        "golden-values": golden.make_patch(args),
+        "oases-trace": trace.make_patch(args),
+        megatron_lm.HOOK_PATCH: megatron_lm.model_setup_hook(),
+    }
+    assert all(p is not None for p in built.values()), built
+    return built
+
+
+def test_patches_replace_existing_symbols_and_uninstall_restores_them(args):
+    for name, patch in _built_patches(args).items():
+        originals = [(o, a, _current(o, a)) for o, a, _ in patch.replacements]
+        for owner, attr, original in originals:
+            assert original is not None, f"{name}: {owner}.{attr} does not exist"
+        patch.install()
+        try:
+            for owner, attr, new in patch.replacements:
+                assert _current(owner, attr) is new, f"{name}: {attr} not replaced"
+        finally:
+            patch.uninstall()
+        for owner, attr, original in originals:
+            assert _current(owner, attr) is original, f"{name}: {attr} not restored"
+
+
+def test_replaced_symbols_are_what_megatron_calls():
+    """What the replacements rely on, beyond the checks the factories make themselves."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.training import checkpointing, training
+
+    from megatron_oases.schedule.patch import make_block_forward
+
+    req = compat.require_symbol
+    # oases-schedule: RowParallelLinear's forward all-reduce, by the name imported into layers.
+    req(
+        layers,
+        "reduce_from_tensor_model_parallel_region",
+        called_by=[layers.RowParallelLinear.forward],
+        parameters=("input_", "group"),
+    )
+    # ColumnParallelLinear.forward reads the two flags the deferral switches off per call.
+    forward = req(layers.ColumnParallelLinear, "forward")
+    for flag in ("allreduce_dgrad", "disable_grad_reduce"):
+        assert flag in inspect.getsource(forward), flag
+    # Our TransformerBlock.forward hands the stock one its arguments by position.
+    ours = list(inspect.signature(make_block_forward(TransformerBlock.forward, "oases")).parameters)
+    stock = list(inspect.signature(TransformerBlock.forward).parameters)
+    positional = [p for p in ours if p not in ("self", "kwargs")]
+    assert stock[1 : 1 + len(positional)] == positional
+    # Plans: grad-norm clipping asks, by the name imported into clip_grads.
+    req(
+        clip_grads,
+        "param_is_not_tensor_parallel_duplicate",
+        called_by=[clip_grads.count_zeros_fp32],
+    )
+    # --load of another model: refused before Megatron loads it.
+    req(checkpointing, "_load_base_checkpoint", parameters=("rank0",))
+    req(checkpointing, "check_checkpoint_args")
+    # The test harness and the trace wrap train_step by name.
+    req(training, "train_step", called_by=[training.train])
+
+
+def test_pretrain_takes_our_arguments_by_name():
+    from megatron.training import pretrain
+
+    names = set(compat.pretrain_kwargs(*range(5)))
+    assert names <= set(inspect.signature(pretrain).parameters)
+
+
+#: GPTModel attributes set from its constructor's arguments (beyond the parameters).
+MODEL_SETTINGS = (
+    "vocab_size",
+    "max_sequence_length",
+    "pre_process",
+    "post_process",
+    "fp16_lm_cross_entropy",
+    "parallel_output",
+    "share_embeddings_and_output_weights",
+    "position_embedding_type",
+    "rotary_percent",
+    "rotary_base",
+    "rope_scaling",
+    "mtp_process",
+    "vp_stage",
+)
+
+
+@pytest.fixture
+def model_parallel_1():
+    """One gloo rank in this process, model-parallel state for TP=1; all torn down after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_oases import platform
+    from megatron_oases.launch import find_free_port
+
+    installed = platform.install_cpu_shims()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
+    )
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        if installed:
+            platform.uninstall_cpu_shims()
+
+
+def test_local_gpt_model_is_the_builders_model(model_parallel_1):
+    """0.18 builds the model with :func:`compat.local_gpt_model`; it must stay the model that
+    Megatron's own builder (0.19+) builds: same parameters, same initial values."""
+    import torch
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    args = parse(
+        TINY.replace("--tensor-model-parallel-size 2", "--tensor-model-parallel-size 1")
+        + "--swiglu --normalization RMSNorm --position-embedding-type rope "
+        "--untie-embeddings-and-output-weights",
+        world_size=1,
+    )
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    built, settings = [], []
+    for build in (compat.build_gpt_model, compat.local_gpt_model):
+        torch.manual_seed(1)
+        model = build(args, pgs)
+        built.append({k: v for k, v in model.state_dict().items() if torch.is_tensor(v)})
+        settings.append(
+            {name: getattr(model, name, None) for name in MODEL_SETTINGS}
+            | {"inv_freq": model.rotary_pos_emb.inv_freq.tolist()}
+        )
+    assert settings[0] == settings[1]
+    builder, local = built
+    assert list(builder) == list(local)
+    for name, value in builder.items():
+        assert value.shape == local[name].shape, name
+        assert torch.equal(value, local[name]), name
