@@ -48,8 +48,26 @@ MOCK_DATA_DEFAULTS = (("--tokenizer-type", "NullTokenizer"), ("--vocab-size", "5
 LOOP_DEFAULTS = (("--eval-interval", "1000000"), ("--eval-iters", "0"))
 
 
+def _escape_bare_percent(parser):
+    """``--help`` of megatron-core 0.19 crashes on a help text with a bare ``%`` ("10%)"):
+    escape such texts so that argparse can format them (Megatron's parsing is unaffected)."""
+    import re
+
+    for action in parser._actions:
+        if action.help and "%" in action.help:
+            try:
+                parser._get_formatter()._expand_help(action)
+            except (ValueError, TypeError, KeyError):
+                action.help = re.sub(
+                    r"%%|%\(\w+\)[a-zA-Z]|%",
+                    lambda m: m[0] if len(m[0]) > 1 else "%%",
+                    action.help,
+                )
+
+
 def add_oases_args(parser):
     """The ``oases`` argument group (Megatron-LM's ``extra_args_provider`` convention)."""
+    _escape_bare_percent(parser)
     g = parser.add_argument_group("oases")
     g.add_argument(
         "--oases-schedule",
@@ -212,7 +230,9 @@ def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_gl
     with _argv(prog, argv):
         try:
             args = margs.parse_args(add_oases_args)
-        except SystemExit as exc:  # argparse has printed its message
+        except SystemExit as exc:  # argparse has printed its message (or --help its text)
+            if exc.code in (0, None):
+                raise
             raise OasesConfigError(f"invalid command line (exit {exc.code}); see {prog} --help")
     if world_size is not None:
         args.world_size = world_size

@@ -6,10 +6,9 @@ imported only when its subcommand runs. Each function takes the remaining argv.
 
 import argparse
 import importlib
-import os
 import sys
 
-from .errors import OasesConfigError
+from .errors import OasesConfigError, report_once
 
 COMMANDS = {
     "train": (
@@ -64,8 +63,7 @@ def main(argv=None):
     try:
         rc = _resolve(COMMANDS[argv[0]][0])(argv[1:])
     except (OasesConfigError, TrainingStopped) as exc:
-        if int(os.environ.get("RANK", "0")) == 0:  # once per job, not once per rank
-            print(f"oases {argv[0]}: error: {exc}", file=sys.stderr, flush=True)
+        report_once(f"oases {argv[0]}: error: {exc}")  # once per job, not once per rank
         return 2 if isinstance(exc, OasesConfigError) else 1
     return rc or 0
 

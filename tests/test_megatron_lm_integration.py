@@ -439,7 +439,7 @@ def test_install_rejects_a_bad_combination_once_per_job(
     megatron_parse, monkeypatch, capsys, rank, printed
 ):
     monkeypatch.setenv("RANK", str(rank))
-    monkeypatch.setattr(megatron_lm, "ERROR_EXIT_GRACE_S", 0)
+    monkeypatch.setattr("megatron_oases.errors.ERROR_EXIT_GRACE_S", 0)
     args = megatron_parse(TINY + MOCK + ["--oases-schedule", "cross-pass"])
     with pytest.raises(SystemExit) as exc:
         megatron_lm.install(args)

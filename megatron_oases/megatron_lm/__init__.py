@@ -34,16 +34,13 @@ import time
 
 from .. import patches
 from ..arguments import ALWAYS_DEFAULTS, add_oases_args, validate_oases_args
-from ..errors import OasesConfigError
+from ..errors import OasesConfigError, report_once
 
 #: The Megatron-LM tag ``patches/pretrain_gpt.oases.patch`` is written against.
 MEGATRON_LM_TAG = "core_v0.19.0"
 MEGATRON_LM_URL = "https://github.com/NVIDIA/Megatron-LM"
 #: Name of the hook patch in :data:`megatron_oases.patches.REGISTRY`.
 HOOK_PATCH = "megatron-lm-model-setup"
-#: Seconds a rank other than 0 waits before exiting on a rejected command line, so that rank 0's
-#: error line is out before the launcher (torchrun, srun) tears the job down.
-ERROR_EXIT_GRACE_S = 5.0
 
 
 def _chain(*providers):
@@ -87,16 +84,8 @@ def extra_args_provider(existing=None):
 
 
 def exit_with_error(message, status=2, rank=None):
-    """Print ``message`` once per job (rank 0) and exit with ``status`` on every rank.
-
-    Every rank reaches the same verdict on the same command line; ranks other than 0 wait
-    :data:`ERROR_EXIT_GRACE_S` first, so the launcher does not stop rank 0 before it has printed.
-    """
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-    if rank == 0:
-        print(message, file=sys.stderr, flush=True)
-    else:
-        time.sleep(ERROR_EXIT_GRACE_S)
+    """Print ``message`` once per job (rank 0) and exit with ``status`` on every rank."""
+    report_once(message, rank)
     sys.exit(status)
 
 

@@ -10,7 +10,6 @@ Launch like ``pretrain_gpt.py``: ``torchrun --nproc_per_node N $(which oases-pre
 or ``torchrun ... -m megatron_oases train ...``.
 """
 
-import os
 import sys
 import time
 
@@ -79,13 +78,12 @@ def train_main(argv=None):
 
 def console_main(argv=None):
     """Entry of the ``oases-pretrain-gpt`` console script: a user error is one line, exit 2."""
-    from ..errors import OasesConfigError
+    from ..errors import OasesConfigError, report_once
 
     try:
         return main(argv) or 0
     except (OasesConfigError, TrainingStopped) as exc:
-        if int(os.environ.get("RANK", "0")) == 0:  # once per job, not once per rank
-            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        report_once(f"{PROG}: error: {exc}")  # once per job, not once per rank
         return 2 if isinstance(exc, OasesConfigError) else 1
 
 
