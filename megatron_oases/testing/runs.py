@@ -75,16 +75,11 @@ def pretrain_and_capture(argv, grads=False, demo=True):
     full tensor (to compare different TP layouts or per-layer plans).
     """
     import torch.distributed as dist
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import destroy_global_state
 
     from .. import patches, platform
     from ..arguments import parse_megatron_args, with_defaults
-    from ..compat import pretrain_kwargs
-    from ..training import gpt
-    from ..training.checkpoint_check import check_load_matches
+    from ..training.pretrain import pretrain_gpt
 
     if isinstance(argv, str):
         argv = shlex.split(argv)
@@ -102,17 +97,8 @@ def pretrain_and_capture(argv, grads=False, demo=True):
     capture.install()
     record["exit_code"] = None
     try:
-        check_load_matches(args)
         try:
-            pretrain(
-                **pretrain_kwargs(
-                    pretrain_cfg_container_from_args(args),
-                    gpt.train_valid_test_datasets_provider,
-                    ModelType.encoder_or_decoder,
-                    gpt.forward_step,
-                    gpt.model_provider,
-                )
-            )
+            pretrain_gpt(args)
         except SystemExit as exc:  # --exit-interval & co. end the job with sys.exit
             record["exit_code"] = exc.code
             if exc.code not in (0, None):

@@ -22,38 +22,45 @@ class TrainingStopped(Exception):
     """Megatron stopped the run on a check (NaN/Inf loss); printed as one line, exit status 1."""
 
 
+def pretrain_gpt(args):
+    """Megatron-LM's ``pretrain()`` with our ``pretrain_gpt`` pieces, on parsed ``args`` (Megatron's
+    globals set); a ``--load`` of another model is refused before anything starts."""
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    from ..compat import pretrain_kwargs
+    from . import gpt
+    from .checkpoint_check import check_load_matches
+
+    check_load_matches(args)
+    pretrain(
+        **pretrain_kwargs(
+            pretrain_cfg_container_from_args(args),
+            gpt.train_valid_test_datasets_provider,
+            ModelType.encoder_or_decoder,
+            gpt.forward_step,
+            gpt.model_provider,
+        )
+    )
+
+
 def run(argv, demo=False, prog=PROG):
     """Parse ``argv`` (program name excluded) and train; returns the exit status."""
     from .. import patches, platform
     from ..arguments import parse_megatron_args, with_defaults
-    from ..compat import check_megatron_core, pretrain_kwargs
+    from ..compat import check_megatron_core
 
     check_megatron_core()
     argv = with_defaults(argv, demo=demo)
     platform.install_cpu_shims()  # a no-op with CUDA
     try:
         args = parse_megatron_args(argv, prog=prog, set_globals=True)
-        from megatron.core.enums import ModelType
-        from megatron.training import pretrain
-        from megatron.training.argument_utils import pretrain_cfg_container_from_args
         from megatron.training.training import set_startup_timestamps
-
-        from . import gpt
-        from .checkpoint_check import check_load_matches
-
-        check_load_matches(args)
 
         set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
         try:
-            pretrain(
-                **pretrain_kwargs(
-                    pretrain_cfg_container_from_args(args),
-                    gpt.train_valid_test_datasets_provider,
-                    ModelType.encoder_or_decoder,
-                    gpt.forward_step,
-                    gpt.model_provider,
-                )
-            )
+            pretrain_gpt(args)
         except RuntimeError as exc:  # Megatron's NaN/Inf checks: one line, not a traceback
             if "found NaN" in str(exc) or "found Inf" in str(exc):
                 raise TrainingStopped(
