@@ -1,8 +1,9 @@
 """Megatron-Core versions: the supported range and every version-dependent check in one place.
 
-Supported: megatron-core 0.17–0.19.x on Python ≥ 3.12 (0.17 raised ``requires-python`` to 3.12 and
-is the first wheel that ships ``megatron.training``, i.e. Megatron-LM's own ``pretrain()`` loop,
-which is our only training driver; 0.16 and older have no such loop and are not supported).
+Supported: megatron-core 0.18–0.19.x on Python ≥ 3.12 (the wheels ship ``megatron.training``,
+i.e. Megatron-LM's own ``pretrain()`` loop, which is our only training driver; 0.16 and older have
+no such loop, and 0.17's loop parses the command line itself — see below — so neither is
+supported).
 
 The patches replace Megatron symbols by name. :func:`require_symbol` is how each of them checks, at
 install time, that the symbol still exists and is the one Megatron calls, so that a Megatron
@@ -24,8 +25,8 @@ from importlib import metadata
 from .errors import OasesConfigError
 
 #: (lowest, first unsupported) major.minor.
-SUPPORTED = ((0, 17), (0, 20))
-SUPPORTED_SPEC = ">=0.17,<0.20"
+SUPPORTED = ((0, 18), (0, 20))
+SUPPORTED_SPEC = ">=0.18,<0.20"
 
 
 def megatron_core_version():
@@ -191,3 +192,37 @@ def local_gpt_model(
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+
+
+#: Where :func:`set_finalize_model_grads` keeps the hook for releases that drop it.
+_FINALIZE_STASH = "_oases_finalize_model_grads_func"
+
+
+def set_finalize_model_grads(config, func):
+    """Set a model builder's ``finalize_model_grads_func`` on the model ``config``.
+
+    0.19's ``train()`` keeps a hook the builder set (it defaults it only when unset); 0.17/0.18's
+    ``train()`` overwrites it with ``finalize_model_grads`` unconditionally. The hook is also kept
+    aside here, for :func:`finalize_model_grads_replacements` to call it there.
+    """
+    config.finalize_model_grads_func = func
+    setattr(config, _FINALIZE_STASH, func)
+
+
+def finalize_model_grads_replacements():
+    """Before 0.19: a replacement of ``finalize_model_grads`` as ``megatron.training.training``
+    names it (what ``train()`` sets on the config) that runs the hook set by
+    :func:`set_finalize_model_grads`, if any, else Megatron's; none from 0.19 on."""
+    if version_tuple() >= (0, 19):
+        return []
+    from megatron.core.utils import get_model_config
+    from megatron.training import training
+
+    original = require_symbol(training, "finalize_model_grads", called_by=[training.train])
+
+    def finalize_model_grads(model, *args, **kwargs):
+        hook = getattr(get_model_config(model[0]), _FINALIZE_STASH, None)
+        return (hook or original)(model, *args, **kwargs)
+
+    finalize_model_grads.__wrapped__ = original
+    return [(training, "finalize_model_grads", finalize_model_grads)]

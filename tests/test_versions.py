@@ -27,7 +27,7 @@ def test_installed_version_is_supported():
     assert compat.check_megatron_core() == version
 
 
-@pytest.mark.parametrize("version", ["0.16.1", "0.20.0"])
+@pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.20.0"])
 def test_versions_out_of_range_are_refused(version):
     with pytest.raises(OasesConfigError, match=f"megatron-core {version} is not supported"):
         compat.check_megatron_core(version)
@@ -117,6 +117,12 @@ def test_replaced_symbols_are_what_megatron_calls():
     req(checkpointing, "check_checkpoint_args")
     # The test harness and the trace wrap train_step by name.
     req(training, "train_step", called_by=[training.train])
+    # Plans: the replica sync is the config's finalize_model_grads_func, which train() keeps from
+    # 0.19 on and overwrites before (then compat replaces the name it overwrites it with).
+    source = inspect.getsource(training.train)
+    keeps = "if config.finalize_model_grads_func is None" in source
+    assert keeps == (compat.version_tuple() >= (0, 19))
+    assert bool(compat.finalize_model_grads_replacements()) == (not keeps)
 
 
 def test_pretrain_takes_our_arguments_by_name():

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass
 
+from ..compat import set_finalize_model_grads
 from .groups import HeteroGroups
 from .model import apply_plan, sync_replica_grads, validate_plan_for_model
 
@@ -36,7 +37,7 @@ def attach_plan(model, args):
     groups = HeteroGroups(args.tensor_model_parallel_size, plan["degrees"])
     stage = HeteroStage(groups, apply_plan(model, plan["degrees"], groups))
     model.decoder._oases_hetero = stage
-    model.config.finalize_model_grads_func = finalize_with_replica_sync(groups)
+    set_finalize_model_grads(model.config, finalize_with_replica_sync(groups))
     return stage
 
 

@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
+from ..compat import finalize_model_grads_replacements
 from ..errors import OasesConfigError
 from ..hetero.model import make_param_is_not_tp_duplicate
 from ..hetero.reshard import reshard
@@ -201,6 +202,7 @@ def make_patch(args):
         from ..hetero.checkpoint import make_checkpoint_replacements
 
         replacements += make_checkpoint_replacements()
+        replacements += finalize_model_grads_replacements()  # the replica sync, before 0.19
     if plan:  # grad-norm clipping counts each replica of a degree-d shard once
         for owner in (tensor_parallel, clip_grads):
             replacements.append(
