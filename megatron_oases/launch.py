@@ -11,9 +11,11 @@ def find_free_port():
         return s.getsockname()[1]
 
 
-def torchrun_command(argv, nproc, module="megatron_oases"):
-    """``python -m torch.distributed.run --nproc_per_node N --master_port P -m <module> argv``, run by
-    this interpreter so that the child ranks see the same environment (virtualenv, CPU shims)."""
+def torchrun_command(argv, nproc, module="megatron_oases", program=None):
+    """``python -m torch.distributed.run --nproc_per_node N --master_port P -m <module> argv`` (or
+    ``... PROGRAM argv``), run by this interpreter so that the child ranks see the same environment
+    (virtualenv, CPU shims)."""
+    target = [program] if program is not None else ["-m", module]
     return [
         sys.executable,
         "-m",
@@ -22,7 +24,6 @@ def torchrun_command(argv, nproc, module="megatron_oases"):
         str(nproc),
         "--master_port",
         str(find_free_port()),
-        "-m",
-        module,
+        *target,
         *argv,
     ]

@@ -24,7 +24,7 @@ import pytest
 from megatron_oases import megatron_lm, patches
 from megatron_oases.arguments import CPU_DEFAULTS, LOOP_DEFAULTS
 from megatron_oases.errors import OasesConfigError
-from megatron_oases.launch import find_free_port
+from megatron_oases.launch import torchrun_command
 from megatron_oases.megatron_lm import configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,17 +87,7 @@ def _console_script():
 
 def torchrun(program, argv, nproc=2, timeout=240, cwd=None):
     """``torchrun --nproc_per_node N PROGRAM ARGV`` with this interpreter; stdout+stderr together."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(find_free_port()),
-        program,
-        *argv,
-    ]
+    cmd = torchrun_command(argv, nproc, program=program)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         cmd,
