@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
+from ..arguments import validate_oases_args
 from ..compat import finalize_model_grads_replacements
 from ..errors import OasesConfigError
 from ..hetero.model import make_param_is_not_tp_duplicate
@@ -29,33 +30,9 @@ from ..patches.registry import Patch
 from . import trace as trace_mod
 from .blocks import LayerBlocks
 from .comm import make_column_forward, make_reduce_from_tp_region
-from .engine import SCHEDULES, ScheduledLayers, ScheduledLayersFunction
+from .engine import ScheduledLayers, ScheduledLayersFunction
 
 logger = logging.getLogger(__name__)
-
-
-def validate_schedule_args(args):
-    mode = args.oases_schedule
-    if mode not in SCHEDULES:
-        raise OasesConfigError(
-            f"unknown --oases-schedule {mode}; choose off or {', '.join(SCHEDULES)}"
-        )
-    if mode in ("cross-pass", "oases") and args.recompute_granularity != "full":
-        raise OasesConfigError(
-            f"--oases-schedule {mode} merges recompute with backward; add "
-            "--recompute-granularity full or use --oases-schedule overlap"
-        )
-    if args.recompute_granularity == "full":
-        if args.recompute_method != "uniform" or (args.recompute_num_layers or 1) != 1:
-            raise OasesConfigError(
-                f"--oases-schedule {mode} recomputes every layer; use --recompute-method uniform "
-                "--recompute-num-layers 1"
-            )
-    if args.micro_batch_size < 2:
-        raise OasesConfigError(
-            f"micro-batch {args.micro_batch_size} cannot be split; use --micro-batch-size ≥ 2 or "
-            "--oases-schedule off"
-        )
 
 
 def make_block_forward(original, mode):
@@ -183,8 +160,7 @@ def make_patch(args):
     plan = getattr(args, "oases_plan", None)
     if mode == "off" and not plan:
         return None
-    if mode != "off":
-        validate_schedule_args(args)
+    validate_oases_args(args)  # the rules live in one place; a patch never runs on bad args
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
