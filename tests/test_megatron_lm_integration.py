@@ -472,8 +472,11 @@ def test_model_setup_hook_installs_the_patches_before_the_build(
     pre-wrap hook of the model config (or wraps an old-style model provider)."""
     import megatron.training as mtraining
 
+    from megatron_oases.planner.plan_file import save_plan, uniform_plan
+
+    plan = save_plan(uniform_plan(2, 2, schedule="overlap"), str(tmp_path / "plan.json"))
     args = megatron_parse(
-        TINY + MOCK + ["--log-json", str(tmp_path / "g.json"), "--oases-plan", "plan.json"]
+        TINY + MOCK + ["--log-json", str(tmp_path / "g.json"), "--oases-plan", plan]
     )
     monkeypatch.setattr(mtraining, "get_args", lambda: args)
     seen = []
