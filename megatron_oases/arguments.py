@@ -11,10 +11,7 @@ import os
 import sys
 
 from .errors import OasesConfigError
-
-SCHEDULES = ("off", "overlap", "cross-pass", "oases")
-#: Schedules that merge recomputation with backward: they need full, per-layer recomputation.
-RECOMPUTE_SCHEDULES = ("cross-pass", "oases")
+from .validation import SCHEDULES, check_model_shape, check_oases_args
 
 #: Added when absent on a machine without CUDA: Megatron's defaults there need APEX/TE kernels.
 CPU_DEFAULTS = (
@@ -181,41 +178,6 @@ def _one_line(exc):
     return f"{frame.line} ({os.path.basename(frame.filename)}:{frame.lineno})"
 
 
-def check_model_shape(args):
-    """Sizes Megatron checks only when it builds the model (or not at all): one line each."""
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise OasesConfigError(f"--{name.replace('_', '-')} {value} must be >= 1")
-    if args.micro_batch_size is not None and args.micro_batch_size < 1:
-        raise OasesConfigError(f"--micro-batch-size {args.micro_batch_size} must be >= 1")
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise OasesConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
-    if args.lr is not None and args.lr < 0:
-        raise OasesConfigError(f"--lr {args.lr} must be >= 0")
-    tp, heads = args.tensor_model_parallel_size, args.num_attention_heads
-    if args.hidden_size and heads and args.kv_channels is None and args.hidden_size % heads:
-        raise OasesConfigError(
-            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}"
-        )
-    if heads and heads % tp:
-        raise OasesConfigError(
-            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}"
-        )
-    groups = args.num_query_groups if args.group_query_attention else None
-    if groups and (heads % groups or groups % tp):
-        raise OasesConfigError(
-            f"--num-query-groups {groups} must divide --num-attention-heads {heads} and be "
-            f"divisible by --tensor-model-parallel-size {tp}"
-        )
-    if args.ffn_hidden_size is not None and args.ffn_hidden_size % tp:
-        raise OasesConfigError(
-            f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
-            f"--tensor-model-parallel-size {tp}"
-        )
-
-
 def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_globals=False):
     """Megatron-LM's parse + validate of ``argv`` (defaults already added), then ours.
 
@@ -258,63 +220,16 @@ def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_gl
 
 
 def validate_oases_args(args, before_megatron=False):
-    """The Oases rules, each written once. ``before_megatron``: only those Megatron would mask."""
-    mode = getattr(args, "oases_schedule", "off")
-    impl = getattr(args, "transformer_impl", "local")
-    if impl != "local":
-        raise OasesConfigError(
-            f"--transformer-impl {impl} is not supported: TE linears do their own TP "
-            "communication; use --transformer-impl local"
-        )
-    if mode != "off" or getattr(args, "oases_plan", None):
-        what = f"--oases-schedule {mode}" if mode != "off" else "--oases-plan"
-        if getattr(args, "sequence_parallel", False):
-            raise OasesConfigError(
-                f"{what} does not support --sequence-parallel yet (TMP all-reduce path only); "
-                "drop --sequence-parallel"
-            )
-        if (getattr(args, "context_parallel_size", 1) or 1) != 1:
-            raise OasesConfigError(f"{what} does not support --context-parallel-size > 1")
-        if getattr(args, "num_experts", None):
-            raise OasesConfigError(f"{what} does not support MoE layers; drop --num-experts")
-        if getattr(args, "virtual_pipeline_model_parallel_size", None):
-            raise OasesConfigError(
-                f"{what} does not support the interleaved pipeline schedule; drop "
-                "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
-            )
-    if before_megatron:
-        return args
-    if mode in RECOMPUTE_SCHEDULES and args.recompute_granularity != "full":
-        raise OasesConfigError(
-            f"--oases-schedule {mode} merges recompute with backward; add "
-            "--recompute-granularity full or use --oases-schedule overlap"
-        )
-    if mode != "off":
-        if args.recompute_granularity == "selective":
-            raise OasesConfigError(
-                f"--oases-schedule {mode} does not support --recompute-granularity selective yet; "
-                "use --recompute-granularity full or drop it"
-            )
-        if args.recompute_granularity == "full" and (
-            args.recompute_method != "uniform" or (args.recompute_num_layers or 1) != 1
-        ):
-            raise OasesConfigError(
-                f"--oases-schedule {mode} recomputes every layer; use --recompute-method uniform "
-                "--recompute-num-layers 1"
-            )
-        if args.micro_batch_size < 2:
-            raise OasesConfigError(
-                f"micro-batch {args.micro_batch_size} cannot be split; use --micro-batch-size ≥ 2 "
-                "or --oases-schedule off"
-            )
-    if getattr(args, "oases_plan", None):
-        from .hetero.model import validate_plan_for_model
-        from .planner.plan_file import load_plan
+    """The Oases rules (:mod:`.validation`) on parsed args, with the ``--oases-plan`` file loaded
+    and checked against the model. ``before_megatron``: only the rules Megatron would mask."""
+    plan = None
+    if not before_megatron and getattr(args, "oases_plan", None):
+        from .formats.plan import load_plan
 
         plan = load_plan(
             args.oases_plan,
             num_layers=args.num_layers,
             tensor_model_parallel_size=args.tensor_model_parallel_size,
         )
-        validate_plan_for_model(plan, args)
+    check_oases_args(args, before_megatron=before_megatron, plan=plan)
     return args

@@ -10,7 +10,7 @@ import megatron.training.arguments  # noqa: F401,E402  isort: skip
 
 from megatron_oases.cli import main as oases_main
 from megatron_oases.compare.variants import VARIANTS, parse_variants
-from megatron_oases.planner.plan_file import save_plan, uniform_plan
+from megatron_oases.formats.plan import save_plan, uniform_plan
 
 TINY = [
     "--tensor-model-parallel-size",

@@ -472,7 +472,7 @@ def test_model_setup_hook_installs_the_patches_before_the_build(
     pre-wrap hook of the model config (or wraps an old-style model provider)."""
     import megatron.training as mtraining
 
-    from megatron_oases.planner.plan_file import save_plan, uniform_plan
+    from megatron_oases.formats.plan import save_plan, uniform_plan
 
     plan = save_plan(uniform_plan(2, 2, schedule="overlap"), str(tmp_path / "plan.json"))
     args = megatron_parse(

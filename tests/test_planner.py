@@ -8,6 +8,8 @@ import pytest
 
 from megatron_oases.cli import main as oases
 from megatron_oases.errors import OasesConfigError
+from megatron_oases.formats.plan import load_plan, save_plan, uniform_plan, validate_plan
+from megatron_oases.formats.profile import Profile
 from megatron_oases.planner import api
 from megatron_oases.planner.brute import solve_brute
 from megatron_oases.planner.cost_model import (
@@ -22,10 +24,8 @@ from megatron_oases.planner.cost_model import (
 )
 from megatron_oases.planner.dp import min_memory, solve_dp
 from megatron_oases.planner.ilp import solve_ilp
-from megatron_oases.planner.plan_file import load_plan, save_plan, uniform_plan, validate_plan
 from megatron_oases.planner.random_instances import random_problem
 from megatron_oases.profiler.analytic import analytic_profile
-from megatron_oases.profiler.format import Profile
 from megatron_oases.profiler.model_config import model_args, read_model_file
 
 MODELS = "benchmarks/planner/models.yaml"
@@ -200,7 +200,9 @@ def test_build_problem_rejects_bad_inputs(h2048):
         build_problem(h2048, global_batch_size=128, micro_batch_size=3)
     with pytest.raises(OasesConfigError, match="needs ≥ 2 to split"):
         build_problem(h2048, global_batch_size=128, micro_batch_size=4, degrees=[1, 4])
-    with pytest.raises(OasesConfigError, match="needs recompute"):
+    with pytest.raises(
+        OasesConfigError, match="merges recompute with backward; drop --no-recompute"
+    ):
         build_problem(h2048, global_batch_size=128, schedule="oases", recompute=False)
     with pytest.raises(OasesConfigError, match="out of range"):
         build_problem(h2048, global_batch_size=128, pins=[([30], 4)])

@@ -6,9 +6,9 @@ import pytest
 
 from megatron_oases.cli import main as oases
 from megatron_oases.errors import OasesConfigError
+from megatron_oases.formats.profile import Profile, fit_alpha_beta, interpolate, load_profile
 from megatron_oases.profiler import layer_math
 from megatron_oases.profiler.analytic import analytic_profile
-from megatron_oases.profiler.format import Profile, fit_alpha_beta, interpolate, load_profile
 from megatron_oases.profiler.model_config import model_args, read_model_file, shape_of
 from megatron_oases.testbed.clusters import load_cluster
 
@@ -257,8 +257,8 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     """Issue 5: the planner's activation memory (fixed + saved + worst layer's runtime peak) is
     never more than 5 % below the LiveTensorMeter peak of a real forward+backward, per plan and
     schedule (state excluded on both sides: it is counted exactly from parameter counts)."""
+    from megatron_oases.formats.plan import save_plan, uniform_plan
     from megatron_oases.planner.cost_model import predict
-    from megatron_oases.planner.plan_file import save_plan, uniform_plan
     from megatron_oases.testing import run_distributed
     from megatron_oases.testing.runs import activation_peaks
 
@@ -299,8 +299,8 @@ def test_memory_model_pipeline_stages(measured, tmp_path):
     the per-stage predictions never under-predict the measured per-stage peak by > 5 %."""
     import copy
 
+    from megatron_oases.formats.profile import Profile
     from megatron_oases.planner.cost_model import predict
-    from megatron_oases.profiler.format import Profile
     from megatron_oases.testing import run_distributed
     from megatron_oases.testing.runs import activation_peaks
 

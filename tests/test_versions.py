@@ -52,8 +52,8 @@ def _current(owner, attr):
 def _built_patches(args):
     from megatron_oases import megatron_lm
     from megatron_oases.instrument import golden
+    from megatron_oases.instrument import trace_patch as trace
     from megatron_oases.schedule import patch as schedule
-    from megatron_oases.schedule import trace
 
     built = {
         "oases-schedule": schedule.make_patch(args),

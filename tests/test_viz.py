@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from megatron_oases.schedule.trace import Tracer, trace_path
+from megatron_oases.instrument.trace import Tracer, trace_path
 from megatron_oases.viz import analysis
 from megatron_oases.viz.__main__ import main as viz_main
 from megatron_oases.viz.timeline import plot_timeline

@@ -26,7 +26,7 @@ from megatron_oases.planner.cost_model import build_problem, decompose  # noqa: 
 from megatron_oases.planner.dp import min_memory, solve_dp  # noqa: E402
 from megatron_oases.planner.ilp import solve_ilp  # noqa: E402
 from megatron_oases.profiler.analytic import analytic_profile  # noqa: E402
-from megatron_oases.profiler.format import Profile  # noqa: E402
+from megatron_oases.formats.profile import Profile  # noqa: E402
 from megatron_oases.profiler.model_config import model_args, read_model_file  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

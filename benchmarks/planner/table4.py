@@ -22,7 +22,7 @@ from megatron_oases.planner.cost_model import build_problem, evaluate  # noqa: E
 from megatron_oases.planner.dp import min_memory  # noqa: E402
 from megatron_oases.planner.explain import compress_degrees  # noqa: E402
 from megatron_oases.profiler.analytic import analytic_profile  # noqa: E402
-from megatron_oases.profiler.format import Profile  # noqa: E402
+from megatron_oases.formats.profile import Profile  # noqa: E402
 from megatron_oases.profiler.model_config import model_args, read_model_file  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

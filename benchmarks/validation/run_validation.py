@@ -96,7 +96,7 @@ def flags(degrees, schedule, recompute, plan_path):
 
 
 def write_plan(out, name, degrees, schedule):
-    from megatron_oases.planner.plan_file import save_plan, uniform_plan
+    from megatron_oases.formats.plan import save_plan, uniform_plan
 
     plan = uniform_plan(
         LAYERS,

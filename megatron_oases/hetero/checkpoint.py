@@ -27,7 +27,7 @@ def _stages(model):
         module = chunk
         while hasattr(module, "module"):
             module = module.module
-        stage = getattr(getattr(module, "decoder", None), "_oases_hetero", None)
+        stage = stage_of(getattr(module, "decoder", None))
         if stage is not None:
             out.append((module.decoder, stage))
     return out

@@ -70,24 +70,6 @@ def apply_plan(model, degrees, groups):
     return stage_degrees
 
 
-def validate_plan_for_model(plan, args):
-    """Checks that need the model shape and batch, beyond the plan file's own validation."""
-    T = args.tensor_model_parallel_size
-    for layer, d in enumerate(plan["degrees"]):
-        share = args.micro_batch_size * d // T
-        if args.micro_batch_size % (T // d):
-            raise OasesConfigError(
-                f"layer {layer}: degree {d} splits the micro-batch over {T // d} groups, but "
-                f"--micro-batch-size {args.micro_batch_size} is not divisible by {T // d}"
-            )
-        if args.oases_schedule != "off" and share < 2:
-            raise OasesConfigError(
-                f"layer {layer}: degree {d} leaves {share} sample(s) per group, which cannot be "
-                f"split into two sub-batches; use --micro-batch-size ≥ {2 * T // d} or "
-                "--oases-schedule off"
-            )
-
-
 def _contiguous_runs(grads):
     """Group gradient tensors into runs that are exactly adjacent in one storage (DDP's main_grad
     buffer lays a layer's parameters out back to back), each returned as one 1-D view. Reducing the

@@ -3,8 +3,13 @@
 from dataclasses import dataclass
 
 from ..compat import set_finalize_model_grads
+from ..formats.plan import load_plan
+from ..validation import check_plan_fits_model
 from .groups import HeteroGroups
-from .model import apply_plan, sync_replica_grads, validate_plan_for_model
+from .model import apply_plan, sync_replica_grads
+
+#: Where a built TransformerBlock carries its :class:`HeteroStage` (read through :func:`stage_of`).
+_STAGE_ATTR = "_oases_hetero"
 
 
 @dataclass
@@ -25,18 +30,23 @@ class HeteroStage:
         return out
 
 
-def attach_plan(model, args):
-    from ..planner.plan_file import load_plan
+def stage_of(decoder):
+    """The :class:`HeteroStage` that :func:`attach_plan` gave ``decoder``, or None (no plan)."""
+    return getattr(decoder, _STAGE_ATTR, None)
 
+
+def attach_plan(model, args):
+    """Load ``--oases-plan``, rebuild ``model``'s layers at their degrees, route the replica
+    gradient sum through the config's ``finalize_model_grads_func``."""
     plan = load_plan(
         args.oases_plan,
         num_layers=args.num_layers,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
     )
-    validate_plan_for_model(plan, args)
+    check_plan_fits_model(plan, args)
     groups = HeteroGroups(args.tensor_model_parallel_size, plan["degrees"])
     stage = HeteroStage(groups, apply_plan(model, plan["degrees"], groups))
-    model.decoder._oases_hetero = stage
+    setattr(model.decoder, _STAGE_ATTR, stage)
     set_finalize_model_grads(model.config, finalize_with_replica_sync(groups))
     return stage
 

@@ -66,7 +66,7 @@ def _is_last_rank():
     return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
 
 
-def make_patch(args):
+def make_patch(args, built=None):
     """A patch iff ``--log-json PATH``."""
     path = getattr(args, "log_json", None)
     if not path:

@@ -21,8 +21,8 @@ def factories():
     """(name, factory) in install order; imported here, not named by strings, so a moved module
     fails at import instead of turning its flag into a silent no-op."""
     from ..instrument.golden import make_patch as golden_values
+    from ..instrument.trace_patch import make_patch as oases_trace
     from ..schedule.patch import make_patch as oases_schedule
-    from ..schedule.trace import make_patch as oases_trace
     from ..testbed.emulator import make_patch as emulate_link
 
     return (
@@ -38,13 +38,15 @@ def install_from_args(args):
     from ..compat import check_megatron_core
 
     check_megatron_core()
-    names = []
+    names, built = [], {}
     for name, factory in factories():
         if REGISTRY.get(name) is not None:
+            built[name] = REGISTRY.get(name)
             continue
-        patch = factory(args)
+        patch = factory(args, built)  # a factory may use what the ones before it built
         if patch is not None:
             REGISTRY.install(patch)
+            built[name] = patch
             names.append(name)
     return names
 

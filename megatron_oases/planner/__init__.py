@@ -8,9 +8,9 @@ Public API::
     load_plan / save_plan / uniform_plan / validate_plan
 """
 
+from ..formats.plan import load_plan, save_plan, uniform_plan, validate_plan
 from .api import make_plan
 from .cost_model import build_problem, evaluate, predict
-from .plan_file import load_plan, save_plan, uniform_plan, validate_plan
 
 __all__ = [
     "build_problem",

@@ -4,7 +4,8 @@ import math
 import time
 
 from ..errors import OasesConfigError
-from ..profiler.format import Profile, load_profile, sha256_of
+from ..formats.plan import PLAN_VERSION
+from ..formats.profile import Profile, load_profile, sha256_of
 from .cost_model import (
     DEFAULT_GRANULE,
     DEFAULT_MARGIN,
@@ -15,7 +16,6 @@ from .cost_model import (
 )
 from .dp import min_memory, solve_dp
 from .ilp import DEFAULT_TIME_LIMIT_S, solve_ilp
-from .plan_file import PLAN_VERSION
 
 SOLVERS = ("ilp", "dp")
 VERIFY_RTOL = 1e-6

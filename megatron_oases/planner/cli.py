@@ -10,7 +10,8 @@ import json
 import sys
 
 from ..errors import OasesConfigError
-from .cost_model import DEFAULT_MARGIN, SCHEDULES, build_problem, predict
+from ..validation import SCHEDULES
+from .cost_model import DEFAULT_MARGIN, build_problem, predict
 from .ilp import DEFAULT_TIME_LIMIT_S
 
 
@@ -121,9 +122,9 @@ def build_parser():
 
 
 def _evaluate(args):
-    from ..profiler.format import load_profile
+    from ..formats.plan import load_plan
+    from ..formats.profile import load_profile
     from .explain import compress_degrees, explanation_table
-    from .plan_file import load_plan
 
     profile = load_profile(args.profile)
     plan = load_plan(args.evaluate, tensor_model_parallel_size=profile.tp)
@@ -182,9 +183,9 @@ def main(argv):
         raise OasesConfigError("--margin must be ≥ 0")
     if args.granule_mb <= 0:
         raise OasesConfigError("--granule-mb must be positive")
+    from ..formats.plan import save_plan
     from .api import PlannerVerificationError, make_plan, parse_degrees, parse_pins
     from .explain import explanation_table, summary
-    from .plan_file import save_plan
 
     try:
         plan, problem, sol = make_plan(

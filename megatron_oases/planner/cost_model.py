@@ -54,11 +54,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import OasesConfigError
-from ..profiler.format import gather_ranks, tp_ranks
+from ..formats.profile import gather_ranks, tp_ranks
+from ..validation import SPLIT_SCHEDULES, check_schedule, check_schedule_recompute
 
-SCHEDULES = ("off", "overlap", "cross-pass", "oases")
-SPLIT_SCHEDULES = ("overlap", "cross-pass", "oases")
-RECOMPUTE_SCHEDULES = ("cross-pass", "oases")
 DEFAULT_MARGIN = 0.10
 DEFAULT_GRANULE = 1 << 20  # 1 MiB
 
@@ -374,7 +372,7 @@ def build_problem(
     distributed_optimizer=False,
     stage=0,
 ):
-    """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.profiler.format.Profile`).
+    """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.formats.profile.Profile`).
 
     With pipeline parallelism (the profile's ``pipeline_model_parallel_size`` P > 1) the chain is
     one stage's ``num_layers / P`` layers (``num_layers``: the whole model's, default the
@@ -382,17 +380,10 @@ def build_problem(
     micro-batch times (pipeline bubble, M micro-batches), and pipeline ``stage`` s holds the saved
     activations of ``min(P − s, M)`` micro-batches at its peak (stage 0, the default, holds the
     most). Stage-to-stage p2p transfers are not modelled."""
-    if schedule not in SCHEDULES:
-        raise OasesConfigError(
-            f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}"
-        )
+    check_schedule(schedule, source="--schedule")
     if recompute is None:
         recompute = True
-    if schedule in RECOMPUTE_SCHEDULES and not recompute:
-        raise OasesConfigError(
-            f"schedule {schedule} merges recompute with backward; it needs recompute (drop "
-            "--no-recompute or use --schedule overlap)"
-        )
+    check_schedule_recompute(schedule, recompute, fix="drop --no-recompute")
     T, D = profile.tp, profile.dp
     pp = int(profile.data.get("pipeline_model_parallel_size", 1))
     total_layers = int(num_layers or profile.num_layers)
@@ -696,7 +687,7 @@ def predict(profile, degrees, schedule="oases", global_batch=None, micro_batch=N
     With pipeline parallelism ``degrees`` covers every layer; each stage's slice is costed on its
     own (times of the slowest stage, memory of the fullest, and ``stages``: both per stage).
     """
-    from ..profiler.format import Profile, load_profile
+    from ..formats.profile import Profile, load_profile
 
     if not isinstance(profile, Profile):
         profile = load_profile(profile)

@@ -8,9 +8,9 @@ paper-scale clusters can be planned on a laptop.
 
 import time
 
+from ..formats.profile import PROFILE_VERSION, gather_ranks, ranks_key, tp_ranks
 from ..testbed.clusters import load_cluster
 from . import layer_math
-from .format import PROFILE_VERSION, gather_ranks, ranks_key, tp_ranks
 from .model_config import shape_of
 
 SAMPLE_POINTS = (1, 2, 4, 8, 16, 32, 64)

@@ -99,8 +99,8 @@ def _overrides(items):
 
 def main(argv):
     args = build_parser().parse_args(argv)
+    from ..formats.profile import save_profile
     from ..planner.api import parse_degrees
-    from .format import save_profile
     from .model_config import model_args, read_model_file
 
     flat = read_model_file(args.model)

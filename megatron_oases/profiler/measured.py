@@ -31,9 +31,7 @@ import statistics
 import time
 
 from ..errors import OasesConfigError
-from . import layer_math
-from .analytic import candidate_degrees, memory_section
-from .format import (
+from ..formats.profile import (
     PROFILE_VERSION,
     fit_alpha_beta,
     gather_ranks,
@@ -42,6 +40,8 @@ from .format import (
     sha256_of,
     tp_ranks,
 )
+from . import layer_math
+from .analytic import candidate_degrees, memory_section
 from .model_config import shape_of
 
 FP32_STATE_BYTES_PER_PARAM = 16  # fp32 param + fp32 grad + Adam exp_avg + exp_avg_sq
@@ -264,7 +264,7 @@ def _runtime_peak(layer, x, grad, blocks=("attention", "mlp")):
     with the schedule package's allocator-independent meter. The whole layer's peak is what a
     layer-granular recomputation holds; a single block's is what ``oases``' block-wise
     recomputation holds."""
-    from ..schedule.memory import LiveTensorMeter
+    from ..instrument.memory import LiveTensorMeter
 
     xin = x.detach().requires_grad_(True)
 

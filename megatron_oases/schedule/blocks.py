@@ -14,6 +14,7 @@ import torch
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
 from ..errors import OasesConfigError
+from ..validation import SUB_BATCHES, check_splittable, check_transformer_impl
 
 
 class LayerBlocks:
@@ -85,11 +86,7 @@ def check_layer(layer):
     config = layer.config
     if config.sequence_parallel:
         raise OasesConfigError("sequence parallelism is not supported; drop --sequence-parallel")
-    if getattr(config, "transformer_impl", "local") != "local":
-        raise OasesConfigError(
-            "--oases-schedule needs --transformer-impl local (TE linears "
-            "communicate on their own)"
-        )
+    check_transformer_impl(getattr(config, "transformer_impl", "local"))
     for lin in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
         if not getattr(lin, "skip_bias_add", True) and lin.bias is not None:
             raise OasesConfigError(
@@ -98,13 +95,9 @@ def check_layer(layer):
             )
 
 
-def split_sizes(batch, parts=2):
+def split_sizes(batch, parts=SUB_BATCHES):
     """Sub-batch sizes along the batch dim, larger first: 3 → [2, 1]."""
-    if batch < parts:
-        raise OasesConfigError(
-            f"micro-batch {batch} cannot be split; use --micro-batch-size ≥ {parts} or "
-            "--oases-schedule off"
-        )
+    check_splittable(batch)
     base, extra = divmod(batch, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 

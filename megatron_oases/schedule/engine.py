@@ -28,10 +28,9 @@ import contextlib
 import torch
 from megatron.core.tensor_parallel.random import _get_all_rng_states, _set_all_rng_states
 
+from ..validation import SPLIT_SCHEDULES
 from .blocks import split_mask, split_sizes
 from .executor import Comm, Compute, run_programs
-
-SCHEDULES = ("overlap", "cross-pass", "oases")
 
 
 def _snapshot():
@@ -73,9 +72,9 @@ class SubBatch:
 class ScheduledLayers:
     """One micro-batch through a stage's blocks under ``mode``; owns no global state."""
 
-    def __init__(self, blocks, mode, microbatch=-1, recompute=True):
-        assert mode in SCHEDULES, mode
-        self.blocks, self.mode, self.microbatch = blocks, mode, microbatch
+    def __init__(self, blocks, mode, microbatch=-1, recompute=True, tracer=None):
+        assert mode in SPLIT_SCHEDULES, mode
+        self.blocks, self.mode, self.microbatch, self.tracer = blocks, mode, microbatch, tracer
         # What forward keeps: autograd graphs (overlap without recompute), each layer's input
         # (Megatron's full/uniform recompute: overlap with recompute, cross-pass) or each
         # block's input (oases' fine-grained recompute).
@@ -118,6 +117,7 @@ class ScheduledLayers:
             run_programs(
                 [self._forward_program(sb) for sb in self.sbs],
                 labels=dict(microbatch=self.microbatch),
+                tracer=self.tracer,
             )
         return torch.cat([sb.output.detach() for sb in self.sbs], dim=1)
 
@@ -174,16 +174,30 @@ class ScheduledLayers:
             for sb, g in zip(self.sbs, grads):
                 sb.gH[J] = g
             if self.checkpoint == "none":
-                run_programs([self._overlap_backward(sb) for sb in self.sbs], labels=labels)
+                run_programs(
+                    [self._overlap_backward(sb) for sb in self.sbs],
+                    labels=labels,
+                    tracer=self.tracer,
+                )
             elif self.checkpoint == "block":
-                run_programs([self._oases_backward(sb) for sb in self.sbs], labels=labels)
+                run_programs(
+                    [self._oases_backward(sb) for sb in self.sbs], labels=labels, tracer=self.tracer
+                )
             elif self.mode == "cross-pass":  # one op sequence per sub-batch, no pass barrier
-                run_programs([self._crosspass_backward(sb) for sb in self.sbs], labels=labels)
+                run_programs(
+                    [self._crosspass_backward(sb) for sb in self.sbs],
+                    labels=labels,
+                    tracer=self.tracer,
+                )
             else:  # overlap with recompute (paper Fig. 3b): a barrier around every pass
                 for layer in reversed(range(J // 2)):
                     phases = [self._layer_phases(sb, layer) for sb in self.sbs]
-                    run_programs([p[0] for p in phases], labels=labels)  # recompute pass
-                    run_programs([p[1] for p in phases], labels=labels)  # backward pass
+                    run_programs(
+                        [p[0] for p in phases], labels=labels, tracer=self.tracer
+                    )  # recompute pass
+                    run_programs(
+                        [p[1] for p in phases], labels=labels, tracer=self.tracer
+                    )  # backward pass
         out = torch.cat([sb.gH.pop(0) for sb in self.sbs], dim=1)
         self.sbs = []
         return out

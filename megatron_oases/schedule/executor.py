@@ -18,7 +18,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from . import trace as trace_mod
 from .comm import deferred_tmp_comm
 
 
@@ -69,9 +68,9 @@ def _run_compute(sub_batch, op, tracer):
                 op.fn()
 
 
-def run_programs(programs, labels=None):
-    """Execute the sub-batch programs interleaved (Alg. 1/2); returns when all are done."""
-    tracer = trace_mod.active_tracer()
+def run_programs(programs, labels=None, tracer=None):
+    """Execute the sub-batch programs interleaved (Alg. 1/2); returns when all are done.
+    ``tracer`` (an :class:`~megatron_oases.instrument.trace.Tracer`, optional) records each op."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
     n = len(programs)
     pos = [0] * n

@@ -26,8 +26,8 @@ from ..compat import finalize_model_grads_replacements
 from ..errors import OasesConfigError
 from ..hetero.model import make_param_is_not_tp_duplicate
 from ..hetero.reshard import reshard
+from ..hetero.runtime import stage_of
 from ..patches.registry import Patch
-from . import trace as trace_mod
 from .blocks import LayerBlocks
 from .comm import make_column_forward, make_reduce_from_tp_region
 from .engine import ScheduledLayers, ScheduledLayersFunction
@@ -35,8 +35,9 @@ from .engine import ScheduledLayers, ScheduledLayersFunction
 logger = logging.getLogger(__name__)
 
 
-def make_block_forward(original, mode):
-    """``TransformerBlock.forward`` running the layers as degree runs (plan) through ``mode``."""
+def make_block_forward(original, mode, tracer=None):
+    """``TransformerBlock.forward`` running the layers as degree runs (plan) through ``mode``;
+    ``tracer`` (the ``oases-trace`` patch's, optional) records the schedule's ops."""
     counter = {"microbatch": 0}
 
     def forward(
@@ -84,10 +85,9 @@ def make_block_forward(original, mode):
         if not self.pre_process:
             hidden_states = self.input_tensor
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-        tracer = trace_mod.active_tracer()
         mb = tracer.next_microbatch() if tracer else counter["microbatch"]
         counter["microbatch"] += 1
-        hetero = getattr(self, "_oases_hetero", None)
+        hetero = stage_of(self)
         if hetero is None:
             runs, T = [(None, list(range(len(self.layers))))], None
         else:
@@ -109,6 +109,7 @@ def make_block_forward(original, mode):
                     mode,
                     microbatch=mb,
                     recompute=self.config.recompute_granularity == "full",
+                    tracer=tracer,
                 )
                 hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
         if hetero is not None:
@@ -154,19 +155,22 @@ def _stock_layers(block, layers, hidden, attention_mask, rotary_pos_emb, attenti
     return hidden
 
 
-def make_patch(args):
-    """``oases-schedule`` when a schedule or a per-layer plan is requested, else None."""
+def make_patch(args, built=None):
+    """``oases-schedule`` when a schedule or a per-layer plan is requested, else None.
+    ``built``: the patches built before this one (by name); the tracer of ``oases-trace``."""
     mode = getattr(args, "oases_schedule", "off")
     plan = getattr(args, "oases_plan", None)
     if mode == "off" and not plan:
         return None
     validate_oases_args(args)  # the rules live in one place; a patch never runs on bad args
+    trace = (built or {}).get("oases-trace")
+    tracer = trace.tracer if trace is not None else None
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     replacements = [
-        (TransformerBlock, "forward", make_block_forward(TransformerBlock.forward, mode)),
+        (TransformerBlock, "forward", make_block_forward(TransformerBlock.forward, mode, tracer)),
         (
             tp_layers,
             "reduce_from_tensor_model_parallel_region",

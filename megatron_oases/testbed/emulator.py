@@ -104,13 +104,6 @@ MEGATRON_ALIASES = (
     ),
 )
 
-_ACTIVE = None
-
-
-def active_emulator():
-    """The installed :class:`LinkEmulator`, or None."""
-    return _ACTIVE
-
 
 def _sig(fn):
     try:
@@ -581,14 +574,9 @@ class EmulatorPatch(Patch):
         )
 
     def _activate(self):
-        global _ACTIVE
-        _ACTIVE = self.emulator
         self.emulator.start_usage()
 
     def _deactivate(self):
-        global _ACTIVE
-        if _ACTIVE is self.emulator:
-            _ACTIVE = None
         u = self.emulator.usage()
         if u is not None and u["ops"]:
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -617,7 +605,7 @@ def _cpus():
     return host_cpus()
 
 
-def make_patch(args):
+def make_patch(args, built=None):
     """Factory for :func:`megatron_oases.patches.install_from_args`: a patch iff ``--emulate-link``."""
     name = getattr(args, "emulate_link", None)
     if not name:

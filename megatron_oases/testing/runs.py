@@ -129,8 +129,8 @@ def _meter_patch(record, at_call=2):
     and the optimizer step after it are outside the metered region."""
     from megatron.training import training
 
+    from ..instrument.memory import LiveTensorMeter
     from ..patches.registry import Patch
-    from ..schedule.memory import LiveTensorMeter
 
     original = training.train_step
     calls = {"n": 0}

@@ -1,4 +1,4 @@
-"""Metrics from schedule traces (:mod:`megatron_oases.schedule.trace` format), per rank and per run.
+"""Metrics from schedule traces (:mod:`megatron_oases.instrument.trace` format), per rank and per run.
 
 Per rank, over the traced iteration (``T`` = ``metadata.iteration_time_us``):
 

@@ -168,20 +168,3 @@ def trace_path(pattern, rank):
 def load_trace(path):
     with open(path) as f:
         return json.load(f)
-
-
-def make_patch(args):
-    """The ``oases-trace`` patch when ``--oases-trace`` is given (see :mod:`.tracing_patch`)."""
-    if not getattr(args, "oases_trace", None):
-        return None
-    from .tracing_patch import TracePatch
-
-    return TracePatch(args)
-
-
-_ACTIVE = []
-
-
-def active_tracer():
-    """The tracer installed by the ``oases-trace`` patch, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None

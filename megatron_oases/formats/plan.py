@@ -10,9 +10,9 @@ A uniform plan (:func:`uniform_plan`) is a valid plan file too.
 import json
 
 from ..errors import OasesConfigError
+from ..validation import check_schedule
 
 PLAN_VERSION = 1
-SCHEDULES = ("off", "overlap", "cross-pass", "oases")
 
 
 def _fail(source, msg):
@@ -53,8 +53,8 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
         if T % d:
             _fail(source, f"layer {i}: degree {d} does not divide tensor_model_parallel_size {T}")
     schedule = plan.get("schedule")
-    if schedule is not None and schedule not in SCHEDULES:
-        _fail(source, f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if schedule is not None:
+        check_schedule(schedule, source=f"{source}: schedule")
     for key in ("global_batch_size", "micro_batch_size"):
         v = plan.get(key)
         if v is not None and (not _is_int(v) or v < 1):

@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..compat import require_symbol
 from ..patches.registry import Patch
-from .trace import _ACTIVE, Tracer, trace_path
+from .trace import Tracer, trace_path
 
 
 class _TracedWork:
@@ -54,7 +54,8 @@ class TracePatch(Patch):
     def __init__(self, args):
         self.path = args.oases_trace
         self.schedule = getattr(args, "oases_schedule", "off")
-        self.tracer = None
+        #: Created now so that the schedule patch, built after this one, records into it.
+        self.tracer = Tracer(schedule=self.schedule)
         self._bwd_layer = -1
         orig_all_reduce = dist.all_reduce
         orig_layer_forward = TransformerLayer.forward
@@ -131,12 +132,16 @@ class TracePatch(Patch):
     def _start(self):
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
-        self.tracer = Tracer(rank, world, self.schedule)
-        _ACTIVE.append(self.tracer)
+        self.tracer.rank, self.tracer.world_size = rank, world
 
     def _finish(self):
-        if self.tracer in _ACTIVE:
-            _ACTIVE.remove(self.tracer)
-        if self.tracer is not None and self.tracer.events:
+        if self.tracer.events:
             self.tracer.dump(trace_path(self.path, self.tracer.rank))
-        self.tracer = None
+        self.tracer.events = []
+
+
+def make_patch(args, built=None):
+    """The ``oases-trace`` patch when ``--oases-trace`` is given, else None."""
+    if not getattr(args, "oases_trace", None):
+        return None
+    return TracePatch(args)

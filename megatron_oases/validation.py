@@ -1,0 +1,156 @@
+"""The Oases rules, each written once: which schedules exist, what each needs, what a model and a
+per-layer plan must satisfy. Every entry point (``oases-pretrain-gpt``, ``oases train``, the
+Megatron-LM hooks, the schedule patch, the planner, the plan file) checks through here, so a rule
+and its one-line error (the flag named, and the fix) exist in one place.
+
+Pure functions of plain values and parsed args: no Megatron, no torch, no files.
+"""
+
+from .errors import OasesConfigError
+
+#: ``--oases-schedule`` values; ``off`` is stock Megatron.
+SCHEDULES = ("off", "overlap", "cross-pass", "oases")
+#: Schedules that run each micro-batch as two sub-batches.
+SPLIT_SCHEDULES = ("overlap", "cross-pass", "oases")
+#: Schedules that merge recomputation with backward: they need full, per-layer recomputation.
+RECOMPUTE_SCHEDULES = ("cross-pass", "oases")
+#: Sub-batches per micro-batch.
+SUB_BATCHES = 2
+
+
+def check_schedule(schedule, source="--oases-schedule"):
+    if schedule not in SCHEDULES:
+        raise OasesConfigError(
+            f"{source}: unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}"
+        )
+    return schedule
+
+
+def check_schedule_recompute(schedule, recompute, fix="add --recompute-granularity full"):
+    """``cross-pass``/``oases`` interleave recomputation with backward: without it they are not
+    defined. ``fix`` names the flag of the caller (Megatron's, or the planner's)."""
+    if schedule in RECOMPUTE_SCHEDULES and not recompute:
+        raise OasesConfigError(
+            f"schedule {schedule} merges recompute with backward; {fix} or use the overlap "
+            "schedule"
+        )
+
+
+def check_splittable(samples, what=None, need=SUB_BATCHES):
+    """A split schedule needs at least one sample per sub-batch. ``what``: whose share it is
+    (a plan layer's), ``need``: the micro-batch size that would give every share enough."""
+    if samples < SUB_BATCHES:
+        if what is None:
+            raise OasesConfigError(
+                f"micro-batch {samples} cannot be split; use --micro-batch-size ≥ {need} or "
+                "--oases-schedule off"
+            )
+        raise OasesConfigError(
+            f"{what} leaves {samples} sample(s) per group, which cannot be split into "
+            f"{SUB_BATCHES} sub-batches; use --micro-batch-size ≥ {need} or --oases-schedule off"
+        )
+
+
+def check_transformer_impl(impl):
+    if impl != "local":
+        raise OasesConfigError(
+            f"--transformer-impl {impl} is not supported: TE linears do their own TP "
+            "communication; use --transformer-impl local"
+        )
+
+
+def check_model_shape(args):
+    """Sizes Megatron checks only when it builds the model (or not at all): one line each."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise OasesConfigError(f"--{name.replace('_', '-')} {value} must be >= 1")
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        raise OasesConfigError(f"--micro-batch-size {args.micro_batch_size} must be >= 1")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise OasesConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
+    if args.lr is not None and args.lr < 0:
+        raise OasesConfigError(f"--lr {args.lr} must be >= 0")
+    tp, heads = args.tensor_model_parallel_size, args.num_attention_heads
+    if args.hidden_size and heads and args.kv_channels is None and args.hidden_size % heads:
+        raise OasesConfigError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}"
+        )
+    if heads and heads % tp:
+        raise OasesConfigError(
+            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}"
+        )
+    groups = args.num_query_groups if args.group_query_attention else None
+    if groups and (heads % groups or groups % tp):
+        raise OasesConfigError(
+            f"--num-query-groups {groups} must divide --num-attention-heads {heads} and be "
+            f"divisible by --tensor-model-parallel-size {tp}"
+        )
+    if args.ffn_hidden_size is not None and args.ffn_hidden_size % tp:
+        raise OasesConfigError(
+            f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+
+
+def check_plan_fits_model(plan, args):
+    """A (format-valid) plan against the model shape and batch: each layer's groups get whole,
+    splittable shares of the micro-batch."""
+    T = args.tensor_model_parallel_size
+    for layer, d in enumerate(plan["degrees"]):
+        if args.micro_batch_size % (T // d):
+            raise OasesConfigError(
+                f"layer {layer}: degree {d} splits the micro-batch over {T // d} groups, but "
+                f"--micro-batch-size {args.micro_batch_size} is not divisible by {T // d}"
+            )
+        if getattr(args, "oases_schedule", "off") != "off":
+            check_splittable(
+                args.micro_batch_size * d // T,
+                what=f"layer {layer}: degree {d}",
+                need=SUB_BATCHES * T // d,
+            )
+
+
+def check_oases_args(args, before_megatron=False, plan=None):
+    """The ``--oases-*`` rules on parsed args. ``before_megatron``: only those Megatron's own
+    checks would mask with a less helpful message. ``plan``: the loaded ``--oases-plan``."""
+    mode = getattr(args, "oases_schedule", "off")
+    check_schedule(mode)
+    check_transformer_impl(getattr(args, "transformer_impl", "local"))
+    if mode != "off" or getattr(args, "oases_plan", None):
+        what = f"--oases-schedule {mode}" if mode != "off" else "--oases-plan"
+        if getattr(args, "sequence_parallel", False):
+            raise OasesConfigError(
+                f"{what} does not support --sequence-parallel yet (TMP all-reduce path only); "
+                "drop --sequence-parallel"
+            )
+        if (getattr(args, "context_parallel_size", 1) or 1) != 1:
+            raise OasesConfigError(f"{what} does not support --context-parallel-size > 1")
+        if getattr(args, "num_experts", None):
+            raise OasesConfigError(f"{what} does not support MoE layers; drop --num-experts")
+        if getattr(args, "virtual_pipeline_model_parallel_size", None):
+            raise OasesConfigError(
+                f"{what} does not support the interleaved pipeline schedule; drop "
+                "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+            )
+    if before_megatron:
+        return args
+    check_schedule_recompute(mode, args.recompute_granularity == "full")
+    if mode != "off":
+        if args.recompute_granularity == "selective":
+            raise OasesConfigError(
+                f"--oases-schedule {mode} does not support --recompute-granularity selective yet; "
+                "use --recompute-granularity full or drop it"
+            )
+        if args.recompute_granularity == "full" and (
+            args.recompute_method != "uniform" or (args.recompute_num_layers or 1) != 1
+        ):
+            raise OasesConfigError(
+                f"--oases-schedule {mode} recomputes every layer; use --recompute-method uniform "
+                "--recompute-num-layers 1"
+            )
+        check_splittable(args.micro_batch_size)
+    if plan is not None:
+        check_plan_fits_model(plan, args)
+    return args
