@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers.runs import parse
 
 from megatron_oases.compat import check_megatron_core, megatron_core_version
 from megatron_oases.errors import OasesConfigError
-from megatron_oases.testing.runs import parse
 
 
 @pytest.mark.parametrize(

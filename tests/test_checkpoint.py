@@ -6,9 +6,9 @@ import os
 
 import pytest
 from helpers import GPT, NO_DROP, RECOMPUTE
+from helpers.runs import max_rel_diff, pretrain_and_capture
 
-from megatron_oases.testing import run_distributed
-from megatron_oases.testing.runs import max_rel_diff, pretrain_and_capture
+from megatron_oases.launch import run_distributed
 
 BASE = GPT.format(layers=2) + "--micro-batch-size 2 --global-batch-size 4 " + NO_DROP + RECOMPUTE
 TP2 = "--tensor-model-parallel-size 2 "

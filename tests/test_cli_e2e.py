@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from megatron_oases.testing import run_torchrun
+from megatron_oases.launch import run_torchrun
 
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from megatron_oases.errors import OasesConfigError
+from megatron_oases.launch import run_distributed
 from megatron_oases.testbed import calibrate
 from megatron_oases.testbed.clusters import load_cluster
 from megatron_oases.testbed.emulator import LinkEmulator, make_patch, resolve_dilation
-from megatron_oases.testing import run_distributed
 
 # Dilation for the timing tests: a 1 MiB-element fp32 tensor (2 MiB at fp16) all-reduced over
 # PCIe takes ~0.19 ms on the model, ~190 ms emulated — long against sleep jitter, short for CI.

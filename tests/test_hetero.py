@@ -5,10 +5,10 @@ import json
 import os
 
 import pytest
+from helpers.runs import max_rel_diff, parse, pretrain_and_capture
 
 from megatron_oases.errors import OasesConfigError
-from megatron_oases.testing import run_distributed
-from megatron_oases.testing.runs import max_rel_diff, parse, pretrain_and_capture
+from megatron_oases.launch import run_distributed
 
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
 BASE = (

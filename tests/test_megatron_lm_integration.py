@@ -398,7 +398,7 @@ def megatron_parse(monkeypatch):
     """Megatron-LM's own ``parse_args`` on a command line (no global state, no process group)."""
     from megatron.training import arguments as margs
 
-    monkeypatch.setattr(megatron_lm, "_install_cpu_shims", lambda: False)
+    monkeypatch.setattr(megatron_lm.hooks, "_install_cpu_shims", lambda: False)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     def parse(argv, existing=None):

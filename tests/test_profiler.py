@@ -258,9 +258,9 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     never more than 5 % below the LiveTensorMeter peak of a real forward+backward, per plan and
     schedule (state excluded on both sides: it is counted exactly from parameter counts)."""
     from megatron_oases.formats.plan import save_plan, uniform_plan
+    from megatron_oases.launch import run_distributed
     from megatron_oases.planner.cost_model import predict
-    from megatron_oases.testing import run_distributed
-    from megatron_oases.testing.runs import activation_peaks
+    from megatron_oases.training.measure import activation_peaks
 
     flags = (
         "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -300,9 +300,9 @@ def test_memory_model_pipeline_stages(measured, tmp_path):
     import copy
 
     from megatron_oases.formats.profile import Profile
+    from megatron_oases.launch import run_distributed
     from megatron_oases.planner.cost_model import predict
-    from megatron_oases.testing import run_distributed
-    from megatron_oases.testing.runs import activation_peaks
+    from megatron_oases.training.measure import activation_peaks
 
     data = copy.deepcopy(measured["profile"].data)
     data["pipeline_model_parallel_size"] = 2

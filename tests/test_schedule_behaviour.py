@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 from helpers import DROP, GPT, RECOMPUTE, variants_worker
+from helpers.runs import max_rel_diff
 
-from megatron_oases.testing import run_distributed
-from megatron_oases.testing.runs import max_rel_diff
+from megatron_oases.launch import run_distributed
 
 BASE = (
     GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
@@ -60,7 +60,7 @@ def test_dropout_training_run_tracks_stock():
 
 
 def _trace_worker(base, variants, outdir):
-    from megatron_oases.testing.runs import pretrain_and_capture
+    from helpers.runs import pretrain_and_capture
 
     for name, extra in variants:
         pretrain_and_capture(f"{base} {extra} --oases-trace {outdir}/{name}.json")
@@ -174,7 +174,7 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
         ("overlap-recompute", RECOMPUTE + "--oases-schedule overlap"),
         ("overlap", "--oases-schedule overlap"),
     ]
-    from megatron_oases.testing.runs import activation_peaks
+    from megatron_oases.training.measure import activation_peaks
 
     configs = [(name, base + " " + extra) for name, extra in variants]
     peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
@@ -187,11 +187,11 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
 
 
 def _uninstall_worker(base):
+    from helpers.runs import pretrain_and_capture
     from megatron.core.tensor_parallel import layers
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_oases.schedule import patch as sched_patch
-    from megatron_oases.testing.runs import pretrain_and_capture
 
     orig = (
         TransformerBlock.forward,

@@ -10,9 +10,9 @@ checks the first optimizer step.
 import pytest
 import torch
 from helpers import GPT, LLAMA, NO_DROP, RECOMPUTE, variants_worker
+from helpers.runs import max_rel_diff
 
-from megatron_oases.testing import run_distributed
-from megatron_oases.testing.runs import max_rel_diff
+from megatron_oases.launch import run_distributed
 
 VARIANTS = [
     ("stock", "--oases-schedule off"),

@@ -8,10 +8,10 @@ Fast: one argument parse, the patches built, installed and uninstalled, no train
 import inspect
 
 import pytest
+from helpers.runs import parse
 
 from megatron_oases import compat
 from megatron_oases.errors import OasesConfigError
-from megatron_oases.testing.runs import parse
 
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 16 "
@@ -53,7 +53,7 @@ def _built_patches(args):
     from megatron_oases import megatron_lm
     from megatron_oases.instrument import golden
     from megatron_oases.instrument import trace_patch as trace
-    from megatron_oases.schedule import patch as schedule
+    from megatron_oases.schedule import transformer_block as schedule
 
     built = {
         "oases-schedule": schedule.make_patch(args),
@@ -87,7 +87,7 @@ def test_replaced_symbols_are_what_megatron_calls():
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.training import checkpointing, training
 
-    from megatron_oases.schedule.patch import make_block_forward
+    from megatron_oases.schedule.transformer_block import make_block_forward
 
     req = compat.require_symbol
     # oases-schedule: RowParallelLinear's forward all-reduce, by the name imported into layers.

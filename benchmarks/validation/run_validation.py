@@ -12,7 +12,7 @@ On the CPU testbed (2 gloo ranks, TMP domain T=2, links emulated as rtx3090-pcie
    median of the timed iterations' ``iteration-time``;
 4. measures activation memory per plan in-process with ``LiveTensorMeter`` (the forward+backward of
    the second iteration of Megatron's ``pretrain()``, after a warm-up one:
-   ``megatron_oases.testing.runs.activation_peaks``) and compares it with the planner's activation
+   ``megatron_oases.training.measure.activation_peaks``) and compares it with the planner's activation
    parts;
 5. writes ``results.json``, ``results.md`` and ``scatter.png`` to ``--out``.
 
@@ -170,8 +170,8 @@ def run_train(argv, out_dir, warmup, iters, timeout):
 
 
 def measure_memory(rows, timeout):
-    from megatron_oases.testing.distributed import run_distributed
-    from megatron_oases.testing.runs import activation_peaks
+    from megatron_oases.launch import run_distributed
+    from megatron_oases.training.measure import activation_peaks
 
     configs = [(r["name"], r["argv"]) for r in rows]
     per_rank = run_distributed(activation_peaks, 2, configs, timeout=timeout)

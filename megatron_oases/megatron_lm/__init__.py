@@ -26,152 +26,19 @@ Without a checkout, ``oases-pretrain-gpt`` (:mod:`megatron_oases.training.pretra
 program on the ``megatron.training`` that the megatron-core wheel ships.
 """
 
-import atexit
-import functools
-import os
-import sys
-import time
-
-from .. import patches
-from ..arguments import ALWAYS_DEFAULTS, add_oases_args, validate_oases_args
-from ..errors import OasesConfigError, report_once
-
-#: The Megatron-LM tag ``patches/pretrain_gpt.oases.patch`` is written against.
-MEGATRON_LM_TAG = "core_v0.19.0"
-MEGATRON_LM_URL = "https://github.com/NVIDIA/Megatron-LM"
-#: Name of the hook patch in :data:`megatron_oases.patches.REGISTRY`.
-HOOK_PATCH = "megatron-lm-model-setup"
-
-
-def _chain(*providers):
-    providers = [p for p in providers if p is not None]
-
-    def chained(parser):
-        for provider in providers:
-            result = provider(parser)
-            parser = parser if result is None else result  # Megatron's convention: return it
-        return parser
-
-    chained.providers = tuple(providers)
-    return chained
-
-
-def _local_transformer_impl_default(parser):
-    """Our ``ALWAYS_DEFAULTS`` as parser defaults: an explicit flag on the command line still wins."""
-    for flag, value in ALWAYS_DEFAULTS:
-        for action in parser._actions:
-            if flag in action.option_strings:
-                parser.set_defaults(**{action.dest: value})
-    return parser
-
-
-def _install_cpu_shims():
-    from .. import platform  # imports torch: not for the config helpers of this package
-
-    return platform.install_cpu_shims()
-
-
-def extra_args_provider(existing=None):
-    """The ``extra_args_provider`` for Megatron-LM's ``parse_and_validate_args``: ``existing`` + ours.
-
-    Call it before Megatron parses (the patch does, in the call's arguments): without CUDA it
-    installs the CPU platform shims (a no-op with CUDA) and, as ``oases-pretrain-gpt`` does, sets
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment sets it.
-    """
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    _install_cpu_shims()
-    return _chain(existing, add_oases_args, _local_transformer_impl_default)
-
-
-def exit_with_error(message, status=2, rank=None):
-    """Print ``message`` once per job (rank 0) and exit with ``status`` on every rank."""
-    report_once(message, rank)
-    sys.exit(status)
-
-
-def install(args, prog=None):
-    """After Megatron parsed ``args``, before ``pretrain()``: check the Oases flags, hook the build.
-
-    A rejected combination exits with one ``<prog>: error: ...`` line and status 2
-    (:func:`exit_with_error`). Idempotent. :func:`uninstall` reverts the hook and every Oases patch;
-    it is registered to run at exit, which is when ``--oases-trace`` writes its trace files.
-    """
-    prog = prog or os.path.basename(sys.argv[0] or "pretrain_gpt.py")
-    try:
-        from ..compat import check_megatron_core
-
-        check_megatron_core()
-        validate_oases_args(args)
-        hook = model_setup_hook()
-    except OasesConfigError as exc:
-        exit_with_error(f"{prog}: error: {exc}")
-    _install_cpu_shims()  # already done by extra_args_provider(); a no-op with CUDA
-    if patches.REGISTRY.get(HOOK_PATCH) is None:
-        patches.REGISTRY.install(hook)
-        atexit.register(uninstall)
-    return patches.REGISTRY.get(HOOK_PATCH)
-
-
-def uninstall():
-    """Revert :func:`install` and every patch it led to."""
-    return patches.uninstall_all()
-
-
-def model_setup_hook(training_module=None):
-    """A :class:`~megatron_oases.patches.Patch` on ``megatron.training.training.setup_model_and_optimizer``.
-
-    ``pretrain()`` calls it once, after ``initialize_megatron`` and before any model exists, with
-    either a config container holding the model config (``pretrain_gpt.py`` from core_v0.19) or a
-    ``model_provider_func`` (older scripts); both build the model inside it.
-    """
-    from ..compat import require_symbol
-
-    if training_module is None:
-        from megatron.training import training as training_module
-    original = require_symbol(
-        training_module, "setup_model_and_optimizer", called_by=[training_module.pretrain]
-    )
-
-    @functools.wraps(original)
-    def setup_model_and_optimizer(model_type, model_provider_func=None, *rest, **kwargs):
-        from megatron.training import get_args
-
-        args = get_args()
-        patches.install_from_args(args)  # idempotent
-        if getattr(args, "oases_plan", None):
-            model_cfg = getattr(kwargs.get("cfg_container"), "model", None)
-            if model_cfg is not None:
-                model_cfg.pre_wrap_hooks.append(functools.partial(_attach_plan_to_stages, args))
-            elif model_provider_func is not None:
-                model_provider_func = _provider_with_plan(model_provider_func, args)
-        return original(model_type, model_provider_func, *rest, **kwargs)
-
-    return patches.Patch(
-        HOOK_PATCH, [(training_module, "setup_model_and_optimizer", setup_model_and_optimizer)]
-    )
-
-
-def _attach_plan_to_stages(args, stages):
-    from ..hetero.runtime import attach_plan
-
-    for stage in stages:
-        attach_plan(stage, args)
-    return stages
-
-
-def _provider_with_plan(model_provider_func, args):
-    @functools.wraps(model_provider_func)
-    def provider(*a, **k):
-        from ..hetero.runtime import attach_plan
-
-        model = model_provider_func(*a, **k)
-        attach_plan(model, args)
-        return model
-
-    return provider
-
+from .hooks import (
+    HOOK_PATCH,
+    MEGATRON_LM_TAG,
+    MEGATRON_LM_URL,
+    exit_with_error,
+    extra_args_provider,
+    install,
+    model_setup_hook,
+    uninstall,
+)
 
 __all__ = [
+    "HOOK_PATCH",
     "MEGATRON_LM_TAG",
     "MEGATRON_LM_URL",
     "exit_with_error",

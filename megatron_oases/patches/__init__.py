@@ -12,9 +12,7 @@ Each factory checks that the Megatron symbols it replaces exist and are the ones
 (:func:`megatron_oases.compat.require_symbol`). ``uninstall_all()`` reverts everything.
 """
 
-from .registry import Patch, PatchRegistry
-
-REGISTRY = PatchRegistry()
+from .registry import REGISTRY, Patch, PatchRegistry
 
 
 def factories():
@@ -22,7 +20,7 @@ def factories():
     fails at import instead of turning its flag into a silent no-op."""
     from ..instrument.golden import make_patch as golden_values
     from ..instrument.trace_patch import make_patch as oases_trace
-    from ..schedule.patch import make_patch as oases_schedule
+    from ..schedule.transformer_block import make_patch as oases_schedule
     from ..testbed.emulator import make_patch as emulate_link
 
     return (

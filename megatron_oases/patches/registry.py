@@ -13,11 +13,14 @@ logger = logging.getLogger(__name__)
 class Patch:
     """A named set of attribute replacements. Subclasses may override ``_apply``/``_revert``."""
 
-    def __init__(self, name, replacements=(), on_install=None, on_uninstall=None):
+    def __init__(
+        self, name, replacements=(), on_install=None, on_uninstall=None, after_uninstall=None
+    ):
         self.name = name
         self.replacements = list(replacements)  # (owner, attr, new_value)
-        self.on_install = on_install
-        self.on_uninstall = on_uninstall
+        self.on_install = on_install  # after the replacements are in place
+        self.on_uninstall = on_uninstall  # while they still are
+        self.after_uninstall = after_uninstall  # once the originals are back
         self._originals = None
 
     @property
@@ -57,6 +60,8 @@ class Patch:
             else:
                 setattr(owner, attr, orig)
         self._originals = None
+        if self.after_uninstall:
+            self.after_uninstall()
         return True
 
 
@@ -98,3 +103,9 @@ class PatchRegistry:
 
     def get(self, name):
         return self._patches.get(name)
+
+
+#: The process's record of what is patched. Patches replace module attributes, which are process
+#: state whatever we do; this one registry is where that state is written down, so that everything
+#: can be reverted at once (the end of a job, a test).
+REGISTRY = PatchRegistry()

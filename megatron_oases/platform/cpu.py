@@ -2,7 +2,9 @@
 
 Megatron-Core assumes CUDA in a handful of places. On a machine without CUDA we install the shims
 below (and only then: :func:`install` is a no-op when ``torch.cuda.is_available()``). Each shim is
-listed with the Megatron / torch symbol it replaces; :func:`uninstall` restores every original.
+listed with the Megatron / torch symbol it replaces. They form one :class:`Patch` (``cpu-shims``) in
+the process's patch registry, so ``patches.uninstall_all()`` at the end of a job restores every
+original with the rest.
 
 ==========================================  =====================================================
 Replaced symbol                             Why / what the shim does
@@ -53,28 +55,9 @@ import logging
 
 import torch
 
+from ..patches.registry import REGISTRY, Patch
+
 logger = logging.getLogger(__name__)
-
-_CUDA_ATTRS = (
-    "current_device",
-    "synchronize",
-    "Stream",
-    "Event",
-    "stream",
-    "current_stream",
-    "default_stream",
-    "empty_cache",
-    "memory_allocated",
-    "max_memory_allocated",
-    "reset_peak_memory_stats",
-    "manual_seed",
-    "get_rng_state",
-    "set_rng_state",
-    "device_count",
-    "set_device",
-)
-
-_state = {"installed": False, "originals": {}}
 
 
 def _is_cuda_device(device):
@@ -258,82 +241,62 @@ def _training_shims():
     return shims
 
 
+#: The registry name of the CPU shim patch.
+PATCH_NAME = "cpu-shims"
+
+
+def make_patch():
+    """The CPU shims as one :class:`Patch` (every replacement listed in the module docstring)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cuda = torch.cuda
+    replacements = [
+        (cuda, "current_device", lambda: torch.device("cpu")),
+        (cuda, "synchronize", lambda *a, **k: None),
+        (cuda, "Stream", _InertStream),
+        (cuda, "Event", _InertEvent),
+        (cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (cuda, "current_stream", lambda *a, **k: _InertStream()),
+        (cuda, "default_stream", lambda *a, **k: _InertStream()),
+        (cuda, "empty_cache", lambda: None),
+        (cuda, "memory_allocated", lambda *a, **k: 0),
+        (cuda, "max_memory_allocated", lambda *a, **k: 0),
+        (cuda, "reset_peak_memory_stats", lambda *a, **k: None),
+        (cuda, "manual_seed", lambda seed: None),
+        (cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
+        (cuda, "set_rng_state", lambda s, *a, **k: torch.set_rng_state(s)),
+        (cuda, "device_count", lambda: 1),
+        (cuda, "set_device", lambda *a, **k: None),
+        (mrandom, "_get_cuda_rng_state", _cpu_get_rng_state),
+        (mrandom, "_set_cuda_rng_state", _cpu_set_rng_state),
+        (mrandom, "CudaRNGStatesTracker", _make_cpu_tracker_class()),
+    ]
+    for (module, name), new in _training_shims().items():
+        replacements.append((importlib.import_module(module), name, new))
+    for name in _FACTORIES:
+        replacements.append((torch, name, _cpu_device_factory(getattr(torch, name))))
+    for name, method in _make_tensor_methods(torch.Tensor.to, torch.Tensor.type).items():
+        replacements.append((torch.Tensor, name, method))
+
+    def reset_tracker():  # a tracker made before (or during) the shims has the wrong class
+        mrandom.initialize_rng_tracker(force_reset=True)
+
+    return Patch(PATCH_NAME, replacements, on_install=reset_tracker, after_uninstall=reset_tracker)
+
+
 def is_active():
-    return _state["installed"]
+    return REGISTRY.get(PATCH_NAME) is not None
 
 
 def install(force=False):
-    """Install all shims if CUDA is unavailable (or ``force``). Idempotent."""
-    if _state["installed"] or (torch.cuda.is_available() and not force):
+    """Install the shims if CUDA is unavailable (or ``force``); True if installed now."""
+    if is_active() or (torch.cuda.is_available() and not force):
         return False
-    from megatron.core.tensor_parallel import random as mrandom
-
-    orig = _state["originals"]
-    for name in _CUDA_ATTRS:
-        orig[("torch.cuda", name)] = getattr(torch.cuda, name, None)
-    cuda = torch.cuda
-    cuda.current_device = lambda: torch.device("cpu")
-    cuda.synchronize = lambda *a, **k: None
-    cuda.Stream = _InertStream
-    cuda.Event = _InertEvent
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.current_stream = lambda *a, **k: _InertStream()
-    cuda.default_stream = lambda *a, **k: _InertStream()
-    cuda.empty_cache = lambda: None
-    cuda.memory_allocated = lambda *a, **k: 0
-    cuda.max_memory_allocated = lambda *a, **k: 0
-    cuda.reset_peak_memory_stats = lambda *a, **k: None
-    cuda.manual_seed = lambda seed: None
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    cuda.set_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
-    cuda.device_count = lambda: 1
-    cuda.set_device = lambda *a, **k: None
-
-    for name, new in (
-        ("_get_cuda_rng_state", _cpu_get_rng_state),
-        ("_set_cuda_rng_state", _cpu_set_rng_state),
-        ("CudaRNGStatesTracker", _make_cpu_tracker_class()),
-    ):
-        orig[("random", name)] = getattr(mrandom, name)
-        setattr(mrandom, name, new)
-    # A tracker created before install would be a CUDA one: force a fresh CPU tracker.
-    mrandom.initialize_rng_tracker(force_reset=True)
-
-    for (module, name), new in _training_shims().items():
-        orig[(module, name)] = getattr(importlib.import_module(module), name)
-        setattr(importlib.import_module(module), name, new)
-
-    for name in _FACTORIES:
-        orig[("torch", name)] = getattr(torch, name)
-        setattr(torch, name, _cpu_device_factory(getattr(torch, name)))
-    for name, method in _make_tensor_methods(torch.Tensor.to, torch.Tensor.type).items():
-        orig[("torch.Tensor", name)] = getattr(torch.Tensor, name)
-        setattr(torch.Tensor, name, method)
-    _state["installed"] = True
+    REGISTRY.install(make_patch())
     logger.info("megatron_oases: CPU platform shims installed (no CUDA)")
     return True
 
 
 def uninstall():
-    """Restore every replaced symbol. Idempotent."""
-    if not _state["installed"]:
-        return False
-    from megatron.core.tensor_parallel import random as mrandom
-
-    targets = {
-        "torch.cuda": torch.cuda,
-        "random": mrandom,
-        "torch": torch,
-        "torch.Tensor": torch.Tensor,
-    }
-    for (where, name), value in _state["originals"].items():
-        target = targets[where] if where in targets else importlib.import_module(where)
-        if value is None:
-            if hasattr(target, name):
-                delattr(target, name)
-        else:
-            setattr(target, name, value)
-    _state["originals"].clear()
-    mrandom.initialize_rng_tracker(force_reset=True)
-    _state["installed"] = False
-    return True
+    """Restore every replaced symbol; True if they were installed."""
+    return REGISTRY.uninstall(PATCH_NAME) is not None

@@ -506,7 +506,7 @@ def measured_profile(
             raise OasesConfigError("--nproc disagrees with the torchrun world size")
         result = _profile_worker(payload)
     else:
-        from ..testing.distributed import run_distributed
+        from ..launch import run_distributed
 
         quiet = {"PYTHONWARNINGS": "ignore"}
         old = {k: os.environ.get(k) for k in quiet}

@@ -73,6 +73,49 @@ def run(argv, demo=False, prog=PROG):
     return 0
 
 
+def run_in_process(argv, demo=True, extra_patches=()):
+    """One Megatron job in a process whose default process group is already up (spawned test or
+    measurement ranks): parse ``argv``, train, then tear down Megatron's globals and every patch so
+    that the next job in the same process starts fresh. ``extra_patches`` (:class:`Patch` objects,
+    e.g. a meter around ``train_step``) are installed for the run only.
+    Returns ``{'exit_code': code of an --exit-interval exit or None, 'installed': patch names}``."""
+    import shlex
+
+    import torch.distributed as dist
+    from megatron.training.training import destroy_global_state
+
+    from .. import patches, platform
+    from ..arguments import parse_megatron_args, with_defaults
+
+    argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
+    if "--num-workers" not in argv:  # no data-loader processes inside spawned ranks
+        argv += ["--num-workers", "0"]
+    platform.install_cpu_shims()
+    args = parse_megatron_args(
+        with_defaults(argv, demo=demo),
+        prog="oases",
+        world_size=dist.get_world_size(),
+        set_globals=True,
+    )
+    out = {"exit_code": None, "installed": []}
+    for patch in extra_patches:
+        patch.install()
+    try:
+        try:
+            pretrain_gpt(args)
+        except SystemExit as exc:  # --exit-interval & co. end the job with sys.exit
+            out["exit_code"] = exc.code
+            if exc.code not in (0, None):
+                raise
+        out["installed"] = patches.installed()
+    finally:
+        for patch in reversed(extra_patches):
+            patch.uninstall()
+        destroy_global_state()
+        patches.uninstall_all()  # the CPU shims last
+    return out
+
+
 def main(argv=None):
     """``oases run`` / ``oases-pretrain-gpt``: exactly the given flags (plus CPU necessities)."""
     return run(list(sys.argv[1:] if argv is None else argv))

@@ -1,6 +1,6 @@
 """The tiny models every multi-rank test uses, as Megatron-LM flags (one GPT, one LLaMA-style)."""
 
-from megatron_oases.testing.runs import variants_worker  # noqa: F401  (re-exported for tests)
+from .runs import variants_worker  # noqa: F401  (re-exported for tests)
 
 #: Tiny GPT: learned absolute positions, LayerNorm, GELU MLP with biases, tied embeddings.
 GPT = (

@@ -1,0 +1,88 @@
+"""In-process runs of Megatron-LM's own ``pretrain()`` for tests: losses and gradients per variant.
+
+Meant to be the ``fn`` of :func:`megatron_oases.launch.run_distributed` (the default gloo group is
+already up; Megatron's ``initialize_megatron`` keeps it). Several variants run one after another in
+the same processes (:func:`megatron_oases.training.pretrain.run_in_process` tears Megatron's global
+state and the patches down after each), so each variant is a fresh Megatron job apart from the
+process start-up.
+
+Per iteration the loss is what Megatron's ``train_step`` returns (reduced over micro-batches and
+data-parallel ranks, last pipeline stage); gradients are read from DDP's ``main_grad`` buffers at
+the first ``optimizer.step()``, i.e. after ``finalize_model_grads`` and before clipping.
+"""
+
+import shlex
+
+import torch
+
+from megatron_oases.arguments import parse_megatron_args, with_defaults
+from megatron_oases.hetero.shards import full_tensor, global_param_names
+from megatron_oases.patches.registry import Patch
+from megatron_oases.training.pretrain import run_in_process
+
+
+def parse(argv, world_size=None, demo=True):
+    """Megatron's parsed and validated args for ``argv`` (no global state is set)."""
+    if isinstance(argv, str):
+        argv = shlex.split(argv)
+    return parse_megatron_args(with_defaults(argv, demo=demo), prog="test", world_size=world_size)
+
+
+def _capture_patch(record, grads):
+    """Wrap ``train_step`` (by name in ``megatron.training.training``) to record its results."""
+    from megatron.training import training
+
+    original = training.train_step
+
+    def capture_grads(model):
+        out = {}
+        for chunk in model:
+            module = chunk.module if hasattr(chunk, "module") else chunk
+            for name, p in global_param_names(module):
+                g = getattr(p, "main_grad", None)
+                g = (g if g is not None else p.grad).detach().clone()
+                out[name] = full_tensor(g, p, name, module.config) if grads == "full" else g
+        return out
+
+    def train_step(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs):
+        if grads and "grads" not in record:
+            step = optimizer.step
+
+            def step_capturing():
+                record["grads"] = capture_grads(model)
+                return step()
+
+            optimizer.step = step_capturing
+            try:
+                out = original(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
+            finally:
+                optimizer.step = step
+        else:
+            out = original(forward_step_func, data_iterator, model, optimizer, *rest, **kwargs)
+        loss = out[0].get("lm loss") if out[0] else None
+        record["losses"].append(
+            None if loss is None else float(torch.as_tensor(loss).reshape(-1)[0])
+        )
+        return out
+
+    return Patch("test-capture", [(training, "train_step", train_step)])
+
+
+def pretrain_and_capture(argv, grads=False, demo=True):
+    """Run Megatron's ``pretrain()`` on ``argv``; return {'losses', 'grads', 'installed',
+    'exit_code'}. ``grads=True`` captures this rank's shards; ``grads="full"`` all-gathers every
+    gradient to its full tensor (to compare different TP layouts or per-layer plans)."""
+    record = {"losses": []}
+    record.update(run_in_process(argv, demo=demo, extra_patches=[_capture_patch(record, grads)]))
+    record.setdefault("grads", {})
+    return record
+
+
+def variants_worker(base, variants, grads=True):
+    """Run each (name, extra flags) variant of ``base`` in turn in this process group."""
+    return {name: pretrain_and_capture(f"{base} {extra}", grads=grads) for name, extra in variants}
+
+
+def max_rel_diff(a, b):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
