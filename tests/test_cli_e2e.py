@@ -9,10 +9,9 @@ ranks).
 import json
 
 import pytest
+from helpers import RECOMPUTE
 
 from megatron_oases.launch import run_torchrun
-
-RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
 @pytest.mark.timeout(400)

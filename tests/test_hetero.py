@@ -5,17 +5,13 @@ import json
 import os
 
 import pytest
+from helpers import NO_DROP, RECOMPUTE, SHAPE
 from helpers.runs import max_rel_diff, parse, pretrain_and_capture
 
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.launch import run_distributed
 
-RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
-BASE = (
-    "--hidden-size 64 --num-attention-heads 8 --seq-length 16 --max-position-embeddings 16 "
-    "--vocab-size 500 --mock-data --hidden-dropout 0 --attention-dropout 0 --lr 1e-2 "
-    "--train-iters 2 " + RECOMPUTE
-)
+BASE = SHAPE + NO_DROP + "--train-iters 2 " + RECOMPUTE
 
 
 def write_plan(path, T, degrees):

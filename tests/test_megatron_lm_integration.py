@@ -19,6 +19,7 @@ import subprocess
 import sys
 import types
 
+import helpers
 import pytest
 
 from megatron_oases import megatron_lm, patches
@@ -38,8 +39,7 @@ TINY = (
     "--log-interval 1 --attention-dropout 0 --hidden-dropout 0 --tensor-model-parallel-size 2"
 ).split()
 MOCK = "--mock-data --tokenizer-type NullTokenizer --vocab-size 512".split()
-RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
-RECOMPUTE = RECOMPUTE.split()
+RECOMPUTE = helpers.RECOMPUTE.split()
 
 
 def _flags(defaults):

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from helpers import RECOMPUTE
 
 from megatron_oases.cli import main as oases
 from megatron_oases.errors import OasesConfigError
@@ -236,7 +237,6 @@ def test_project_model_configs_are_read():
         assert ours.global_batch_size == theirs.global_batch_size
 
 
-RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 MEMORY_PLANS = [
     ([1, 1, 1, 1], "off", True),
     ([2, 2, 2, 2], "off", True),

@@ -8,16 +8,16 @@ Fast: one argument parse, the patches built, installed and uninstalled, no train
 import inspect
 
 import pytest
+from helpers import GPT, RECOMPUTE
 from helpers.runs import parse
 
 from megatron_oases import compat
 from megatron_oases.errors import OasesConfigError
 
 TINY = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 8 --seq-length 16 "
-    "--max-position-embeddings 16 --vocab-size 500 --mock-data "
-    "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8 "
-    "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+    GPT.format(layers=2)
+    + "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8 "
+    + RECOMPUTE
 )
 
 

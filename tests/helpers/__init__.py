@@ -2,11 +2,13 @@
 
 from .runs import variants_worker  # noqa: F401  (re-exported for tests)
 
-#: Tiny GPT: learned absolute positions, LayerNorm, GELU MLP with biases, tied embeddings.
-GPT = (
-    "--num-layers {layers} --hidden-size 64 --num-attention-heads 8 --seq-length 16 "
+#: The tiny shape every multi-rank test shares (layers, parallelism and batch vary per test).
+SHAPE = (
+    "--hidden-size 64 --num-attention-heads 8 --seq-length 16 "
     "--max-position-embeddings 16 --vocab-size 500 --mock-data --lr 1e-2 "
 )
+#: Tiny GPT: learned absolute positions, LayerNorm, GELU MLP with biases, tied embeddings.
+GPT = "--num-layers {layers} " + SHAPE
 #: Tiny LLaMA-style: SwiGLU, RMSNorm, GQA (8 heads / 4 groups), RoPE, no biases, untied output.
 LLAMA = GPT + (
     "--swiglu --normalization RMSNorm --group-query-attention --num-query-groups 4 "
