@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat import require_symbol
-from ..patches.registry import Patch
+from ..patching import Patch
 
 KEYS = ("lm loss", "iteration-time", "tokens-per-sec", "throughput", "mem-allocated-bytes")
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..compat import require_symbol
-from ..patches.registry import Patch
+from ..patching import Patch
 from .trace import Tracer, trace_path
 
 

@@ -1,4 +1,5 @@
-"""Patches applied to Megatron from parsed arguments — after parsing, before the model is built.
+"""The catalogue of patches applied to Megatron from parsed arguments — after parsing, before the
+model is built (the mechanism, :class:`Patch` and the process registry, is :mod:`megatron_oases.patching`).
 
 ``install_from_args(args)`` installs, in this order (each a named, reversible :class:`Patch`;
 a factory returns None when its flag is not given):
@@ -12,7 +13,7 @@ Each factory checks that the Megatron symbols it replaces exist and are the ones
 (:func:`megatron_oases.compat.require_symbol`). ``uninstall_all()`` reverts everything.
 """
 
-from .registry import REGISTRY, Patch, PatchRegistry
+from ..patching import REGISTRY, Patch, PatchRegistry
 
 
 def factories():

@@ -55,7 +55,7 @@ import logging
 
 import torch
 
-from ..patches.registry import REGISTRY, Patch
+from ..patching import REGISTRY, Patch
 
 logger = logging.getLogger(__name__)
 

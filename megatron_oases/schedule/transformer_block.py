@@ -27,7 +27,7 @@ from ..errors import OasesConfigError
 from ..hetero.model import make_param_is_not_tp_duplicate
 from ..hetero.reshard import reshard
 from ..hetero.runtime import stage_of
-from ..patches.registry import Patch
+from ..patching import Patch
 from .blocks import LayerBlocks
 from .comm import make_column_forward, make_reduce_from_tp_region
 from .engine import ScheduledLayers, ScheduledLayersFunction

@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..errors import OasesConfigError
-from ..patches import Patch
+from ..patching import Patch
 from .clusters import load_cluster
 
 

@@ -9,7 +9,7 @@ creates the optimizer state). A :func:`megatron_oases.launch.run_distributed` wo
 import shlex
 
 from ..instrument.memory import LiveTensorMeter
-from ..patches.registry import Patch
+from ..patching import Patch
 
 
 def _meter_patch(record, at_call=2):

@@ -17,7 +17,7 @@ import torch
 
 from megatron_oases.arguments import parse_megatron_args, with_defaults
 from megatron_oases.hetero.shards import full_tensor, global_param_names
-from megatron_oases.patches.registry import Patch
+from megatron_oases.patching import Patch
 from megatron_oases.training.pretrain import run_in_process
 
 
