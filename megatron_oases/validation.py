@@ -51,6 +51,30 @@ def check_splittable(samples, what=None, need=SUB_BATCHES):
         )
 
 
+#: ``--recompute-modules`` the split schedules keep exact: core attention is recomputed inside
+#: Megatron's own ``SelfAttention`` (no TP communication inside it). The other modules are
+#: recomputed by ``TransformerLayer``'s forward, which the schedule's blocks do not go through.
+SELECTIVE_MODULES = ("core_attn",)
+
+
+def check_selective_recompute(schedule, modules):
+    """``--recompute-granularity selective``: ``overlap`` keeps each sub-batch's autograd graph
+    and lets Megatron recompute core attention in backward; ``cross-pass``/``oases`` re-run whole
+    layers and need full recomputation."""
+    if schedule in RECOMPUTE_SCHEDULES:
+        raise OasesConfigError(
+            f"--oases-schedule {schedule} recomputes whole layers; use --recompute-granularity "
+            "full, or --oases-schedule overlap with selective recomputation"
+        )
+    other = sorted(set(modules or SELECTIVE_MODULES) - set(SELECTIVE_MODULES))
+    if other:
+        raise OasesConfigError(
+            f"--oases-schedule {schedule} supports --recompute-modules "
+            f"{' '.join(SELECTIVE_MODULES)} only (got {' '.join(other)}); drop them or use "
+            "--recompute-granularity full"
+        )
+
+
 def check_transformer_impl(impl):
     if impl != "local":
         raise OasesConfigError(
@@ -139,10 +163,7 @@ def check_oases_args(args, before_megatron=False, plan=None):
     check_schedule_recompute(mode, args.recompute_granularity == "full")
     if mode != "off":
         if args.recompute_granularity == "selective":
-            raise OasesConfigError(
-                f"--oases-schedule {mode} does not support --recompute-granularity selective yet; "
-                "use --recompute-granularity full or drop it"
-            )
+            check_selective_recompute(mode, getattr(args, "recompute_modules", None))
         if args.recompute_granularity == "full" and (
             args.recompute_method != "uniform" or (args.recompute_num_layers or 1) != 1
         ):

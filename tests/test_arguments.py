@@ -42,9 +42,15 @@ from megatron_oases.errors import OasesConfigError
             "use --recompute-method uniform --recompute-num-layers 1",
         ),
         (
-            "--oases-schedule overlap --recompute-granularity selective",
+            "--oases-schedule overlap --recompute-granularity selective "
+            "--recompute-modules core_attn mlp",
             1,
-            "does not support --recompute-granularity selective",
+            "supports --recompute-modules core_attn only \\(got mlp\\)",
+        ),
+        (
+            "--oases-schedule oases --recompute-granularity selective",
+            1,
+            "merges recompute with backward; add --recompute-granularity full",
         ),
         (
             "--oases-schedule overlap --sequence-parallel --tensor-model-parallel-size 2",

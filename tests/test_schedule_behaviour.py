@@ -24,6 +24,7 @@ def test_dropout_recompute_is_rng_exact_and_deterministic():
     variants = [
         ("overlap", "--oases-schedule overlap"),  # splits the same way, recomputes nothing
         ("overlap-recompute", R + "--oases-schedule overlap"),
+        ("overlap-selective", "--recompute-granularity selective --oases-schedule overlap"),
         ("cross-pass", R + "--oases-schedule cross-pass"),
         ("oases", R + "--oases-schedule oases"),
         ("oases-again", R + "--oases-schedule oases"),
@@ -31,7 +32,7 @@ def test_dropout_recompute_is_rng_exact_and_deterministic():
     ]
     for res in run_distributed(variants_worker, 2, BASE + DROP, variants, timeout=280):
         ref = res["overlap"]
-        for name in ("overlap-recompute", "cross-pass", "oases"):
+        for name in ("overlap-recompute", "overlap-selective", "cross-pass", "oases"):
             assert max_rel_diff(res[name]["losses"], ref["losses"]) < 1e-6, name
             for p, g in ref["grads"].items():
                 assert max_rel_diff(res[name]["grads"][p], g) < 1e-6, (name, p)

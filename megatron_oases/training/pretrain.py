@@ -78,7 +78,8 @@ def run_in_process(argv, demo=True, extra_patches=()):
     measurement ranks): parse ``argv``, train, then tear down Megatron's globals and every patch so
     that the next job in the same process starts fresh. ``extra_patches`` (:class:`Patch` objects,
     e.g. a meter around ``train_step``) are installed for the run only.
-    Returns ``{'exit_code': code of an --exit-interval exit or None, 'installed': patch names}``."""
+    Returns ``{'exit_code': code of an --exit-interval exit or None, 'installed': the names of the
+    patches the job installed (the CPU shims aside)}``."""
     import shlex
 
     import torch.distributed as dist
@@ -107,7 +108,7 @@ def run_in_process(argv, demo=True, extra_patches=()):
             out["exit_code"] = exc.code
             if exc.code not in (0, None):
                 raise
-        out["installed"] = patches.installed()
+        out["installed"] = [n for n in patches.installed() if n != platform.cpu.PATCH_NAME]
     finally:
         for patch in reversed(extra_patches):
             patch.uninstall()
