@@ -16,6 +16,7 @@ SPLIT_SCHEDULES = ("overlap", "cross-pass", "oases")
 RECOMPUTE_SCHEDULES = ("cross-pass", "oases")
 #: Sub-batches per micro-batch.
 SUB_BATCHES = 2
+_WORDS = {2: "two", 3: "three", 4: "four"}
 
 
 def check_schedule(schedule, source="--oases-schedule"):
@@ -26,13 +27,14 @@ def check_schedule(schedule, source="--oases-schedule"):
     return schedule
 
 
-def check_schedule_recompute(schedule, recompute, fix="add --recompute-granularity full"):
+def check_schedule_recompute(
+    schedule, recompute, flag="--oases-schedule", fix="add --recompute-granularity full"
+):
     """``cross-pass``/``oases`` interleave recomputation with backward: without it they are not
-    defined. ``fix`` names the flag of the caller (Megatron's, or the planner's)."""
+    defined. ``flag``/``fix`` name the caller's flags (Megatron's, or the planner's)."""
     if schedule in RECOMPUTE_SCHEDULES and not recompute:
         raise OasesConfigError(
-            f"schedule {schedule} merges recompute with backward; {fix} or use the overlap "
-            "schedule"
+            f"{flag} {schedule} merges recompute with backward; {fix} or use {flag} overlap"
         )
 
 
@@ -47,7 +49,7 @@ def check_splittable(samples, what=None, need=SUB_BATCHES):
             )
         raise OasesConfigError(
             f"{what} leaves {samples} sample(s) per group, which cannot be split into "
-            f"{SUB_BATCHES} sub-batches; use --micro-batch-size ≥ {need} or --oases-schedule off"
+            f"{_WORDS.get(SUB_BATCHES, SUB_BATCHES)} sub-batches; use --micro-batch-size ≥ {need} or --oases-schedule off"
         )
 
 

@@ -2,7 +2,6 @@
 ``--oases-schedule off`` and ``oases``, PP=1 and PP=2; invalid plans."""
 
 import json
-import os
 
 import pytest
 from helpers import NO_DROP, RECOMPUTE, SHAPE

@@ -3,7 +3,6 @@ overlap evidence from the trace, activation memory, and reversible patches."""
 
 import glob
 import json
-import os
 
 import pytest
 import torch

@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from ..compat import require_symbol
+from .runtime import stage_of
 
 LAYERS = "decoder.layers."
 

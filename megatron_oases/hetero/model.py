@@ -13,7 +13,6 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import build_module
 
-from ..errors import OasesConfigError
 from .shards import full_tensor, take_shard
 
 

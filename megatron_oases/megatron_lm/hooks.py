@@ -6,7 +6,6 @@ import atexit
 import functools
 import os
 import sys
-import time
 
 from .. import patches
 from ..arguments import ALWAYS_DEFAULTS, add_oases_args, validate_oases_args

@@ -383,7 +383,7 @@ def build_problem(
     check_schedule(schedule, source="--schedule")
     if recompute is None:
         recompute = True
-    check_schedule_recompute(schedule, recompute, fix="drop --no-recompute")
+    check_schedule_recompute(schedule, recompute, flag="--schedule", fix="drop --no-recompute")
     T, D = profile.tp, profile.dp
     pp = int(profile.data.get("pipeline_model_parallel_size", 1))
     total_layers = int(num_layers or profile.num_layers)

@@ -15,7 +15,6 @@ the default stream in program order; the overlap needs them on different streams
 
 import contextlib
 
-import torch
 import torch.distributed as dist
 
 from .comm import deferred_tmp_comm
