@@ -10,7 +10,8 @@ from megatron_oases.errors import OasesConfigError
 from megatron_oases.launch import run_distributed
 from megatron_oases.testbed import calibrate
 from megatron_oases.testbed.clusters import load_cluster
-from megatron_oases.testbed.emulator import LinkEmulator, make_patch, resolve_dilation
+from megatron_oases.testbed.emulator import make_patch, resolve_dilation
+from megatron_oases.testbed.link_model import LinkEmulator
 
 # Dilation for the timing tests: a 1 MiB-element fp32 tensor (2 MiB at fp16) all-reduced over
 # PCIe takes ~0.19 ms on the model, ~190 ms emulated — long against sleep jitter, short for CI.
@@ -120,7 +121,8 @@ def _emulated_ranks():
 
     from megatron_oases import platform
     from megatron_oases.patches import Patch
-    from megatron_oases.testbed.emulator import EmulationError, EmulatorPatch, make_emulator
+    from megatron_oases.testbed.collectives import EmulationError
+    from megatron_oases.testbed.emulator import EmulatorPatch, make_emulator
 
     rank = dist.get_rank()
     emu = make_emulator("rtx3090-pcie", dilation=D)

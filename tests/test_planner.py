@@ -12,19 +12,13 @@ from megatron_oases.formats.plan import load_plan, save_plan, uniform_plan, vali
 from megatron_oases.formats.profile import Profile
 from megatron_oases.planner import api
 from megatron_oases.planner.brute import solve_brute
-from megatron_oases.planner.cost_model import (
-    Block,
-    ChainProblem,
-    build_problem,
-    decompose,
-    enumerate_assignments,
-    evaluate,
-    objective,
-    predict,
-)
+from megatron_oases.planner.build import build_problem
 from megatron_oases.planner.dp import min_memory, solve_dp
 from megatron_oases.planner.ilp import solve_ilp
+from megatron_oases.planner.prediction import predict
+from megatron_oases.planner.problem import Block, ChainProblem, enumerate_assignments
 from megatron_oases.planner.random_instances import random_problem
+from megatron_oases.planner.time_model import decompose, evaluate, objective
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.profiler.model_config import model_args, read_model_file
 

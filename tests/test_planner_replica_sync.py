@@ -1,7 +1,7 @@
 """The cost model pays the per-layer TMP runtime's replica gradient all-reduce (degree < T)."""
 
 from megatron_oases.formats.profile import Profile, tp_ranks
-from megatron_oases.planner.cost_model import predict
+from megatron_oases.planner.prediction import predict
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.profiler.model_config import model_args, read_model_file
 

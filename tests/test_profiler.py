@@ -259,7 +259,7 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     schedule (state excluded on both sides: it is counted exactly from parameter counts)."""
     from megatron_oases.formats.plan import save_plan, uniform_plan
     from megatron_oases.launch import run_distributed
-    from megatron_oases.planner.cost_model import predict
+    from megatron_oases.planner.prediction import predict
     from megatron_oases.training.measure import activation_peaks
 
     flags = (
@@ -301,7 +301,7 @@ def test_memory_model_pipeline_stages(measured, tmp_path):
 
     from megatron_oases.formats.profile import Profile
     from megatron_oases.launch import run_distributed
-    from megatron_oases.planner.cost_model import predict
+    from megatron_oases.planner.prediction import predict
     from megatron_oases.training.measure import activation_peaks
 
     data = copy.deepcopy(measured["profile"].data)

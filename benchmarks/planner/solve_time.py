@@ -21,12 +21,13 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from megatron_oases.formats.profile import Profile  # noqa: E402
 from megatron_oases.planner.api import solve  # noqa: E402
-from megatron_oases.planner.cost_model import build_problem, decompose  # noqa: E402
+from megatron_oases.planner.build import build_problem  # noqa: E402
 from megatron_oases.planner.dp import min_memory, solve_dp  # noqa: E402
 from megatron_oases.planner.ilp import solve_ilp  # noqa: E402
+from megatron_oases.planner.time_model import decompose  # noqa: E402
 from megatron_oases.profiler.analytic import analytic_profile  # noqa: E402
-from megatron_oases.formats.profile import Profile  # noqa: E402
 from megatron_oases.profiler.model_config import model_args, read_model_file  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

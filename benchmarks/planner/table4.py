@@ -17,12 +17,13 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from megatron_oases.errors import OasesConfigError  # noqa: E402
+from megatron_oases.formats.profile import Profile  # noqa: E402
 from megatron_oases.planner.api import make_plan  # noqa: E402
-from megatron_oases.planner.cost_model import build_problem, evaluate  # noqa: E402
+from megatron_oases.planner.build import build_problem  # noqa: E402
 from megatron_oases.planner.dp import min_memory  # noqa: E402
 from megatron_oases.planner.explain import compress_degrees  # noqa: E402
+from megatron_oases.planner.time_model import evaluate  # noqa: E402
 from megatron_oases.profiler.analytic import analytic_profile  # noqa: E402
-from megatron_oases.formats.profile import Profile  # noqa: E402
 from megatron_oases.profiler.model_config import model_args, read_model_file  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

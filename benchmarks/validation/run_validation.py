@@ -114,7 +114,7 @@ def write_plan(out, name, degrees, schedule):
 
 
 def predict_one(profile, degrees, schedule, recompute):
-    from megatron_oases.planner.cost_model import predict
+    from megatron_oases.planner.prediction import predict
 
     r = predict(
         profile,

@@ -10,7 +10,9 @@ Public API::
 
 from ..formats.plan import load_plan, save_plan, uniform_plan, validate_plan
 from .api import make_plan
-from .cost_model import build_problem, evaluate, predict
+from .build import build_problem
+from .prediction import predict
+from .time_model import evaluate
 
 __all__ = [
     "build_problem",

@@ -6,16 +6,12 @@ import time
 from ..errors import OasesConfigError
 from ..formats.plan import PLAN_VERSION
 from ..formats.profile import Profile, load_profile, sha256_of
-from .cost_model import (
-    DEFAULT_GRANULE,
-    DEFAULT_MARGIN,
-    build_problem,
-    decompose,
-    evaluate,
-    memory_breakdown,
-)
+from .build import build_problem
 from .dp import min_memory, solve_dp
 from .ilp import DEFAULT_TIME_LIMIT_S, solve_ilp
+from .memory_model import memory_breakdown
+from .problem import DEFAULT_GRANULE, DEFAULT_MARGIN
+from .time_model import decompose, evaluate
 
 SOLVERS = ("ilp", "dp")
 VERIFY_RTOL = 1e-6

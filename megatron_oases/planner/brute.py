@@ -1,13 +1,14 @@
 """Brute force over every degree assignment: the reference the tests hold the ILP and DP to.
 
-It evaluates each assignment with :func:`cost_model.evaluate` (the direct eq. 3–4 walk), not with
+It evaluates each assignment with :func:`time_model.evaluate` (the direct eq. 3–4 walk), not with
 the unary/pairwise decomposition the solvers use, so it also checks that decomposition.
 """
 
 import time
 
 from .common import Solution
-from .cost_model import enumerate_assignments, evaluate
+from .problem import enumerate_assignments
+from .time_model import evaluate
 
 
 def solve_brute(problem, limit=200_000):

@@ -11,8 +11,10 @@ import sys
 
 from ..errors import OasesConfigError
 from ..validation import SCHEDULES
-from .cost_model import DEFAULT_MARGIN, build_problem, predict
+from .build import build_problem
 from .ilp import DEFAULT_TIME_LIMIT_S
+from .prediction import predict
+from .problem import DEFAULT_MARGIN
 
 
 def build_parser():

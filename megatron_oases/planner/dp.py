@@ -1,6 +1,6 @@
 """Exact dynamic program over the layer chain (the fast path, and the ILP's cross-check).
 
-The objective is a chain: ``Σ_l U[l, k_l] + Σ_l P[l, k_l, k_{l+1}]`` (:func:`cost_model.decompose`).
+The objective is a chain: ``Σ_l U[l, k_l] + Σ_l P[l, k_l, k_{l+1}]`` (:func:`time_model.decompose`).
 Constraints: allowed degrees per layer (pins), at most ``S`` degree switches, and eq. (6) memory in
 integer granules: ``fixed + Σ_l A[l, k_l] + max_l R[l, k_l] ≤ budget``.
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import OasesConfigError
 from .common import Solution
-from .cost_model import decompose, objective
+from .time_model import decompose, objective
 
 MAX_STATES = 400_000_000  # back-pointer bytes (int8) the DP may allocate
 

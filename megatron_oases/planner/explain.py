@@ -1,7 +1,7 @@
 """The explanation table ``oases plan`` prints: per layer, the degree chosen, its cost, the runner-up
 (the best other degree for that layer with every other layer kept) and why it lost."""
 
-from .cost_model import decompose, evaluate, objective
+from .time_model import decompose, evaluate, objective
 
 
 def _ms(s):

@@ -16,7 +16,7 @@ import numpy as np
 import pulp
 
 from .common import Solution
-from .cost_model import decompose, objective
+from .time_model import decompose, objective
 
 DEFAULT_TIME_LIMIT_S = 60
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .cost_model import Block, ChainProblem
+from .problem import Block, ChainProblem
 
 
 def random_problem(

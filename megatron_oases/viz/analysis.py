@@ -94,7 +94,7 @@ def modelled_ends(comms, comm_model):
 
     ``comm_model(event)`` gives an op's emulated duration (µs) or None. Ops on one group (keyed by
     group size, which identifies the TP group in a TP-only layout) queue behind each other, as in
-    :class:`megatron_oases.testbed.emulator.LinkEmulator`.
+    :class:`megatron_oases.testbed.link_model.LinkEmulator`.
     """
     busy, ends = {}, [None] * len(comms)
     order = sorted(

@@ -1,0 +1,308 @@
+"""Build a :class:`~.problem.ChainProblem` from a profile: the chains per schedule and their costs.
+
+A transformer layer is two blocks (attention, MLP); a block is a computation sequence followed by its
+all-reduce. Every layer ``l`` runs at one TMP degree ``d_l`` dividing the TMP domain ``T``: the
+domain's micro-batch of ``m`` samples is split over ``T/d_l`` groups of ``d_l`` ranks, so a group
+processes ``n_l = m·d_l/T`` samples (two sub-batches ``⌈n_l/2⌉, ⌊n_l/2⌋`` under the overlapped
+schedules). Backward chains per schedule (layers in reverse):
+
+* ``off`` (stock Megatron, no split): recompute ``R+C`` of both blocks, then ``B+C`` of both.
+* ``overlap``: split; recompute pass and backward pass of each layer are separate segments (the
+  pass barrier of Fig. 3b); without recompute the whole backward is one segment.
+* ``cross-pass``: split; blocks ``(R_a,C) (R_m,C) (B_m,C) (B_a,C)`` of all layers in one segment.
+* ``oases``: split; fine-grained recompute drops the recompute all-reduce: ``(R_m+B_m, C)
+  (R_a+B_a, C)`` in one segment.
+
+Between adjacent layers with different degrees the batch is re-split (an all-gather when the degree
+grows; :mod:`.time_model`). The embedding and output layer run at ``T``, so a first/last layer below
+``T`` adds one all-gather each (backward at the embedding, forward at the output). The output
+layer's GEMMs and the embedding/output all-reduces over ``T`` are a degree-independent constant per
+micro-batch. The iteration time is ``(num_microbatches + P − 1) × (forward + backward + edges)``
+(1F1B over P pipeline stages; P = 1 without PP), plus, once per iteration, the all-reduce of each
+degree-d < T layer's gradients over its T/d replicas (the per-layer runtime's replica sync; not in
+the paper's eq. 5) — or, with ``grad_sync=True``, each layer's whole data-parallel gradient
+all-reduce of its ``params/d`` over ``D·T/d`` replicas. Memory terms come from
+:mod:`.memory_model`.
+
+This module checks the batch, degree and pin arguments against the profile and turns the profile's
+timings into tables; the time and memory models themselves do not read arguments.
+"""
+
+import math
+
+import numpy as np
+
+from ..errors import OasesConfigError
+from ..formats.profile import gather_ranks, tp_ranks
+from ..validation import SPLIT_SCHEDULES, check_schedule, check_schedule_recompute
+from .memory_model import memory_parts
+from .problem import DEFAULT_GRANULE, DEFAULT_MARGIN, Block, ChainProblem
+
+
+def _subs(n, split):
+    if not split:
+        return [n]
+    return [n - n // 2, n // 2]
+
+
+def build_problem(
+    profile,
+    *,
+    schedule="oases",
+    global_batch_size,
+    micro_batch_size=None,
+    degrees=None,
+    recompute=None,
+    memory_gb=None,
+    margin=DEFAULT_MARGIN,
+    granule=DEFAULT_GRANULE,
+    pins=None,
+    max_switches=None,
+    num_layers=None,
+    grad_sync=False,
+    allow_unsplit=False,
+    distributed_optimizer=False,
+    stage=0,
+):
+    """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.formats.profile.Profile`).
+
+    With pipeline parallelism (the profile's ``pipeline_model_parallel_size`` P > 1) the chain is
+    one stage's ``num_layers / P`` layers (``num_layers``: the whole model's, default the
+    profile's), costed for Megatron's 1F1B schedule: the iteration takes ``(M + P − 1)`` stage
+    micro-batch times (pipeline bubble, M micro-batches), and pipeline ``stage`` s holds the saved
+    activations of ``min(P − s, M)`` micro-batches at its peak (stage 0, the default, holds the
+    most). Stage-to-stage p2p transfers are not modelled."""
+    check_schedule(schedule, source="--schedule")
+    if recompute is None:
+        recompute = True
+    check_schedule_recompute(schedule, recompute, flag="--schedule", fix="drop --no-recompute")
+    T, D = profile.tp, profile.dp
+    pp = int(profile.data.get("pipeline_model_parallel_size", 1))
+    total_layers = int(num_layers or profile.num_layers)
+    if total_layers % pp:
+        raise OasesConfigError(
+            f"{total_layers} layers do not split evenly over {pp} pipeline stages; "
+            "change --num-layers or --pipeline-model-parallel-size"
+        )
+    if not 0 <= stage < pp:
+        raise OasesConfigError(f"pipeline stage {stage} is out of range (0–{pp - 1})")
+    L = total_layers // pp
+    shape = profile.shape
+    p = profile.dtype_bytes
+    if global_batch_size <= 0 or global_batch_size % D:
+        raise OasesConfigError(
+            f"--global-batch-size {global_batch_size} is not a positive multiple of the data-parallel "
+            f"size {D}"
+        )
+    per_domain = global_batch_size // D
+    m = int(micro_batch_size or per_domain)
+    if m <= 0 or per_domain % m:
+        raise OasesConfigError(
+            f"--micro-batch-size {m} does not divide the {per_domain} samples per TMP domain "
+            f"(global batch {global_batch_size} / DP {D})"
+        )
+    microbatches = per_domain // m
+    # 1F1B: M micro-batches through P stages take M + P − 1 stage slots; stage s keeps up to
+    # P − s micro-batches' activations alive
+    repeats = microbatches + pp - 1
+    in_flight = min(pp - stage, microbatches)
+    split = schedule in SPLIT_SCHEDULES
+    available = profile.degrees
+    cand = sorted(int(d) for d in (degrees or available))
+    for d in cand:
+        if d not in available:
+            raise OasesConfigError(
+                f"TMP degree {d} is not in the profile (it has {available}); re-profile or drop it"
+            )
+    usable, why = [], []
+    for d in cand:
+        n = m * d / T
+        if n != int(n) or n < (2 if split and not allow_unsplit else 1):
+            why.append(
+                f"degree {d} gives {n:g} samples per group per micro-batch"
+                + (" (needs ≥ 2 to split; see allow_unsplit)" if split and n == 1 else "")
+            )
+            continue
+        usable.append(d)
+    if not usable:
+        raise OasesConfigError(
+            f"no candidate TMP degree works with micro-batch {m} and T={T}: {'; '.join(why)}; "
+            "raise --micro-batch-size"
+        )
+    if degrees and len(usable) < len(cand):
+        raise OasesConfigError(
+            "; ".join(why) + "; drop it from --degrees or raise --micro-batch-size"
+        )
+    degs = usable
+    K = len(degs)
+    hid = shape["seq_length"] * shape["hidden_size"] * p  # bytes per sample of a hidden state
+
+    def comp(block, phase, d, sizes):
+        return [profile.compute_time(block, phase, d, n) if n else 0.0 for n in sizes]
+
+    # per-degree tables: [sub][k]
+    sizes = {d: _subs(m * d // T, split) for d in degs}
+    S = len(next(iter(sizes.values())))
+    tab = {}
+    for block in ("attention", "mlp"):
+        for phase in ("forward_s", "recompute_s", "backward_s"):
+            tab[block, phase] = np.array(
+                [[comp(block, phase, d, sizes[d])[s] for d in degs] for s in range(S)]
+            )
+    ar = np.array(
+        [[profile.all_reduce_time(tp_ranks(d), sizes[d][s] * hid) for d in degs] for s in range(S)]
+    )
+
+    def blk(layer, name, comp_arr, comm_arr):
+        return Block(layer, name, comp_arr, comm_arr)
+
+    F = {b: tab[b, "forward_s"] for b in ("attention", "mlp")}
+    R = {b: tab[b, "recompute_s"] for b in ("attention", "mlp")}
+    B = {b: tab[b, "backward_s"] for b in ("attention", "mlp")}
+
+    forward = [[]]
+    for l in range(L):
+        forward[0].append(blk(l, "attention.F", F["attention"], ar))
+        forward[0].append(blk(l, "mlp.F", F["mlp"], ar))
+
+    backward = []
+    if schedule == "oases":
+        seg = []
+        for l in reversed(range(L)):
+            seg.append(blk(l, "mlp.R+B", R["mlp"] + B["mlp"], ar))
+            seg.append(blk(l, "attention.R+B", R["attention"] + B["attention"], ar))
+        backward = [seg]
+    elif schedule in ("cross-pass", "off") or not recompute:
+        seg = []
+        for l in reversed(range(L)):
+            if recompute:
+                seg.append(blk(l, "attention.R", R["attention"], ar))
+                seg.append(blk(l, "mlp.R", R["mlp"], ar))
+            seg.append(blk(l, "mlp.B", B["mlp"], ar))
+            seg.append(blk(l, "attention.B", B["attention"], ar))
+        backward = [seg]
+    else:  # overlap with recompute: recompute pass and backward pass per layer, barriers between
+        for l in reversed(range(L)):
+            backward.append(
+                [blk(l, "attention.R", R["attention"], ar), blk(l, "mlp.R", R["mlp"], ar)]
+            )
+            backward.append(
+                [blk(l, "mlp.B", B["mlp"], ar), blk(l, "attention.B", B["attention"], ar)]
+            )
+
+    # re-shard all-gathers between adjacent layers (same for every boundary: layers are alike)
+    g = np.zeros((K, K))
+    for i, di in enumerate(degs):
+        for j, dj in enumerate(degs):
+            if di == dj:
+                continue
+            lo, hi = min(di, dj), max(di, dj)
+            ranks = gather_ranks(lo, hi)
+            g[i, j] = sum(profile.all_gather_time(ranks, n * hid) for n in sizes[hi])
+    gather = np.broadcast_to(g, (max(L - 1, 0), K, K)).copy()
+
+    # embedding (input, backward) and output layer (forward) run at T: re-shard at both ends
+    boundary = np.zeros((L, K))
+    for k, d in enumerate(degs):
+        if d < T:
+            t = profile.all_gather_time(gather_ranks(d, T), m * hid)
+            boundary[0, k] += t
+            boundary[L - 1, k] += t
+
+    # memory (bytes per rank, eq. 6)
+    parts, fixed_parts = memory_parts(
+        profile,
+        degs,
+        num_layers=L,
+        micro_batch=m,
+        schedule=schedule,
+        recompute=recompute,
+        in_flight=in_flight,
+        distributed_optimizer=distributed_optimizer,
+    )
+    mem_add = parts["state"] + parts["saved"]
+    mem_rt = parts["runtime"]
+    mem_fixed = sum(fixed_parts.values())
+
+    allowed = np.ones((L, K), dtype=bool)
+    for layers, d in pins or ():
+        if d not in degs:
+            raise OasesConfigError(
+                f"--pin degree {d} is not a candidate degree here ({', '.join(map(str, degs))})"
+            )
+        for l in layers:
+            if not 0 <= l < L:
+                raise OasesConfigError(f"--pin layer {l} is out of range (0–{L - 1})")
+            allowed[l, :] = False
+            allowed[l, degs.index(d)] = True
+
+    # degree-independent work outside the layers, per micro-batch: the output layer's GEMMs; the
+    # vocab-parallel embedding's forward all-reduce and the output layer's dgrad all-reduce over T
+    edge_ar = profile.all_reduce_time(tp_ranks(T), m * hid)
+    fixed_fwd = profile.fixed_compute("forward") * m + edge_ar
+    fixed_bwd = profile.fixed_compute("backward") * m + edge_ar
+
+    sync = np.zeros((L, K))
+    sync_available = True
+    for k, d in enumerate(degs):
+        t = profile.grad_sync_time(d)
+        if t is None:
+            sync_available = False
+            t = 0.0
+        sync[:, k] = t
+    replica = np.zeros((L, K))
+    for k, d in enumerate(degs):
+        if d < T:
+            nbytes = profile.mem("params_per_layer", d) * profile.dtype_bytes
+            replica[:, k] = profile.all_reduce_time(tp_ranks(T // d), nbytes)
+    if grad_sync and not sync_available:
+        raise OasesConfigError(
+            "this profile has no data-parallel gradient all-reduce timings (measured profiles lack "
+            "them); drop --grad-sync or use an --analytic profile"
+        )
+
+    if max_switches is not None and max_switches < 0:
+        raise OasesConfigError("--max-switches must be ≥ 0")
+    memory_bytes = math.inf if memory_gb is None else float(memory_gb) * 1e9
+    return ChainProblem(
+        degrees=degs,
+        num_layers=L,
+        subs=2 if split else 1,
+        forward=forward,
+        backward=backward,
+        gather_fwd=gather,
+        gather_bwd=gather.copy(),
+        boundary=boundary,
+        repeats=repeats,
+        mem_add=mem_add,
+        mem_runtime=mem_rt,
+        mem_fixed=mem_fixed,
+        memory_bytes=memory_bytes,
+        margin=margin,
+        granule=granule,
+        allowed=allowed,
+        max_switches=max_switches,
+        fixed_forward_s=fixed_fwd,
+        fixed_backward_s=fixed_bwd,
+        grad_sync=sync,
+        include_grad_sync=bool(grad_sync),
+        replica_sync=replica,
+        meta={
+            "schedule": schedule,
+            "recompute": bool(recompute),
+            "tensor_model_parallel_size": T,
+            "data_parallel_size": D,
+            "global_batch_size": int(global_batch_size),
+            "micro_batch_size": m,
+            "num_microbatches": microbatches,
+            "pipeline_model_parallel_size": pp,
+            "pipeline_stage": stage,
+            "in_flight_microbatches": in_flight,
+            "total_layers": total_layers,
+            "excluded_degrees": why,
+            "unsplit_degrees": [d for d in degs if split and m * d // T < 2],
+            "distributed_optimizer": bool(distributed_optimizer),
+            "memory_parts": parts,
+            "fixed_memory_parts": fixed_parts,
+        },
+    )

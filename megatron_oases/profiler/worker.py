@@ -1,0 +1,138 @@
+"""The profiling job every rank runs: process groups per degree, the probes, the max over ranks.
+
+For every candidate degree ``d`` the ranks are partitioned into groups of ``d``
+(``torch.distributed.new_group``) and each group builds one layer with ``pg_collection.tp`` = its
+group, so all ranks work at once as in training; each sub-batch size in play is probed
+(:mod:`.probes`) and the maximum over ranks kept. Communication is timed on its own: ``all_reduce``
+on every TMP group size and ``all_gather_into_tensor`` on every re-shard group (strided ranks), at
+the message sizes in play plus a spread.
+
+Under ``--emulate-link PROFILE`` the testbed's link emulator is installed first, so communication is
+timed as emulated (and compute in host time): the profile then predicts the emulated testbed.
+
+Separate from :mod:`.measured` because this is what runs inside each (spawned or torchrun) rank,
+while the driver runs once: it picks the sizes, caches, spawns and assembles.
+"""
+
+import argparse
+import time
+
+from ..formats.profile import ranks_key, tp_ranks
+from .probes import build_layer, comm_time, profile_block_times
+
+
+def _max_over_ranks(values):
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def profile_worker(payload):
+    """Runs on every rank (default process group up). Returns the profile pieces on every rank."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from .. import platform
+
+    margs = argparse.Namespace(**payload["args"])
+    degrees, repeats = payload["degrees"], payload["repeats"]
+    phases = {"start": time.time() - payload["t0"]}
+    t_phase = time.time()
+
+    def mark(name):
+        nonlocal t_phase
+        now = time.time()
+        phases[name] = now - t_phase
+        t_phase = now
+
+    platform.install_cpu_shims()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    patch = None
+    if payload.get("emulate_link"):
+        from ..patching import REGISTRY
+        from ..testbed.emulator import make_patch
+
+        patch = make_patch(argparse.Namespace(emulate_link=payload["emulate_link"]))
+        REGISTRY.install(patch)
+    try:
+        # every rank creates every group in the same order
+        singles = {r: dist.new_group([r]) for r in range(world)}
+        tp_groups = {}
+        for d in degrees:
+            for base in range(0, world, d):
+                ranks = list(range(base, base + d))
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    tp_groups[d] = g
+        gather_groups = {}
+        for key, (lo, hi) in payload["gathers"].items():
+            for base in range(0, world, hi):
+                for o in range(lo):
+                    ranks = [base + o + i * lo for i in range(hi // lo)]
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        gather_groups[key] = g
+
+        mark("setup_groups")
+        compute, saved, params = {}, {}, {}
+        for d in degrees:
+            layer = build_layer(margs, d, tp_groups[d], singles[rank])
+            params[d] = sum(p.numel() for p in layer.parameters())
+            compute[d], saved[d] = {}, {}
+            for n in payload["sizes"][str(d)]:
+                dist.barrier()
+                t, b = profile_block_times(layer, margs, n, repeats)
+                flat = [
+                    t[blk][ph]
+                    for blk in ("attention", "mlp")
+                    for ph in ("forward_s", "recompute_s", "backward_s")
+                ]
+                flat = _max_over_ranks(flat)
+                it = iter(flat)
+                compute[d][n] = {
+                    blk: {ph: next(it) for ph in ("forward_s", "recompute_s", "backward_s")}
+                    for blk in ("attention", "mlp")
+                }
+                saved[d][n] = b
+            del layer
+
+        mark("compute")
+        comm = {"all_reduce": {}, "all_gather": {}}
+        for d in degrees:
+            if d == 1:
+                continue
+            pts = []
+            for nbytes in payload["messages"]:
+                t = comm_time("all_reduce", tp_groups[d], nbytes, repeats)
+                pts.append([nbytes, _max_over_ranks([t])[0]])
+            comm["all_reduce"][ranks_key(tp_ranks(d))] = pts
+        for key, (lo, hi) in payload["gathers"].items():
+            pts = []
+            for nbytes in payload["messages"]:
+                t = comm_time("all_gather", gather_groups[key], nbytes, repeats)
+                pts.append([nbytes, _max_over_ranks([t])[0]])
+            comm["all_gather"][key] = pts
+        mark("comm")
+        dilation = getattr(getattr(patch, "emulator", None), "dilation", None)
+        return {
+            "phase_seconds": phases,
+            "compute": compute,
+            "saved": saved,
+            "params": params,
+            "comm": comm,
+            "dilation": dilation,
+            "threads": torch.get_num_threads(),
+        }
+    finally:
+        if patch is not None:
+            from ..patching import REGISTRY
+
+            REGISTRY.uninstall(patch.name)
+        parallel_state.destroy_model_parallel()

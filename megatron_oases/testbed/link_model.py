@@ -1,0 +1,233 @@
+"""Link timing of the emulator: the target link's α–β time, dilated, queued per channel.
+
+:class:`LinkEmulator` decides *when* an emulated op may complete; it does not touch
+``torch.distributed`` (:mod:`.collectives` wraps the functions and calls :meth:`LinkEmulator.issue`),
+so it can be driven with a fake clock:
+
+* ``t_model`` is an op's time on the target link from the ring α–β model of
+  :class:`~.clusters.ClusterProfile` (all-reduce ``2(N−1)/N·K/bw + 2(N−1)·α``; all-gather and
+  reduce-scatter ``(N−1)/N·K/bw + (N−1)·α``; broadcast ``K/bw + (N−1)·α``; p2p ``K/bw + α``). The link
+  is picked by the group's *global* ranks (``ClusterProfile.link_for``: inter-node, NVLink pair, or
+  intra-node PCIe). ``K`` counts floating-point elements at the profile's training dtype
+  (``dtype_bytes``, 2 for fp16/bf16) although the CPU tensors are fp32; integer tensors count at their
+  own element size. An op completes no earlier than ``dilation × t_model`` after it starts.
+* Collectives on one set of ranks share one channel: an op starts when it is issued *and* the previous
+  op on that channel has finished (a per-channel "busy until" time). Point-to-point transfers use one
+  channel per peer and direction (full duplex).
+* Async ops stay async: ``async_op=True`` (and ``isend``/``irecv``/``batch_isend_irecv``) return an
+  :class:`EmulatedWork` whose ``wait()`` does the real wait and then sleeps until the modelled
+  completion. Compute done between issue and ``wait()`` therefore hides the modelled transfer, exactly as
+  a GPU communication stream would; a synchronous op blocks until its modelled completion.
+
+``EmulatedWork`` behaves like a ``torch.distributed.Work`` (``wait``, ``is_completed``, ``is_success``,
+``exception``, …; only ``get_future()`` is the real work's future, not delayed).
+``EmulatedWork.done_at`` is the modelled completion on the ``time.perf_counter`` clock, for tracers
+that want to record it. Every op is recorded (``LinkEmulator.records``), and the time this rank spent
+blocked is kept for :meth:`LinkEmulator.usage`.
+"""
+
+import collections
+import threading
+import time
+
+from ..errors import OasesConfigError
+
+
+class EmulatedWork:
+    """A ``Work`` whose ``wait()`` returns no earlier than the modelled completion time."""
+
+    def __init__(self, work, done_at, emulator, record):
+        self._work = work
+        self.done_at = done_at
+        self._emu = emulator
+        self._record = record
+        self._waited = False
+
+    def wait(self, timeout=None):
+        t_wait = self._emu.clock()
+        if self._record is not None and self._record["wait"] is None:
+            self._record["wait"] = t_wait
+        if self._work is not None:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+        self._emu.sleep_until(self.done_at)
+        t_done = self._emu.clock()
+        if self._record is not None and self._record["returned"] is None:
+            self._record["returned"] = t_done
+        self._emu.blocked_s += t_done - t_wait
+        self._waited = True
+        return True
+
+    def synchronize(self):
+        self.wait()
+
+    def block_current_stream(self):
+        self.wait()
+
+    def is_completed(self):
+        real = True if self._work is None else self._work.is_completed()
+        return bool(real) and self._emu.clock() >= self.done_at
+
+    def is_success(self):
+        return True if self._work is None else self._work.is_success()
+
+    def exception(self):
+        return None if self._work is None else self._work.exception()
+
+    def result(self):
+        self.wait()
+        return [] if self._work is None else self._work.result()
+
+    def __getattr__(self, name):  # anything else (source_rank, get_future, ...) from the real Work
+        work = self.__dict__.get("_work")
+        if work is None:
+            raise AttributeError(name)
+        return getattr(work, name)
+
+    def __repr__(self):
+        return f"EmulatedWork({self._work!r}, done_at={self.done_at:.6f})"
+
+
+class LinkEmulator:
+    """Models op times on ``profile``'s links and delays completion to ``dilation ×`` that time."""
+
+    def __init__(
+        self, profile, dilation, clock=time.perf_counter, sleep=time.sleep, max_records=4096
+    ):
+        if not dilation or dilation <= 0:
+            raise OasesConfigError(f"link emulation needs a positive dilation, got {dilation!r}")
+        self.profile = profile
+        self.dilation = float(dilation)
+        self.clock = clock
+        self._sleep = sleep
+        self._busy = {}
+        self._lock = threading.Lock()
+        self.records = collections.deque(maxlen=max_records)
+        self.originals = {}
+        self.blocked_s = 0.0  # time this rank spent blocked in emulated ops
+        self.ops = 0
+        self._t0 = None
+
+    # -- host usage --------------------------------------------------------------------------
+    def start_usage(self):
+        self.blocked_s, self.ops = 0.0, 0
+        self._t0 = (time.perf_counter(), time.thread_time())
+
+    def usage(self):
+        """Wall and CPU time of this thread since install, time blocked, and the CPU share.
+
+        ``cpu_share`` = thread CPU time ÷ wall time spent *not* blocked in an emulated op: 1.0 when
+        the compute ran on a free core, lower when other processes competed for it (the emulation
+        then under-states the target's communication share, since only compute slows down).
+        """
+        if self._t0 is None:
+            return None
+        wall = time.perf_counter() - self._t0[0]
+        cpu = time.thread_time() - self._t0[1]
+        busy = max(wall - self.blocked_s, 1e-9)
+        return {
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "blocked_s": self.blocked_s,
+            "ops": self.ops,
+            "cpu_share": min(cpu / busy, 1.0),
+        }
+
+    # -- model -------------------------------------------------------------------------------
+    def element_bytes(self, tensor):
+        if tensor.is_floating_point():
+            return self.profile.dtype_bytes
+        if tensor.is_complex():
+            return 2 * self.profile.dtype_bytes
+        return tensor.element_size()
+
+    def tensor_bytes(self, tensor):
+        return tensor.numel() * self.element_bytes(tensor)
+
+    def model_seconds(self, kind, nbytes, ranks):
+        """Undilated time of one op on the target link (seconds)."""
+        p, n = self.profile, len(ranks)
+        if kind == "all_reduce":
+            return p.all_reduce_time(nbytes, ranks)
+        if kind == "all_gather":
+            return p.all_gather_time(nbytes, ranks)
+        if kind == "reduce_scatter":
+            return p.reduce_scatter_time(nbytes, ranks)
+        if kind == "broadcast":
+            if n <= 1:
+                return 0.0
+            link = p.link_for(ranks)
+            return nbytes / (link.bandwidth_gbs * 1e9) + (n - 1) * link.latency_us * 1e-6
+        if kind == "p2p":
+            if n <= 1:
+                return 0.0
+            return p.link_for(ranks).ring_time(1, nbytes)
+        raise ValueError(kind)
+
+    def reserve(self, channel, seconds, now=None):
+        """Book ``seconds`` of host time on ``channel``; returns (start, done) on the host clock."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            start = max(now, self._busy.get(channel, 0.0))
+            done = start + seconds
+            self._busy[channel] = done
+        return start, done
+
+    def sleep_until(self, t):
+        while True:
+            remaining = t - self.clock()
+            if remaining <= 0:
+                return
+            self._sleep(remaining)
+
+    def _record(self, op, nbytes, ranks, model_s, issue, start, done, is_async):
+        rec = {
+            "op": op,
+            "bytes": int(nbytes),
+            "ranks": list(ranks),
+            "model_s": model_s,
+            "emulated_s": model_s * self.dilation,
+            "issue": issue,
+            "start": start,
+            "done_at": done,
+            "async": is_async,
+            "wait": None if is_async else issue,
+            "returned": None,
+        }
+        self.ops += 1
+        self.records.append(rec)
+        return rec
+
+    # -- issue and completion (called by the wrappers of :mod:`.collectives`) --------------
+    def issue(self, op, kind, nbytes, ranks, channel):
+        """Model and book one op; returns (done_at, record fields) or (None, None) when it is free."""
+        model_s = self.model_seconds(kind, nbytes, ranks)
+        if model_s <= 0.0:
+            return None, None
+        issue = self.clock()
+        start, done = self.reserve(channel, model_s * self.dilation, issue)
+        return done, (op, nbytes, ranks, model_s, issue, start, done)
+
+    def finish_sync(self, result, done, info):
+        """A synchronous op: record it and block until its modelled completion ``done``."""
+        rec = self._record(*info, is_async=False)
+        self.sleep_until(done)
+        rec["returned"] = self.clock()
+        self.blocked_s += rec["returned"] - rec["issue"]
+        return result
+
+    def wrap_async(self, work, done, info):
+        """An async op: record it; its handle's ``wait()`` returns no earlier than ``done``."""
+        rec = self._record(*info, is_async=True)
+        return EmulatedWork(work, done, self, rec)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def describe(self):
+        p = self.profile
+        return (
+            f"emulating {p.name} ({p.gpu}): target {p.sustained_tflops:g} TFLOP/s {p.dtype} "
+            f"sustained, dilation D = {self.dilation:.1f}; every collective completes no earlier than "
+            f"D x its ring alpha-beta time on the target link"
+        )
