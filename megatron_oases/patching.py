@@ -11,7 +11,7 @@ logger = logging.getLogger(__name__)
 
 
 class Patch:
-    """A named set of attribute replacements. Subclasses may override ``_apply``/``_revert``."""
+    """A named set of attribute replacements; ``on_install``/``on_uninstall`` hooks do the rest."""
 
     def __init__(
         self, name, replacements=(), on_install=None, on_uninstall=None, after_uninstall=None

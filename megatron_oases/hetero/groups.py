@@ -18,6 +18,8 @@ from ..errors import OasesConfigError
 class HeteroGroups:
     def __init__(self, T, degrees):
         self.T = T
+        if any(d < 1 or T % d or d & (d - 1) for d in degrees):
+            raise OasesConfigError(f"TMP degrees must be powers of two dividing {T}: {degrees}")
         self.rank = dist.get_rank()
         world = dist.get_world_size()
         if world % T:

@@ -1,0 +1,343 @@
+"""Unit tests of the two-sub-batch executor (Alg. 1/2) and of the deferred TMP communication.
+
+No process group: ``executor.dist`` is replaced by a recorder whose all-reduce only completes (sums
+over its ``size`` identical ranks) when waited, so a result used before its wait shows up as a wrong
+value, and every issue / wait / compute lands in one log whose order the tests pin down.
+"""
+
+import pytest
+import torch
+
+from megatron_oases.schedule import comm
+from megatron_oases.schedule import executor as ex
+from megatron_oases.schedule import trace as trace_mod
+from megatron_oases.schedule.executor import Comm, Compute, run_programs
+
+
+class FakeGroup:
+    def __init__(self, size):
+        self.size = size
+
+
+class FakeWork:
+    def __init__(self, channel, tensor, name, size):
+        self.channel, self.tensor, self.name, self.size = channel, tensor, name, size
+        self.waits = 0
+
+    def wait(self):
+        self.waits += 1
+        self.channel.log.append(("wait", self.name))
+        if self.channel.fail_wait:
+            raise RuntimeError(f"collective {self.name} failed")
+        self.tensor.mul_(self.size)  # the all-reduce (sum over `size` equal ranks) completes here
+        self.channel.in_flight.remove(self)
+
+
+class FakeDist:
+    """Stands in for ``torch.distributed`` inside the executor: one channel, recorded."""
+
+    def __init__(self):
+        self.log, self.in_flight, self.works, self.calls = [], [], [], []
+        self.max_in_flight = 0
+        self.fail_wait = False
+        self.name_of = {}  # id(tensor) -> op name, set by the programs' get()
+
+    def get_world_size(self, group=None):
+        return group.size
+
+    def all_reduce(self, tensor, group=None, async_op=False):
+        name = self.name_of[id(tensor)]
+        self.calls.append((name, group, async_op))
+        self.log.append(("issue", name))
+        work = FakeWork(self, tensor, name, group.size)
+        self.in_flight.append(work)
+        self.works.append(work)
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        return work
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    d = FakeDist()
+    monkeypatch.setattr(ex, "dist", d)
+    monkeypatch.setattr(trace_mod, "_ACTIVE", [])
+    return d
+
+
+def program(fake, name, n_comms, group, state=None):
+    """A layer-like program ``c0 C0 c1 C1 ... c_n``: compute k reads the result of comm k-1.
+
+    Compute k records the value it sees; comm k all-reduces a fresh tensor (k+1) and its ``done``
+    stores the reduced value where compute k+1 reads it.
+    """
+    state = {} if state is None else state
+    ops = []
+    for k in range(n_comms + 1):
+
+        def fn(k=k):
+            fake.log.append(("compute", f"{name}{k}"))
+            state.setdefault("seen", []).append(state.get(k - 1))
+            state.setdefault("deferring", []).append(comm.deferring())
+
+        ops.append(Compute(fn, block=f"{name}{k}"))
+        if k == n_comms:
+            break
+
+        def get(k=k):
+            t = torch.full((2,), float(k + 1))
+            fake.name_of[id(t)] = f"{name.upper()}{k}"
+            state.setdefault("get_deferring", []).append(comm.deferring())
+            return t
+
+        def done(t, k=k):
+            fake.log.append(("done", f"{name.upper()}{k}"))
+            state[k] = t.clone()
+            state.setdefault("done_deferring", []).append(comm.deferring())
+
+        ops.append(Comm(get, done, group, block=f"{name.upper()}{k}"))
+    return ops, state
+
+
+def test_two_programs_interleave_in_documented_order(fake):
+    """Alg. 1: run x's computes to its next comm, issue it async, switch; wait only when the
+    channel is needed again or x resumes."""
+    g = FakeGroup(2)
+    a, _ = program(fake, "a", 2, g)
+    b, _ = program(fake, "b", 2, g)
+    run_programs([a, b])
+    assert fake.log == [
+        ("compute", "a0"),
+        ("issue", "A0"),
+        ("compute", "b0"),  # hides A0
+        ("wait", "A0"),  # one channel: A0 retired before B0 is issued
+        ("done", "A0"),
+        ("issue", "B0"),
+        ("compute", "a1"),  # hides B0
+        ("wait", "B0"),
+        ("done", "B0"),
+        ("issue", "A1"),
+        ("compute", "b1"),
+        ("wait", "A1"),
+        ("done", "A1"),
+        ("issue", "B1"),
+        ("compute", "a2"),  # hides B1; A is done afterwards
+        ("wait", "B1"),  # b resumes: its own pending comm first (data dependence)
+        ("done", "B1"),
+        ("compute", "b2"),
+    ]
+
+
+def test_one_channel_in_issue_order(fake):
+    """At most one collective in flight, issued async on the op's group, alternating sub-batches,
+    each waited exactly once."""
+    g = FakeGroup(4)
+    a, _ = program(fake, "a", 3, g)
+    b, _ = program(fake, "b", 3, g)
+    run_programs([a, b])
+    assert fake.max_in_flight == 1
+    assert fake.in_flight == []
+    assert [c[0] for c in fake.calls] == ["A0", "B0", "A1", "B1", "A2", "B2"]
+    assert all(group is g and async_op is True for _, group, async_op in fake.calls)
+    assert [w.waits for w in fake.works] == [1] * 6
+    issues = [e for e in fake.log if e[0] in ("issue", "wait")]
+    # issue, wait, issue, wait, ...: the next collective never starts before the last is waited
+    assert [e[0] for e in issues] == ["issue", "wait"] * 6
+    assert [e[1] for e in issues[::2]] == [e[1] for e in issues[1::2]]
+
+
+def test_results_are_waited_before_use(fake):
+    """A compute after a comm sees the all-reduced value (the fake only reduces on wait)."""
+    a, sa = program(fake, "a", 2, FakeGroup(3))
+    b, sb = program(fake, "b", 2, FakeGroup(3))
+    run_programs([a, b])
+    for state in (sa, sb):
+        assert state["seen"][0] is None
+        torch.testing.assert_close(state["seen"][1], torch.full((2,), 1.0 * 3))
+        torch.testing.assert_close(state["seen"][2], torch.full((2,), 2.0 * 3))
+
+
+def test_single_program_waits_its_own_comm_before_the_next_compute(fake):
+    """With nothing to switch to, each comm is waited before the program goes on."""
+    a, sa = program(fake, "a", 2, FakeGroup(2))
+    run_programs([a])
+    assert fake.log == [
+        ("compute", "a0"),
+        ("issue", "A0"),
+        ("wait", "A0"),
+        ("done", "A0"),
+        ("compute", "a1"),
+        ("issue", "A1"),
+        ("wait", "A1"),
+        ("done", "A1"),
+        ("compute", "a2"),
+    ]
+    torch.testing.assert_close(sa["seen"][2], torch.full((2,), 4.0))
+
+
+def test_unequal_and_empty_programs(fake):
+    """Programs of different length (and an empty one) all finish; order inside each is kept."""
+    g = FakeGroup(2)
+    a, _ = program(fake, "a", 3, g)
+    b, _ = program(fake, "b", 1, g)
+    run_programs([a, b, []])
+    computes = [e[1] for e in fake.log if e[0] == "compute"]
+    assert [c for c in computes if c[0] == "a"] == ["a0", "a1", "a2", "a3"]
+    assert [c for c in computes if c[0] == "b"] == ["b0", "b1"]
+    assert fake.max_in_flight == 1 and fake.in_flight == []
+    assert [e[1] for e in fake.log if e[0] == "done"] == ["A0", "B0", "A1", "A2"]
+    fake.log.clear()
+    run_programs([[], []])
+    assert fake.log == []
+
+
+def test_three_programs_run_every_op_once(fake):
+    """More than two programs: each op once, program order kept, still one channel."""
+    g = FakeGroup(2)
+    progs = [program(fake, n, 2, g)[0] for n in "abc"]
+    run_programs(progs)
+    computes = [e[1] for e in fake.log if e[0] == "compute"]
+    assert sorted(computes) == sorted(f"{n}{k}" for n in "abc" for k in range(3))
+    for n in "abc":
+        assert [c for c in computes if c[0] == n] == [f"{n}0", f"{n}1", f"{n}2"]
+    assert fake.max_in_flight == 1
+    assert sorted(w.name for w in fake.works) == sorted(f"{n}{k}" for n in "ABC" for k in range(2))
+
+
+@pytest.mark.parametrize("group", [None, FakeGroup(1)], ids=["no-group", "size-1"])
+def test_trivial_group_skips_the_collective(fake, group):
+    """No all-reduce for a missing or size-1 group; ``done`` still runs, before the value's use."""
+    a, sa = program(fake, "a", 1, group)
+    b, sb = program(fake, "b", 1, group)
+    run_programs([a, b])
+    assert fake.calls == []
+    assert fake.log == [
+        ("compute", "a0"),
+        ("compute", "b0"),
+        ("done", "A0"),
+        ("compute", "a1"),
+        ("done", "B0"),
+        ("compute", "b1"),
+    ]
+    torch.testing.assert_close(sa["seen"][1], torch.full((2,), 1.0))
+    torch.testing.assert_close(sb["seen"][1], torch.full((2,), 1.0))
+
+
+def test_computes_run_with_tmp_comm_deferred(fake):
+    """Computes defer Megatron's own TP all-reduces; the schedule's get/done do not."""
+    a, sa = program(fake, "a", 2, FakeGroup(2))
+    b, _ = program(fake, "b", 2, FakeGroup(2))
+    assert not comm.deferring()
+    run_programs([a, b])
+    assert sa["deferring"] == [True, True, True]
+    assert sa["get_deferring"] == [False, False]
+    assert sa["done_deferring"] == [False, False]
+    assert not comm.deferring()
+
+
+def test_compute_error_propagates_and_restores_deferral(fake):
+    def boom():
+        raise ValueError("compute failed")
+
+    a, _ = program(fake, "a", 1, FakeGroup(2))
+    with pytest.raises(ValueError, match="compute failed"):
+        run_programs([a, [Compute(boom)]])
+    assert not comm.deferring()
+    assert ("compute", "a0") in fake.log
+
+
+def test_comm_errors_propagate(fake):
+    def bad_get():
+        raise KeyError("no tensor")
+
+    with pytest.raises(KeyError, match="no tensor"):
+        run_programs([[Comm(bad_get, lambda t: None, FakeGroup(2))]])
+
+    fake.fail_wait = True
+    a, sa = program(fake, "a", 1, FakeGroup(2))
+    with pytest.raises(RuntimeError, match="collective A0 failed"):
+        run_programs([a])
+    assert 0 not in sa  # done never ran on a failed collective
+    assert ("compute", "a1") not in fake.log
+
+
+def test_tracer_sees_sub_batch_and_labels(fake, monkeypatch):
+    """Computes and collectives are traced under their sub-batch, op labels and ``labels``."""
+    tracer = trace_mod.Tracer()
+    monkeypatch.setattr(trace_mod, "_ACTIVE", [tracer])
+    seen = []
+    orig = fake.all_reduce
+
+    def all_reduce(tensor, group=None, async_op=False):
+        seen.append(dict(tracer.current))
+        return orig(tensor, group=group, async_op=async_op)
+
+    fake.all_reduce = all_reduce
+    a, _ = program(fake, "a", 1, FakeGroup(2))
+    b, _ = program(fake, "b", 1, FakeGroup(2))
+    depth = len(tracer._ctx)
+    run_programs([a, b], labels={"pass": "backward", "layer": 7})
+    assert len(tracer._ctx) == depth
+    computes = [(e["args"]["block"], e["args"]["sub_batch"]) for e in tracer.events]
+    assert computes == [("a0", 0), ("b0", 1), ("a1", 0), ("b1", 1)]
+    assert all(e["args"]["pass"] == "backward" and e["args"]["layer"] == 7 for e in tracer.events)
+    assert [(s["block"], s["sub_batch"], s["layer"]) for s in seen] == [("A0", 0, 7), ("B0", 1, 7)]
+
+
+class TestDeferredTmpComm:
+    """The replacements Megatron's TP linears get: stock outside the context, deferred inside."""
+
+    def test_context_nests_and_restores(self):
+        assert not comm.deferring()
+        with comm.deferred_tmp_comm():
+            assert comm.deferring()
+            with comm.deferred_tmp_comm(enabled=False):
+                assert not comm.deferring()
+            assert comm.deferring()
+        assert not comm.deferring()
+        with pytest.raises(ZeroDivisionError):
+            with comm.deferred_tmp_comm():
+                1 / 0
+        assert not comm.deferring()
+
+    def test_reduce_from_tp_region(self):
+        calls = []
+
+        def original(x, group=None):
+            calls.append(group)
+            return x * 2
+
+        reduce = comm.make_reduce_from_tp_region(original)
+        assert reduce.__wrapped__ is original
+        x = torch.ones(3)
+        torch.testing.assert_close(reduce(x, group="g"), torch.full((3,), 2.0))
+        assert calls == ["g"]
+        with comm.deferred_tmp_comm():
+            assert reduce(x, group="g") is x  # the partial sum, unchanged
+        assert calls == ["g"]
+
+    def test_column_forward_switches_dgrad_allreduce_off_for_the_call(self):
+        seen = []
+
+        def original(self, x, *args, **kwargs):
+            seen.append((self.allreduce_dgrad, self.disable_grad_reduce, args, kwargs))
+            if kwargs.get("fail"):
+                raise RuntimeError("forward failed")
+            return x + 1
+
+        class Linear:
+            allreduce_dgrad, disable_grad_reduce = True, False
+
+        lin = Linear()
+        forward = comm.make_column_forward(original)
+        assert forward.__wrapped__ is original
+        assert forward(lin, 1, "w") == 2
+        with comm.deferred_tmp_comm():
+            assert forward(lin, 1, k=3) == 2
+            with pytest.raises(RuntimeError, match="forward failed"):
+                forward(lin, 1, fail=True)
+        assert seen == [
+            (True, False, ("w",), {}),
+            (False, True, (), {"k": 3}),
+            (False, True, (), {"fail": True}),
+        ]
+        assert (lin.allreduce_dgrad, lin.disable_grad_reduce) == (True, False)
