@@ -28,24 +28,27 @@ class Patch:
         return self._originals is not None
 
     def install(self):
+        """Apply every replacement, then ``on_install``; all or nothing: if one fails, those
+        already applied are reverted and the error propagates."""
         if self.installed:
             return False
-        self._originals = []
-        for owner, attr, new in self.replacements:
-            self._originals.append(
-                (
-                    owner,
-                    attr,
-                    (
-                        owner.__dict__.get(attr, _MISSING)
-                        if isinstance(owner, type)
-                        else getattr(owner, attr, _MISSING)
-                    ),
+        applied = []
+        try:
+            for owner, attr, new in self.replacements:
+                orig = (
+                    owner.__dict__.get(attr, _MISSING)
+                    if isinstance(owner, type)
+                    else getattr(owner, attr, _MISSING)
                 )
-            )
-            setattr(owner, attr, new)
-        if self.on_install:
-            self.on_install()
+                setattr(owner, attr, new)
+                applied.append((owner, attr, orig))
+            self._originals = applied
+            if self.on_install:
+                self.on_install()
+        except BaseException:
+            _restore(applied)
+            self._originals = None
+            raise
         logger.debug("installed patch %s", self.name)
         return True
 
@@ -54,15 +57,19 @@ class Patch:
             return False
         if self.on_uninstall:
             self.on_uninstall()
-        for owner, attr, orig in reversed(self._originals):
-            if orig is _MISSING:
-                delattr(owner, attr)
-            else:
-                setattr(owner, attr, orig)
+        _restore(self._originals)
         self._originals = None
         if self.after_uninstall:
             self.after_uninstall()
         return True
+
+
+def _restore(originals):
+    for owner, attr, orig in reversed(originals):
+        if orig is _MISSING:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, orig)
 
 
 class _Missing:

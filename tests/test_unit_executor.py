@@ -8,9 +8,9 @@ value, and every issue / wait / compute lands in one log whose order the tests p
 import pytest
 import torch
 
+from megatron_oases.instrument import trace as trace_mod
 from megatron_oases.schedule import comm
 from megatron_oases.schedule import executor as ex
-from megatron_oases.schedule import trace as trace_mod
 from megatron_oases.schedule.executor import Comm, Compute, run_programs
 
 
@@ -60,7 +60,6 @@ class FakeDist:
 def fake(monkeypatch):
     d = FakeDist()
     monkeypatch.setattr(ex, "dist", d)
-    monkeypatch.setattr(trace_mod, "_ACTIVE", [])
     return d
 
 
@@ -263,7 +262,6 @@ def test_comm_errors_propagate(fake):
 def test_tracer_sees_sub_batch_and_labels(fake, monkeypatch):
     """Computes and collectives are traced under their sub-batch, op labels and ``labels``."""
     tracer = trace_mod.Tracer()
-    monkeypatch.setattr(trace_mod, "_ACTIVE", [tracer])
     seen = []
     orig = fake.all_reduce
 
@@ -275,7 +273,7 @@ def test_tracer_sees_sub_batch_and_labels(fake, monkeypatch):
     a, _ = program(fake, "a", 1, FakeGroup(2))
     b, _ = program(fake, "b", 1, FakeGroup(2))
     depth = len(tracer._ctx)
-    run_programs([a, b], labels={"pass": "backward", "layer": 7})
+    run_programs([a, b], labels={"pass": "backward", "layer": 7}, tracer=tracer)
     assert len(tracer._ctx) == depth
     computes = [(e["args"]["block"], e["args"]["sub_batch"]) for e in tracer.events]
     assert computes == [("a0", 0), ("b0", 1), ("a1", 0), ("b1", 1)]

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_oases.compat import require_symbol
 from megatron_oases.errors import OasesConfigError
-from megatron_oases.patches.registry import Patch, PatchRegistry
+from megatron_oases.patching import Patch, PatchRegistry
 
 
 def original():
@@ -103,11 +103,6 @@ def test_bad_owner_fails_loudly():
         Patch("p", [(None, "fn", replacement)]).install()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Patch.install is not atomic: a replacement that fails leaves the earlier ones in "
-    "place and the registry does not know the patch (registry.py, Patch.install)",
-)
 def test_failed_install_leaves_nothing_behind(mod):
     reg = PatchRegistry()
     p = Patch("p", [(mod, "value", 2), (int, "real", 0)])  # builtin type: setattr raises

@@ -92,7 +92,6 @@ def run_programs(programs, labels=None, tracer=None):
             remaining = [i for i in range(n) if pos[i] < len(programs[i])]
             if not remaining:
                 break
-            y = (x + 1) % n
-            x = y if y in remaining else remaining[0]
+            x = next((i for i in remaining if i > x), remaining[0])  # round-robin
         if in_flight is not None:
             in_flight.finish()
