@@ -41,7 +41,7 @@ def build_parser():
         default=None,
         metavar="PROFILE",
         help="testbed emulation, not a measurement: every collective completes no earlier than "
-        "D x its ring alpha-beta time on PROFILE's links (configs/clusters/PROFILE.yaml), D = "
+        "D x its ring alpha-beta time on PROFILE's links (a packaged profile or a YAML path), D = "
         "the target GPU's rate / this host's matmul rate (per rank; see oases calibrate)",
     )
     p.add_argument(
