@@ -13,7 +13,7 @@ import argparse
 import os
 
 from ..errors import OasesConfigError
-from ..resources import available_clusters
+from ..resources import available_clusters, available_models
 
 
 def build_parser():
@@ -25,7 +25,8 @@ def build_parser():
         "--model",
         required=True,
         metavar="PATH[:NAME]",
-        help="model YAML (Megatron-LM argument names); PATH:NAME picks from a 'models:' map",
+        help="model YAML (Megatron-LM argument names); PATH:NAME picks from a 'models:' map; or a "
+        f"packaged model config ({', '.join(available_models())})",
     )
     p.add_argument(
         "--set",
