@@ -38,8 +38,15 @@ fi
 "${PY}" -m pip wheel -q --no-deps "${WORK}/src" -w "${WORK}/dist"
 WHEEL=$(ls "${WORK}"/dist/megatron_oases-*.whl)
 say "built $(basename "${WHEEL}")"
-"${PY}" -m zipfile -l "${WHEEL}" | grep -q "megatron_oases/configs/clusters/rtx3090-pcie.yaml" \
-    || { echo "wheel smoke: the wheel has no packaged cluster profiles" >&2; exit 1; }
+"${PY}" - "${WHEEL}" <<'EOF'
+import sys
+import zipfile
+
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+for need in ("clusters/rtx3090-pcie.yaml", "models/tiny-cpu.yaml", "compare_matrix.yaml"):
+    if f"megatron_oases/configs/{need}" not in names:
+        sys.exit(f"wheel smoke: the wheel has no megatron_oases/configs/{need}")
+EOF
 
 # torch and its requirements (closure, markers evaluated) from the CI venv, as symlinks in one
 # directory that the fresh venv sees through a .pth file; everything else pip installs.
