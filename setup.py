@@ -8,7 +8,8 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_oases", "megatron_oases.*"]),
-    package_data={"megatron_oases": ["py.typed"]},
+    # cluster profiles, model configs, the comparison matrix: megatron_oases.resources finds them
+    package_data={"megatron_oases": ["py.typed", "configs/*.yaml", "configs/*/*.yaml"]},
     python_requires=">=3.12",
     install_requires=[
         "megatron-core>=0.18,<0.20",

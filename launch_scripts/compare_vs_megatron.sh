@@ -1,8 +1,8 @@
 #!/bin/bash
 # Stock Megatron vs Oases variants × TP/PP layouts in ONE allocation: every run of a matrix from
-# configs/compare_matrix.yaml goes through slurm_pretrain_gpt_oases.sh (one srun step each), writes
-# one golden-values JSON, and the job ends with one summary table (markdown) on stdout and in
-# ${OUT_DIR}/summary.md. Outside SLURM the same loop runs locally (CPU demo).
+# megatron_oases/configs/compare_matrix.yaml goes through slurm_pretrain_gpt_oases.sh (one srun step
+# each), writes one golden-values JSON, and the job ends with one summary table (markdown) on stdout
+# and in ${OUT_DIR}/summary.md. Outside SLURM the same loop runs locally (CPU demo).
 #
 #   sbatch --nodes 4 launch_scripts/compare_vs_megatron.sh                       # default matrix
 #   MATRIX=paper-h4096-l16 sbatch --nodes 4 launch_scripts/compare_vs_megatron.sh
@@ -22,9 +22,9 @@
 set -uo pipefail  # no -e: one failed run must not stop the others
 
 OASES_ROOT=${OASES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
-if [[ ! -d "${OASES_ROOT}/configs/models" ]]; then
-    echo "error: OASES_ROOT=${OASES_ROOT} has no configs/models; submit from the megatron-oases" \
-        "checkout or set OASES_ROOT" >&2
+if [[ ! -d "${OASES_ROOT}/megatron_oases/configs/models" ]]; then
+    echo "error: OASES_ROOT=${OASES_ROOT} has no megatron_oases/configs/models; submit from the" \
+        "megatron-oases checkout or set OASES_ROOT" >&2
     exit 2
 fi
 export OASES_ROOT
@@ -33,7 +33,7 @@ export PYTHON PYTHONPATH="${OASES_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 cfg() { "${PYTHON}" -m megatron_oases.megatron_lm "$@"; }
 
 LAUNCHER=${LAUNCHER:-${OASES_ROOT}/launch_scripts/slurm_pretrain_gpt_oases.sh}
-MATRIX_FILE=${MATRIX_FILE:-${OASES_ROOT}/configs/compare_matrix.yaml}
+MATRIX_FILE=${MATRIX_FILE:-${OASES_ROOT}/megatron_oases/configs/compare_matrix.yaml}
 MATRIX=${MATRIX:-}
 MODEL=$(cfg matrix "${MATRIX_FILE}" "${MATRIX}" --field model) || exit 2
 MATRIX_NAME=$(cfg matrix "${MATRIX_FILE}" "${MATRIX}" --field name) || exit 2

@@ -1,6 +1,7 @@
 #!/bin/bash
-# Local CPU demo, no SLURM and no GPU: 2 gloo ranks train the tiny model (configs/models/tiny-cpu.yaml)
-# with `oases train`, TP=2, through the same launcher the SLURM jobs use, and print the golden values.
+# Local CPU demo, no SLURM and no GPU: 2 gloo ranks train the tiny model (packaged model config
+# megatron_oases/configs/models/tiny-cpu.yaml) with `oases train`, TP=2, through the same launcher
+# the SLURM jobs use, and print the golden values.
 #
 #   bash launch_scripts/run_cpu_demo.sh
 #   OASES_SCHEDULE=oases EXTRA_ARGS="--recompute-granularity full --recompute-method uniform \

@@ -13,7 +13,8 @@
 #                                        megatron.training the megatron-core wheel ships; no checkout)
 #                    pretrain-gpt: ${MEGATRON_LM_DIR}/pretrain_gpt.py of a Megatron-LM checkout (tag
 #                                  core_v0.19.x) with patches/pretrain_gpt.oases.patch applied
-#   MODEL            configs/models/<MODEL>.yaml or a path (default tiny-cpu)
+#   MODEL            a packaged model config (megatron_oases/configs/models/<MODEL>.yaml) or a
+#                    path (default tiny-cpu)
 #   TP, PP, MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE   override the model config
 #   TRAIN_ITERS (100), LR (1.0e-4), OASES_SCHEDULE (off|overlap|cross-pass|oases), LOG_JSON (path)
 #   EXTRA_ARGS       more flags, space-separated, appended last (they win over earlier ones)
@@ -34,9 +35,9 @@ set -euo pipefail
 
 # Under sbatch this file runs from a spool copy: find the repo from the submit directory.
 OASES_ROOT=${OASES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
-if [[ ! -d "${OASES_ROOT}/configs/models" ]]; then
-    echo "error: OASES_ROOT=${OASES_ROOT} has no configs/models; submit from the megatron-oases" \
-        "checkout or set OASES_ROOT" >&2
+if [[ ! -d "${OASES_ROOT}/megatron_oases/configs/models" ]]; then
+    echo "error: OASES_ROOT=${OASES_ROOT} has no megatron_oases/configs/models; submit from the" \
+        "megatron-oases checkout or set OASES_ROOT" >&2
     exit 2
 fi
 PYTHON=${PYTHON:-python3}

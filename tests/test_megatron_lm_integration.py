@@ -22,7 +22,7 @@ import types
 import helpers
 import pytest
 
-from megatron_oases import megatron_lm, patches
+from megatron_oases import megatron_lm, patches, resources
 from megatron_oases.arguments import CPU_DEFAULTS, LOOP_DEFAULTS
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.launch import torchrun_command
@@ -584,7 +584,7 @@ def test_tiny_cpu_config_and_flag_rendering(megatron_validate):
 
 
 def test_every_compare_matrix_run_is_a_valid_megatron_lm_command_line(megatron_validate):
-    path = os.path.join(REPO, "configs", "compare_matrix.yaml")
+    path = resources.compare_matrix()
     import yaml
 
     with open(path) as f:
@@ -609,6 +609,7 @@ def test_every_compare_matrix_run_is_a_valid_megatron_lm_command_line(megatron_v
             ]
             megatron_validate(cfg, world_size=world, extra=extra)
     assert configs.load_matrix(path)["name"] == "cpu-demo"
+    assert configs.load_matrix()["name"] == "cpu-demo"  # the packaged file by default
 
 
 def test_summary_table(tmp_path):
@@ -659,6 +660,9 @@ def _helper(*args):
     )
 
 
+MATRIX_FILE = "megatron_oases/configs/compare_matrix.yaml"  # what compare_vs_megatron.sh passes
+
+
 def test_helper_cli_for_bash():
     out = _helper("flags", "tiny-cpu", "--section", "model")
     assert out.returncode == 0 and out.stdout.split()[:2] == ["--num-layers", "2"]
@@ -666,17 +670,14 @@ def test_helper_cli_for_bash():
         _helper("get", "gpt-18.4b", "parallel.pipeline-model-parallel-size").stdout.strip() == "4"
     )
     assert _helper("get", "tiny-cpu", "training.nope", "7").stdout.strip() == "7"
-    out = _helper("matrix", "configs/compare_matrix.yaml", "ci")
+    out = _helper("matrix", MATRIX_FILE, "ci")
     lines = out.stdout.strip().splitlines()
     assert [ln.split("\t")[:4] for ln in lines] == [
         ["megatron-tp2-pp1", "2", "1", "off"],
         ["oases-tp2-pp1", "2", "1", "oases"],
     ]
-    assert (
-        _helper("matrix", "configs/compare_matrix.yaml", "ci", "--field", "baseline").stdout.strip()
-        == "megatron"
-    )
-    bad = _helper("matrix", "configs/compare_matrix.yaml", "nope")
+    assert _helper("matrix", MATRIX_FILE, "ci", "--field", "baseline").stdout.strip() == "megatron"
+    bad = _helper("matrix", MATRIX_FILE, "nope")
     assert bad.returncode == 2 and "no matrix 'nope'" in bad.stderr
     assert shlex.split(_helper("defaults").stdout) == LOOP_FLAGS
     assert shlex.split(_helper("defaults", "--cpu").stdout) == LOOP_FLAGS + CPU_FLAGS

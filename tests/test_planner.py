@@ -124,6 +124,37 @@ def random_problem_copy(p):
     return q
 
 
+def test_ilp_uses_no_deprecated_pulp_api():
+    """PuLP 3 warns (once per variable) that ``PULP_CBC_CMD`` and ``LpVariable(...)`` go in PuLP 4.0:
+    solves with every constraint kind must emit no PuLP warning at all."""
+    import warnings
+
+    rng = np.random.default_rng(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            p = random_problem(rng, 4)
+            assert solve_ilp(p).status == solve_dp(p).status
+    pulp_warnings = [
+        f"{w.filename}: {w.message}"
+        for w in caught
+        if "pulp" in w.filename.lower()
+        or "pulp" in str(w.message).lower()
+        or "4.0" in str(w.message)
+    ]
+    assert not pulp_warnings, pulp_warnings
+
+
+def test_ilp_without_cbc_is_a_config_error(monkeypatch):
+    """No CBC binary (PuLP >= 4 without cbcbox, or a broken install): one clear error, not a
+    PuLP traceback from inside the solve."""
+    import pulp
+
+    monkeypatch.setattr(pulp.COIN_CMD, "available", lambda self: False)
+    with pytest.raises(OasesConfigError, match="--solver dp"):
+        solve_ilp(random_problem(np.random.default_rng(0), 3))
+
+
 def test_tests_can_fail_on_a_wrong_cost_model():
     """Brute force uses the direct walk; a decomposition that drops eq. (4)'s lost overlap differs."""
     rng = np.random.default_rng(3)

@@ -6,18 +6,25 @@ timed iterations each. Unless given, compare adds ``--mock-data``, dropout 0 and
 (no data-loader processes competing for the CPUs). Prints a table like the paper's Table 3 and
 writes ``--out DIR``: ``results.json``, ``results.md``, ``throughput.png`` and
 ``timeline-<variant>.png`` (plus each variant's log, golden values and traces in
-``DIR/<variant>/``). Exit code 1 when a variant failed or the variants' losses disagree.
+``DIR/<variant>/``, and a copy of ``--oases-plan`` as ``DIR/oases-plan.json``). Every path in
+results.json is relative to DIR, so the directory can move to another machine as a whole. Exit code
+1 when a variant failed or the variants' losses disagree.
 """
 
 import argparse
 import dataclasses
 import os
 import shlex
+import shutil
 import sys
 import time
 
 from ..errors import OasesConfigError
 from .variants import DEFAULT_VARIANTS, RESERVED, VARIANTS, estimate_memory_gb, parse_variants
+
+PLAN_COPY = (
+    "oases-plan.json"  # --oases-plan, kept beside results.json: the report is self-contained
+)
 
 
 def build_parser():
@@ -41,7 +48,7 @@ def build_parser():
         default=None,
         metavar="PROFILE",
         help="testbed emulation, not a measurement: every collective completes no earlier than "
-        "D x its ring alpha-beta time on PROFILE's links (configs/clusters/PROFILE.yaml), D = "
+        "D x its ring alpha-beta time on PROFILE's links (a packaged profile or a YAML path), D = "
         "the target GPU's rate / this host's matmul rate (per rank; see oases calibrate)",
     )
     p.add_argument(
@@ -136,8 +143,8 @@ def main(argv):
     if not _has_flag(train_argv, "--num-workers"):  # no data-loader processes competing for CPUs
         train_argv += ["--num-workers", "0"]
     base = _validate(VARIANTS["megatron"], train_argv, own.nproc)
-    variants = [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
-    parsed = {v.name: _validate(v, train_argv, own.nproc) for v in variants}
+    resolved = [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
+    parsed = {v.name: _validate(v, train_argv, own.nproc) for v in resolved}
     rtol = own.loss_rtol
     if rtol is None:
         any_dropout = any(a.hidden_dropout or a.attention_dropout for a in parsed.values())
@@ -146,6 +153,13 @@ def main(argv):
     env = {"OMP_NUM_THREADS": str(threads)}
     out = os.path.abspath(own.out)
     os.makedirs(out, exist_ok=True)
+    if plan:  # the variants run the copy, so that the report names a file inside DIR
+        kept = os.path.join(out, PLAN_COPY)
+        if not (os.path.exists(kept) and os.path.samefile(plan, kept)):
+            shutil.copyfile(plan, kept)
+        plan = kept
+        resolved = [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
+    variants = resolved
     progress = _progress
 
     from ..testbed.calibrate import host_cpus, host_fingerprint
@@ -308,21 +322,15 @@ def finalize(report, out):
     def here(p):
         return p if os.path.isabs(p) else os.path.join(out, p)
 
-    def rel(p):
-        return os.path.relpath(p, out) if os.path.isabs(p) else p
-
+    rel = _relative_to(out)
     emulation = report.get("emulation")
     comm_model = emulated_comm_model(emulation) if emulation else None
     suffix = f", emulated {emulation['profile']}" if emulation else ""
     model = report["config"]["model"]
+    _relative_report(report, rel)
     results = report["variants"]
     for r in results:
-        if r.get("dir"):
-            r["dir"] = rel(r["dir"])
-        for run in r.get("runs", []):
-            run["dir"] = rel(run["dir"]) if run.get("dir") else run.get("dir")
         if r["status"] == "ok" and r.get("trace_files"):
-            r["trace_files"] = [rel(f) for f in r["trace_files"]]
             traces = load_traces([here(f) for f in r["trace_files"]])
             r["trace"] = run_metrics(traces, comm_model) if traces else None
             path = os.path.join(out, f"timeline-{r['name']}.png")
@@ -370,6 +378,51 @@ def finalize(report, out):
             "oases compare: the variants' losses disagree (see above)", file=sys.stderr, flush=True
         )
     return 1 if failed or bad else 0
+
+
+def _relative_to(out):
+    """Absolute path -> relative to ``out`` (anything else as is): what results.json records."""
+
+    def rel(p):
+        return os.path.relpath(p, out) if isinstance(p, str) and os.path.isabs(p) else p
+
+    return rel
+
+
+def _relative_argv(argv, rel):
+    """Absolute paths in an argument list (also ``--flag=PATH``) made relative by ``rel``."""
+    out = []
+    for a in argv:
+        flag, eq, value = a.partition("=")
+        out.append(f"{flag}={rel(value)}" if eq and flag.startswith("-") else rel(a))
+    return out
+
+
+def _relative_report(report, rel):
+    """Every path results.json records, relative to its directory (older reports included, on
+    --reanalyze): the variants' directories, traces and timelines, the chart, the plan and the
+    command lines (run from DIR; the interpreter by name, not by its path on this machine)."""
+    if isinstance(report.get("command"), str):
+        report["command"] = shlex.join(_relative_argv(shlex.split(report["command"]), rel))
+    config = report.get("config") or {}
+    if config.get("train_argv"):
+        config["train_argv"] = _relative_argv(config["train_argv"], rel)
+    if config.get("oases_plan"):
+        config["oases_plan"] = rel(config["oases_plan"])
+    report["chart"] = rel(report.get("chart"))
+    for r in report.get("variants", []):
+        for key in ("dir", "timeline"):
+            if r.get(key):
+                r[key] = rel(r[key])
+        for run in r.get("runs", []):
+            run["dir"] = rel(run.get("dir"))
+        if r.get("trace_files"):
+            r["trace_files"] = [rel(f) for f in r["trace_files"]]
+        if r.get("flags"):
+            r["flags"] = _relative_argv(r["flags"], rel)
+        if r.get("command"):
+            interpreter = r["command"][0]
+            r["command"] = [os.path.basename(interpreter)] + _relative_argv(r["command"][1:], rel)
 
 
 def reanalyze(out):

@@ -139,9 +139,8 @@ def run_variant(
     if rc != 0:
         why = f"timed out after {timeout}s" if rc is None else f"exit code {rc}"
         cause = _first_error(tail)
-        result["error"] = f"oases train {why}{': ' + cause if cause else ''}; see " + os.path.join(
-            vdir, "log.txt"
-        )
+        log = os.path.relpath(os.path.join(vdir, "log.txt"), out_dir)  # results.json: relative
+        result["error"] = f"oases train {why}{': ' + cause if cause else ''}; see {log}"
         result["log_tail"] = tail[-15:]
         return result
     golden_path = os.path.join(vdir, "golden.json")
@@ -149,7 +148,8 @@ def run_variant(
         with open(golden_path) as f:
             golden = json.load(f)
     except (OSError, ValueError) as exc:
-        result["error"] = f"no metrics in {golden_path}: {exc}"
+        why = exc.strerror if isinstance(exc, OSError) else exc  # an OSError names the full path
+        result["error"] = f"no metrics in {os.path.relpath(golden_path, out_dir)}: {why}"
         return result
     times = golden["iteration-time"]["values"]
     timed = times[warmup:] or times[-1:]

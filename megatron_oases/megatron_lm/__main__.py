@@ -19,7 +19,7 @@ def _build_parser():
     parser = argparse.ArgumentParser(prog="python -m megatron_oases.megatron_lm")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("flags", help="a model config's Megatron-LM flags, shell-quoted")
-    p.add_argument("model", help="name under configs/models/ or a path")
+    p.add_argument("model", help="packaged model config name (tiny-cpu, ...) or a path")
     p.add_argument("--section", action="append", choices=configs.FLAG_SECTIONS)
     p = sub.add_parser("get", help="one value of a YAML file (model name or path)")
     p.add_argument("file")

@@ -1,4 +1,4 @@
-"""Model configs (``configs/models/*.yaml``), the comparison matrix and its summary table.
+"""Model configs (packaged ``configs/models/*.yaml``), the comparison matrix and its summary table.
 
 Used by ``launch_scripts/`` through ``python -m megatron_oases.megatron_lm`` (bash reads no YAML).
 
@@ -15,10 +15,9 @@ import shlex
 
 import yaml
 
+from .. import resources
 from ..errors import OasesConfigError
 
-REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-MODELS_DIR = os.path.join(REPO_ROOT, "configs", "models")
 FLAG_SECTIONS = ("model", "parallel", "training")
 
 
@@ -33,23 +32,22 @@ def _load_yaml(path):
     return data
 
 
-def model_config_path(name_or_path, models_dir=None):
-    """``tiny-cpu`` → ``configs/models/tiny-cpu.yaml``; an existing path is returned as is."""
+def model_config_path(name_or_path):
+    """An existing path as is (a user's own file wins), else the packaged model config
+    ``name_or_path`` (``tiny-cpu``)."""
     if os.path.isfile(name_or_path):
         return name_or_path
-    models_dir = models_dir or MODELS_DIR
-    path = os.path.join(models_dir, f"{name_or_path}.yaml")
-    if not os.path.isfile(path):
-        known = sorted(f[:-5] for f in os.listdir(models_dir) if f.endswith(".yaml"))
+    path = resources.model_config(name_or_path)
+    if path is None:
         raise OasesConfigError(
-            f"unknown model config {name_or_path!r}; choose one of {', '.join(known)} or give a "
-            "path"
+            f"unknown model config {name_or_path!r}; choose one of "
+            f"{', '.join(resources.available_models())} or give a path"
         )
     return path
 
 
-def load_model_config(name_or_path, models_dir=None):
-    path = model_config_path(name_or_path, models_dir)
+def load_model_config(name_or_path):
+    path = model_config_path(name_or_path)
     data = _load_yaml(path)
     for section in FLAG_SECTIONS:
         if not isinstance(data.get(section) or {}, dict):
@@ -112,7 +110,9 @@ def _schedule(value):
     return str(value)
 
 
-def load_matrix(path, name=None):
+def load_matrix(path=None, name=None):
+    """Matrix ``name`` (default: the file's ``default``) of ``path`` (default: the packaged one)."""
+    path = path or resources.compare_matrix()
     data = _load_yaml(path)
     matrices = data.get("matrices") or {}
     if not matrices:

@@ -1,6 +1,6 @@
 """``oases profile``: per-block compute, communication and memory per TMP degree for the planner.
 
-    oases profile --model configs/models/X.yaml --out profile.json              # measured (gloo)
+    oases profile --model X.yaml --out profile.json                             # measured (gloo)
     oases profile --model X.yaml --emulate-link rtx3090-pcie --out profile.json  # measured, emulated
     oases profile --model X.yaml --analytic --cluster rtx3090-nvlink --out profile.json
 
@@ -13,6 +13,7 @@ import argparse
 import os
 
 from ..errors import OasesConfigError
+from ..resources import available_clusters, available_models
 
 
 def build_parser():
@@ -24,7 +25,8 @@ def build_parser():
         "--model",
         required=True,
         metavar="PATH[:NAME]",
-        help="model YAML (Megatron-LM argument names); PATH:NAME picks from a 'models:' map",
+        help="model YAML (Megatron-LM argument names); PATH:NAME picks from a 'models:' map; or a "
+        f"packaged model config ({', '.join(available_models())})",
     )
     p.add_argument(
         "--set",
@@ -52,7 +54,8 @@ def build_parser():
         "--cluster",
         default=None,
         metavar="PROFILE",
-        help="cluster profile (configs/clusters/PROFILE.yaml) for --analytic",
+        help="cluster profile for --analytic: a packaged one "
+        f"({', '.join(available_clusters())}) or a YAML path",
     )
     p.add_argument(
         "--emulate-link",
@@ -122,7 +125,10 @@ def main(argv):
 
     if args.analytic:
         if not args.cluster:
-            raise OasesConfigError("--analytic needs --cluster PROFILE (see configs/clusters/)")
+            raise OasesConfigError(
+                f"--analytic needs --cluster PROFILE ({', '.join(available_clusters())} or a "
+                "YAML path)"
+            )
         if args.emulate_link:
             raise OasesConfigError("--emulate-link applies to measured profiles; drop --analytic")
         from .analytic import analytic_profile

@@ -88,11 +88,9 @@ def read_model_file(spec):
     if not os.path.exists(path) and ":" in spec:
         path, name = spec.rsplit(":", 1)
     if not os.path.exists(path) and name is None:
-        from ..megatron_lm.configs import MODELS_DIR
+        from ..resources import model_config
 
-        candidate = os.path.join(MODELS_DIR, f"{spec}.yaml")
-        if os.path.exists(candidate):
-            path = candidate
+        path = model_config(spec) or path
     if not os.path.exists(path):
         raise OasesConfigError(
             f"model file {spec!r} not found; pass --model PATH.yaml[:NAME] or a name under "

@@ -1,4 +1,4 @@
-"""Cluster profiles (``configs/clusters/*.yaml``) and the ring α–β communication model.
+"""Cluster profiles (packaged ``configs/clusters/*.yaml``, or a YAML path) and the ring α–β model.
 
 Placement: global rank r sits on node ``r // gpus_per_node``, local GPU ``r % gpus_per_node``. A
 group spanning nodes uses the inter-node link; a group inside one NVLink pair uses NVLink; any other
@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from .. import resources
 from ..errors import OasesConfigError
-
-CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "clusters")
 
 
 @dataclass(frozen=True)
@@ -70,15 +69,15 @@ class ClusterProfile:
 
 
 def available():
-    return sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
+    return resources.available_clusters()
 
 
 def load_cluster(name_or_path):
-    """Load a profile by name (``configs/clusters/<name>.yaml``) or path."""
+    """Load a profile by path (a user's own YAML wins) or by packaged name (``rtx3090-pcie``)."""
     path = name_or_path
     if not os.path.exists(path):
-        path = os.path.join(CONFIG_DIR, f"{name_or_path}.yaml")
-    if not os.path.exists(path):
+        path = resources.cluster_profile(name_or_path)
+    if path is None:
         raise OasesConfigError(
             f"unknown cluster profile {name_or_path!r}; choose one of {', '.join(available())} "
             "or pass a YAML path"

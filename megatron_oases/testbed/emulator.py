@@ -4,7 +4,7 @@ This is an **emulation**, not a simulation and not a measurement of real hardwar
 
 * Compute runs for real on the host CPU, which is about ``D`` times slower than the target GPU, where
   the *dilation* ``D = target sustained GPU FLOP/s ÷ host matmul FLOP/s`` (host rate measured once and
-  cached, :mod:`.calibrate`; GPU rate from the profile, ``configs/clusters/*.yaml``).
+  cached, :mod:`.calibrate`; GPU rate from the profile, :mod:`megatron_oases.resources`).
 * Every emulated collective still runs for real on gloo (so the numbers stay correct) but completes no
   earlier than ``D × t_model``, where ``t_model`` is its time on the target link; collectives on one set
   of ranks queue on one channel and async ops stay async (:mod:`.link_model`).
