@@ -45,6 +45,14 @@ MOCK_DATA_DEFAULTS = (("--tokenizer-type", "NullTokenizer"), ("--vocab-size", "5
 LOOP_DEFAULTS = (("--eval-interval", "1000000"), ("--eval-iters", "0"))
 
 
+EMULATE_LINK_HELP = (
+    "testbed emulation, not a measurement: every collective completes no earlier than D x its "
+    "ring alpha-beta time on PROFILE's links (a packaged cluster profile name, e.g. "
+    "rtx3090-pcie, or a YAML path), D = the target GPU's rate / this host's matmul rate (per "
+    "rank; see oases calibrate)"
+)
+
+
 def _escape_bare_percent(parser):
     """``--help`` of megatron-core 0.19 crashes on a help text with a bare ``%`` ("10%)"):
     escape such texts so that argparse can format them (Megatron's parsing is unaffected)."""
@@ -91,9 +99,7 @@ def add_oases_args(parser):
         "--emulate-link",
         default=None,
         metavar="PROFILE",
-        help="testbed emulation, not a measurement: every collective completes no earlier than "
-        "D x its ring alpha-beta time on PROFILE's links (configs/clusters/PROFILE.yaml), D = "
-        "the target GPU's rate / this host's matmul rate (per rank; see oases calibrate)",
+        help=EMULATE_LINK_HELP,
     )
     g.add_argument(
         "--log-json",

@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 
+from ..arguments import EMULATE_LINK_HELP
 from ..errors import OasesConfigError
 from .variants import DEFAULT_VARIANTS, RESERVED, VARIANTS, estimate_memory_gb, parse_variants
 
@@ -47,9 +48,7 @@ def build_parser():
         "--emulate-link",
         default=None,
         metavar="PROFILE",
-        help="testbed emulation, not a measurement: every collective completes no earlier than "
-        "D x its ring alpha-beta time on PROFILE's links (a packaged profile or a YAML path), D = "
-        "the target GPU's rate / this host's matmul rate (per rank; see oases calibrate)",
+        help=EMULATE_LINK_HELP,
     )
     p.add_argument(
         "--oases-plan",

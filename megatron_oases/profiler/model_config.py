@@ -1,6 +1,6 @@
 """Model shapes for profiling: a YAML file of Megatron-LM argument names, validated the Megatron way.
 
-The project's model configs (``configs/models/*.yaml``: flag sections ``model``, ``parallel``,
+The project's model configs (``megatron_oases/configs/models/*.yaml``: flag sections ``model``, ``parallel``,
 ``training`` and an informational ``paper`` section) are read as they are — by path or by name
 (``--model h2048-l24``); the data-parallel degree comes from ``paper.data-parallel-size`` (or
 ``paper.gpus``). Otherwise a model file is a flat mapping of ``pretrain_gpt.py`` argument names, with
@@ -32,6 +32,7 @@ import warnings
 import yaml
 
 from ..errors import OasesConfigError
+from ..resources import available_models, model_config
 
 # Keys that are ours, not Megatron-LM flags.
 _EXTRA_KEYS = ("data_parallel_size", "world_size", "name", "description", "notes", "source")
@@ -69,7 +70,7 @@ def _flatten(raw, out=None):
 
 
 def _project_config(raw):
-    """A ``configs/models`` file: flags from its flag sections, DP from its ``paper`` section."""
+    """A model config file: flags from its flag sections, DP from its ``paper`` section."""
     flat = {}
     for section in FLAG_SECTIONS:
         _flatten(raw.get(section) or {}, flat)
@@ -83,18 +84,16 @@ def _project_config(raw):
 
 
 def read_model_file(spec):
-    """``PATH``, ``PATH:NAME`` or a ``configs/models`` name → flat dict of argument names."""
+    """``PATH``, ``PATH:NAME`` or a packaged model name → flat dict of argument names."""
     path, name = spec, None
     if not os.path.exists(path) and ":" in spec:
         path, name = spec.rsplit(":", 1)
     if not os.path.exists(path) and name is None:
-        from ..resources import model_config
-
         path = model_config(spec) or path
     if not os.path.exists(path):
         raise OasesConfigError(
-            f"model file {spec!r} not found; pass --model PATH.yaml[:NAME] or a name under "
-            "configs/models/"
+            f"model file {spec!r} not found; pass --model PATH.yaml[:NAME] or a packaged model "
+            f"({', '.join(available_models())})"
         )
     with open(path) as f:
         raw = yaml.safe_load(f) or {}
