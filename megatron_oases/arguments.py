@@ -11,7 +11,7 @@ import os
 import sys
 
 from .errors import OasesConfigError
-from .validation import SCHEDULES, check_model_shape, check_oases_args
+from .validation import SCHEDULES, SUB_BATCHES, check_model_shape, check_oases_args
 
 #: Added when absent on a machine without CUDA: Megatron's defaults there need APEX/TE kernels.
 CPU_DEFAULTS = (
@@ -81,6 +81,15 @@ def add_oases_args(parser):
         help="off = stock Megatron; overlap = two sub-batches, TMP all-reduce overlapped with the "
         "other sub-batch's compute; cross-pass = + recompute and backward merged; oases = + "
         "fine-grained recomputation (no all-reduce in recompute)",
+    )
+    g.add_argument(
+        "--oases-sub-batches",
+        type=int,
+        default=SUB_BATCHES,
+        metavar="N",
+        help="sub-batches per micro-batch for the overlapped schedules (default %(default)s, the "
+        "paper's): with N, only 1/N of the last block's all-reduce per pass stays exposed, at the "
+        "cost of N-times smaller matmuls; needs --micro-batch-size >= N",
     )
     g.add_argument(
         "--oases-trace",

@@ -14,8 +14,9 @@ SCHEDULES = ("off", "overlap", "cross-pass", "oases")
 SPLIT_SCHEDULES = ("overlap", "cross-pass", "oases")
 #: Schedules that merge recomputation with backward: they need full, per-layer recomputation.
 RECOMPUTE_SCHEDULES = ("cross-pass", "oases")
-#: Sub-batches per micro-batch.
+#: Sub-batches per micro-batch by default (the paper's two; ``--oases-sub-batches``).
 SUB_BATCHES = 2
+MAX_SUB_BATCHES = 8
 _WORDS = {2: "two", 3: "three", 4: "four"}
 
 
@@ -38,10 +39,12 @@ def check_schedule_recompute(
         )
 
 
-def check_splittable(samples, what=None, need=SUB_BATCHES):
-    """A split schedule needs at least one sample per sub-batch. ``what``: whose share it is
-    (a plan layer's), ``need``: the micro-batch size that would give every share enough."""
-    if samples < SUB_BATCHES:
+def check_splittable(samples, what=None, need=None, parts=SUB_BATCHES):
+    """A split schedule needs at least one sample per sub-batch (``parts`` of them). ``what``:
+    whose share it is (a plan layer's), ``need``: the micro-batch size that gives every share
+    enough."""
+    need = parts if need is None else need
+    if samples < parts:
         if what is None:
             raise OasesConfigError(
                 f"micro-batch {samples} cannot be split; use --micro-batch-size ≥ {need} or "
@@ -49,7 +52,7 @@ def check_splittable(samples, what=None, need=SUB_BATCHES):
             )
         raise OasesConfigError(
             f"{what} leaves {samples} sample(s) per group, which cannot be split into "
-            f"{_WORDS.get(SUB_BATCHES, SUB_BATCHES)} sub-batches; use --micro-batch-size ≥ {need} or --oases-schedule off"
+            f"{_WORDS.get(parts, parts)} sub-batches; use --micro-batch-size ≥ {need} or --oases-schedule off"
         )
 
 
@@ -75,6 +78,16 @@ def check_selective_recompute(schedule, modules):
             f"{' '.join(SELECTIVE_MODULES)} only (got {' '.join(other)}); drop them or use "
             "--recompute-granularity full"
         )
+
+
+def sub_batches(args):
+    """``--oases-sub-batches``, checked: 2 to :data:`MAX_SUB_BATCHES`."""
+    n = getattr(args, "oases_sub_batches", SUB_BATCHES)
+    if not 2 <= n <= MAX_SUB_BATCHES:
+        raise OasesConfigError(
+            f"--oases-sub-batches {n} must be in [2, {MAX_SUB_BATCHES}] (2 is the paper's)"
+        )
+    return n
 
 
 def check_transformer_impl(impl):
@@ -131,10 +144,12 @@ def check_plan_fits_model(plan, args):
                 f"--micro-batch-size {args.micro_batch_size} is not divisible by {T // d}"
             )
         if getattr(args, "oases_schedule", "off") != "off":
+            parts = sub_batches(args)
             check_splittable(
                 args.micro_batch_size * d // T,
                 what=f"layer {layer}: degree {d}",
-                need=SUB_BATCHES * T // d,
+                need=parts * T // d,
+                parts=parts,
             )
 
 
@@ -173,7 +188,7 @@ def check_oases_args(args, before_megatron=False, plan=None):
                 f"--oases-schedule {mode} recomputes every layer; use --recompute-method uniform "
                 "--recompute-num-layers 1"
             )
-        check_splittable(args.micro_batch_size)
+        check_splittable(args.micro_batch_size, parts=sub_batches(args))
     if plan is not None:
         check_plan_fits_model(plan, args)
     return args

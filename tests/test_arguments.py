@@ -45,7 +45,7 @@ from megatron_oases.errors import OasesConfigError
             "--oases-schedule overlap --recompute-granularity selective "
             "--recompute-modules core_attn mlp",
             1,
-            "supports --recompute-modules core_attn only \\(got mlp\\)",
+            "supports --recompute-modules core_attn only (got mlp)",
         ),
         (
             "--oases-schedule oases --recompute-granularity selective",
@@ -59,6 +59,12 @@ from megatron_oases.errors import OasesConfigError
         ),
         ("--oases-schedule overlap --context-parallel-size 2", 2, "context-parallel"),
         ("--oases-schedule overlap --num-experts 4", 1, "MoE"),
+        ("--oases-schedule overlap --oases-sub-batches 1", 1, "--oases-sub-batches 1 must be in"),
+        (
+            "--oases-schedule overlap --micro-batch-size 2 --oases-sub-batches 3",
+            1,
+            "micro-batch 2 cannot be split; use --micro-batch-size ≥ 3",
+        ),
         ("--micro-batch-size 0", 1, "--micro-batch-size 0 must be >= 1"),
         ("--num-attention-heads 0", 1, "--num-attention-heads 0 must be >= 1"),
         ("--hidden-dropout 1.5", 1, r"--hidden-dropout must be in \[0, 1\)"),

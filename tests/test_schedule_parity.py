@@ -9,7 +9,7 @@ checks the first optimizer step.
 
 import pytest
 import torch
-from helpers import GPT, LLAMA, NO_DROP, RECOMPUTE, variants_worker
+from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, variants_worker
 from helpers.runs import max_rel_diff
 
 from megatron_oases.launch import run_distributed
@@ -109,3 +109,37 @@ def test_overlap_matches_stock_without_full_recompute(config):
             for pname, g in stock["grads"].items():
                 err = max_rel_diff(got["grads"][pname], g)
                 assert err < 1e-5, f"{config} {setting} rank {rank} {pname}: rel err {err:.2e}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "model,mbs", [(GPT, 4), (LLAMA, 3)], ids=["gpt-tp2-mbs4", "llama-tp2-mbs3"]
+)
+def test_three_sub_batches_match_stock(model, mbs):
+    """``--oases-sub-batches 3`` (uneven 2+1+1, and 1+1+1): every schedule against stock."""
+    base = model.format(layers=2) + (
+        f"--tensor-model-parallel-size 2 --micro-batch-size {mbs} --global-batch-size {mbs} "
+    )
+    variants = [VARIANTS[0]] + [(n, f + " --oases-sub-batches 3") for n, f in VARIANTS[1:]]
+    # dropout on: recomputation replays each of the three sub-batches' masks exactly
+    drop = "--oases-sub-batches 3 " + DROP
+    variants += [
+        ("overlap-drop", drop + "--oases-schedule overlap"),
+        ("oases-drop", drop + "--oases-schedule oases"),
+    ]
+    results = run_distributed(
+        variants_worker, 2, base + ITERS + NO_DROP + RECOMPUTE, variants, timeout=560
+    )
+    for rank, res in enumerate(results):
+        stock = res["stock"]
+        for name in ("overlap", "cross-pass", "oases"):
+            got = res[name]
+            assert max_rel_diff(got["losses"], stock["losses"]) < 1e-5, (name, rank)
+            for pname, g in stock["grads"].items():
+                err = max_rel_diff(got["grads"][pname], g)
+                assert err < 1e-5, f"{name} mbs {mbs} rank {rank} {pname}: rel err {err:.2e}"
+        ref, got = res["overlap-drop"], res["oases-drop"]
+        assert ref["losses"] != stock["losses"]  # the dropout is on
+        assert max_rel_diff(got["losses"], ref["losses"]) < 1e-6
+        for pname, g in ref["grads"].items():
+            assert max_rel_diff(got["grads"][pname], g) < 1e-6, pname

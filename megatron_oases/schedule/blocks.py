@@ -97,7 +97,7 @@ def check_layer(layer):
 
 def split_sizes(batch, parts=SUB_BATCHES):
     """Sub-batch sizes along the batch dim, larger first: 3 → [2, 1]."""
-    check_splittable(batch)
+    check_splittable(batch, parts=parts)
     base, extra = divmod(batch, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 

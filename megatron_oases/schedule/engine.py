@@ -28,7 +28,7 @@ import contextlib
 import torch
 from megatron.core.tensor_parallel.random import _get_all_rng_states, _set_all_rng_states
 
-from ..validation import SPLIT_SCHEDULES
+from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
 from .blocks import split_mask, split_sizes
 from .executor import Comm, Compute, run_programs
 
@@ -72,9 +72,10 @@ class SubBatch:
 class ScheduledLayers:
     """One micro-batch through a stage's blocks under ``mode``; owns no global state."""
 
-    def __init__(self, blocks, mode, microbatch=-1, recompute=True, tracer=None):
+    def __init__(self, blocks, mode, microbatch=-1, recompute=True, tracer=None, parts=SUB_BATCHES):
         assert mode in SPLIT_SCHEDULES, mode
         self.blocks, self.mode, self.microbatch, self.tracer = blocks, mode, microbatch, tracer
+        self.parts = parts  # sub-batches per micro-batch
         # What forward keeps: autograd graphs (overlap without recompute), each layer's input
         # (Megatron's full/uniform recompute: overlap with recompute, cross-pass) or each
         # block's input (oases' fine-grained recompute).
@@ -105,7 +106,7 @@ class ScheduledLayers:
     # ------------------------------------------------------------------ forward
     def forward(self, hidden):
         s, b, h = hidden.shape
-        sizes = split_sizes(b)
+        sizes = split_sizes(b, self.parts)
         masks = split_mask(self.blocks.attention_mask, sizes, b)
         grad_ctx = torch.enable_grad() if self.keep_graph else torch.no_grad()
         with grad_ctx:

@@ -28,6 +28,7 @@ from ..hetero.model import make_param_is_not_tp_duplicate
 from ..hetero.reshard import reshard
 from ..hetero.runtime import stage_of
 from ..patching import Patch
+from ..validation import SUB_BATCHES, sub_batches
 from .blocks import LayerBlocks
 from .comm import make_column_forward, make_reduce_from_tp_region
 from .engine import ScheduledLayers, ScheduledLayersFunction
@@ -35,7 +36,7 @@ from .engine import ScheduledLayers, ScheduledLayersFunction
 logger = logging.getLogger(__name__)
 
 
-def make_block_forward(original, mode, tracer=None):
+def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES):
     """``TransformerBlock.forward`` running the layers as degree runs (plan) through ``mode``;
     ``tracer`` (the ``oases-trace`` patch's, optional) records the schedule's ops."""
     counter = {"microbatch": 0}
@@ -110,6 +111,7 @@ def make_block_forward(original, mode, tracer=None):
                     microbatch=mb,
                     recompute=self.config.recompute_granularity == "full",
                     tracer=tracer,
+                    parts=parts,
                 )
                 hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
         if hetero is not None:
@@ -170,7 +172,11 @@ def make_patch(args, built=None):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     replacements = [
-        (TransformerBlock, "forward", make_block_forward(TransformerBlock.forward, mode, tracer)),
+        (
+            TransformerBlock,
+            "forward",
+            make_block_forward(TransformerBlock.forward, mode, tracer, sub_batches(args)),
+        ),
         (
             tp_layers,
             "reduce_from_tensor_model_parallel_region",
