@@ -113,7 +113,7 @@ def model_setup_hook(training_module=None):
 
         args = get_args()
         patches.install_from_args(args)  # idempotent
-        if getattr(args, "oases_plan", None):
+        if getattr(args, "oases_plan", None) or _swaps_core_attention(args):
             model_cfg = getattr(kwargs.get("cfg_container"), "model", None)
             if model_cfg is not None:
                 model_cfg.pre_wrap_hooks.append(functools.partial(_attach_plan_to_stages, args))
@@ -126,21 +126,33 @@ def model_setup_hook(training_module=None):
     )
 
 
-def _attach_plan_to_stages(args, stages):
+def _swaps_core_attention(args):
+    from ..attention import STOCK, choose_core_attention
+
+    return choose_core_attention(getattr(args, "attention_backend", "auto")) != STOCK
+
+
+def _prepare_stage(args, stage):
+    """The per-layer plan, then ``--attention-backend``'s core attention (a plan rebuilds layers)."""
+    from ..attention import apply_core_attention
     from ..hetero.runtime import attach_plan
 
-    for stage in stages:
+    if getattr(args, "oases_plan", None):
         attach_plan(stage, args)
+    apply_core_attention(stage, args)
+
+
+def _attach_plan_to_stages(args, stages):
+    for stage in stages:
+        _prepare_stage(args, stage)
     return stages
 
 
 def _provider_with_plan(model_provider_func, args):
     @functools.wraps(model_provider_func)
     def provider(*a, **k):
-        from ..hetero.runtime import attach_plan
-
         model = model_provider_func(*a, **k)
-        attach_plan(model, args)
+        _prepare_stage(args, model)
         return model
 
     return provider

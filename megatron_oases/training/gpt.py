@@ -20,6 +20,7 @@ from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training import get_args, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
+from ..attention import apply_core_attention
 from ..compat import build_gpt_model
 from ..patches import install_from_args
 
@@ -41,6 +42,7 @@ def model_provider(
         from ..hetero.runtime import attach_plan
 
         attach_plan(model, args)
+    apply_core_attention(model, args)  # after a plan's rebuild: --attention-backend's kernel
     return model
 
 
