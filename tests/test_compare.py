@@ -191,3 +191,130 @@ def test_compare_end_to_end_tiny_model(tmp_path):
         assert again["variants"][1]["trace"][key] == pytest.approx(
             report["variants"][1]["trace"][key]
         )
+
+
+def _synthetic(name, ms, peak_gb):
+    return {
+        "name": name,
+        "status": "ok",
+        "tokens_per_sec": 1e3 / ms,
+        "mean_iteration_s": ms / 1e3,
+        "memory": {"peak_bytes_per_rank": int(peak_gb * 1e9)},
+    }
+
+
+def test_memory_budget_selection_and_state_bytes():
+    from megatron_oases.compare.memory import parse_budgets, select
+    from megatron_oases.errors import OasesConfigError
+    from megatron_oases.training.measure import state_bytes
+
+    results = [
+        _synthetic("megatron", 100, 10),
+        _synthetic("megatron-selective", 90, 14),
+        _synthetic("megatron-norecompute", 80, 20),
+        _synthetic("oases", 80, 10.5),
+        _synthetic("overlap-norecompute", 70, 20),
+        dict(_synthetic("overlap-selective", 10, 1), status="failed"),  # never picked
+        {"name": "overlap", "status": "ok", "tokens_per_sec": 50.0, "memory": {"error": "x"}},
+    ]
+    picks = select(results, [5, 10.2, 12, 15, 25])
+    assert [(p["stock"], p["oases"]) for p in picks] == [
+        (None, None),
+        ("megatron", None),
+        ("megatron", "oases"),
+        ("megatron-selective", "oases"),
+        ("megatron-norecompute", "overlap-norecompute"),
+    ]
+    assert picks[0]["speedup"] is None and picks[1]["speedup"] is None
+    assert picks[2]["speedup"] == pytest.approx(100 / 80)
+    assert picks[3]["speedup"] == pytest.approx(90 / 80)
+    assert picks[4]["speedup"] == pytest.approx(80 / 70)
+    assert parse_budgets("0.2, 0.05,0.1") == [0.05, 0.1, 0.2]
+    for bad in ("", "x", "0,1", "-1"):
+        with pytest.raises(OasesConfigError, match="--memory-budget"):
+            parse_budgets(bad)
+    # Model states per parameter: fp32 weight + gradient buffer + two Adam moments = 16 B; bf16
+    # adds an fp32 master copy and keeps an fp32 gradient buffer; the distributed optimizer shards
+    # master copy and moments over data parallelism.
+    fp32 = parse_offline(TINY + ["--mock-data"], 2, demo=True)
+    assert state_bytes(1000, fp32) == 16000
+    bf16 = parse_offline(TINY[2:] + ["--mock-data", "--bf16"], 2, demo=True)
+    assert bf16.data_parallel_size == 2 and state_bytes(1000, bf16) == 18000
+    dist = parse_offline(
+        TINY[2:] + ["--mock-data", "--bf16", "--use-distributed-optimizer"], 2, demo=True
+    )
+    assert state_bytes(1000, dist) == 1000 * (2 + 4) + 1000 * 12 // 2
+
+
+def test_memory_variants_validate():
+    from megatron_oases.compare.variants import MEMORY_VARIANTS
+
+    base = parse_offline(TINY + ["--mock-data"], 2, demo=True)
+    for name in MEMORY_VARIANTS:
+        v = VARIANTS[name]
+        args = parse_offline(TINY + ["--mock-data", *v.resolved_flags(base)], 2, demo=True)
+        granularity = {"full": "full", "selective": "selective", "none": None}[v.recompute]
+        assert args.recompute_granularity == granularity, name
+        assert v.stock == (args.oases_schedule == "off"), name
+    assert {VARIANTS[n].stock for n in MEMORY_VARIANTS} == {True, False}
+
+
+@pytest.mark.timeout(180)
+def test_compare_memory_budget_tiny_model(tmp_path):
+    """--memory-budget: the memory pass's keys, no recompute above full recompute, the per-budget
+    picks (also after --reanalyze with other budgets), the table and the chart."""
+    out = tmp_path / "mem"
+    variants = ["megatron", "overlap-norecompute"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_oases",
+        "compare",
+        "--variants",
+        ",".join(variants),
+        "--warmup",
+        "1",
+        "--iters",
+        "1",
+        "--memory-budget",
+        "0.0001,1",
+        "--out",
+        str(out),
+        "--",
+        *TINY,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "memory pass (untimed, no link emulation): 2 variant(s)" in proc.stdout
+    assert "fastest stock that fits" in proc.stdout and "memory.png" in proc.stdout
+    assert (out / "memory.png").read_bytes().startswith(PNG)
+    report = json.loads((out / "results.json").read_text())
+    by_name = {v["name"]: v for v in report["variants"]}
+    for name in variants:
+        m = by_name[name]["memory"]
+        assert m["peak_bytes_per_rank"] == m["state_bytes"] + m["activation_bytes"] > 0, m
+        assert len(m["ranks"]) == 2 and m["state_bytes"] == 16 * m["params"]
+    peak = {n: by_name[n]["memory"]["peak_bytes_per_rank"] / 1e9 for n in variants}
+    act = {n: by_name[n]["memory"]["activation_bytes"] for n in variants}
+    assert act["overlap-norecompute"] > 1.3 * act["megatron"], act  # all activations kept
+    # Nothing fits 0.1 MB; 1 GB fits both sides.
+    tps = {n: by_name[n]["tokens_per_sec"] for n in variants}
+    assert report["memory_budget"] == [
+        {"budget_gb": 0.0001, "stock": None, "oases": None, "speedup": None},
+        {
+            "budget_gb": 1.0,
+            "stock": "megatron",
+            "oases": "overlap-norecompute",
+            "speedup": pytest.approx(tps["overlap-norecompute"] / tps["megatron"]),
+        },
+    ]
+    md = (out / "results.md").read_text()
+    assert "## At equal memory" in md and "| 0.0001 | none fits |" in md and "memory.png" in md
+    # Between full recompute and no recompute only stock with full recompute fits.
+    between = (peak["megatron"] + peak["overlap-norecompute"]) / 2
+    report["config"]["memory_budget_gb"] = [between]
+    (out / "results.json").write_text(json.dumps(report))
+    assert oases_main(["compare", "--reanalyze", str(out)]) == 0
+    again = json.loads((out / "results.json").read_text())["memory_budget"]
+    assert again == [{"budget_gb": between, "stock": "megatron", "oases": None, "speedup": None}]

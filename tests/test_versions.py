@@ -201,3 +201,20 @@ def test_local_gpt_model_is_the_builders_model(model_parallel_1):
     for name, value in builder.items():
         assert value.shape == local[name].shape, name
         assert torch.equal(value, local[name]), name
+
+
+def test_jit_warmup_leaves_the_weights_rng_alone(model_parallel_1, monkeypatch):
+    """Megatron's JIT warm-up draws micro-batch-shaped random tensors before the model is built;
+    on CPU they would come from the generator that then initialises the weights, so micro-batch/2
+    (compare's ``*-halfmb`` variants) would start from other weights. The CPU shim restores it."""
+    import torch
+    from megatron.training import initialize, training
+
+    args = parse(
+        TINY.replace("--tensor-model-parallel-size 2", "--tensor-model-parallel-size 1"),
+        world_size=1,
+    )
+    monkeypatch.setattr(initialize, "get_args", lambda: args)
+    state = torch.get_rng_state()
+    training.set_jit_fusion_options(tp_size=1)
+    assert torch.equal(torch.get_rng_state(), state)

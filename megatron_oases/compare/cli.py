@@ -6,9 +6,12 @@ timed iterations each. Unless given, compare adds ``--mock-data``, dropout 0 and
 (no data-loader processes competing for the CPUs). Prints a table like the paper's Table 3 and
 writes ``--out DIR``: ``results.json``, ``results.md``, ``throughput.png`` and
 ``timeline-<variant>.png`` (plus each variant's log, golden values and traces in
-``DIR/<variant>/``, and a copy of ``--oases-plan`` as ``DIR/oases-plan.json``). Every path in
-results.json is relative to DIR, so the directory can move to another machine as a whole. Exit code
-1 when a variant failed or the variants' losses disagree.
+``DIR/<variant>/``, and a copy of ``--oases-plan`` as ``DIR/oases-plan.json``). With
+``--memory-budget GB[,GB...]`` an untimed pass then meters each variant's peak memory per rank
+(:mod:`.memory`), and the report adds, per budget, the fastest stock setting that fits against the
+fastest Oases setting that fits (a table and ``memory.png``). Every path in results.json is relative
+to DIR, so the directory can move to another machine as a whole. Exit code 1 when a variant failed
+or the variants' losses disagree.
 """
 
 import argparse
@@ -16,12 +19,19 @@ import dataclasses
 import os
 import shlex
 import shutil
-import sys
 import time
 
 from ..arguments import EMULATE_LINK_HELP
 from ..errors import OasesConfigError
-from .variants import DEFAULT_VARIANTS, RESERVED, VARIANTS, estimate_memory_gb, parse_variants
+from .results import finalize, reanalyze
+from .variants import (
+    DEFAULT_VARIANTS,
+    MEMORY_VARIANTS,
+    RESERVED,
+    VARIANTS,
+    estimate_memory_gb,
+    parse_variants,
+)
 
 PLAN_COPY = (
     "oases-plan.json"  # --oases-plan, kept beside results.json: the report is self-contained
@@ -40,8 +50,17 @@ def build_parser():
     )
     p.add_argument(
         "--variants",
-        default=",".join(DEFAULT_VARIANTS),
-        help=f"comma-separated, from {', '.join(VARIANTS)} (default: %(default)s)",
+        default=None,
+        help=f"comma-separated, from {', '.join(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)}; "
+        f"with --memory-budget: {','.join(MEMORY_VARIANTS)})",
+    )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="GB[,GB...]",
+        help="also meter each variant's peak memory per rank (an untimed pass after the timed "
+        "runs) and report, per budget, the fastest stock setting that fits against the fastest "
+        "Oases setting that fits (GB = 1e9 bytes, e.g. 0.05,0.1,0.2 for tiny CPU models)",
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     p.add_argument(
@@ -121,7 +140,12 @@ def main(argv):
             raise OasesConfigError(f"oases compare sets {flag} itself; drop it from the flags")
     if own.nproc < 1 or own.iters < 1 or own.warmup < 0 or own.repeats < 1:
         raise OasesConfigError("--nproc, --iters and --repeats must be >= 1 and --warmup >= 0")
-    variants = parse_variants(own.variants)
+    budgets = None
+    if own.memory_budget is not None:
+        from .memory import parse_budgets
+
+        budgets = parse_budgets(own.memory_budget)
+    variants = parse_variants(own.variants, MEMORY_VARIANTS if budgets else DEFAULT_VARIANTS)
     plan = os.path.abspath(own.oases_plan) if own.oases_plan else None
     if plan and not any(v.needs_plan for v in variants):
         raise OasesConfigError(
@@ -202,9 +226,9 @@ def main(argv):
 
     skipped = {}
     for v in variants:
-        if not v.recompute and profile is not None:
+        if v.recompute != "full" and profile is not None:
             need = estimate_memory_gb(
-                parsed[v.name], recompute=False, dtype_bytes=profile.dtype_bytes
+                parsed[v.name], recompute=v.recompute, dtype_bytes=profile.dtype_bytes
             )
             if need > 0.9 * profile.memory_gb:
                 progress(
@@ -277,6 +301,14 @@ def main(argv):
                 for r in runs[v.name]
             ]
         results.append(best)
+    if budgets:
+        from .memory import measure
+
+        measured = [v for v, r in zip(variants, results) if r["status"] == "ok"]
+        memory = measure(measured, train_argv, parsed, own.nproc, out, own.timeout, progress)
+        for r in results:
+            if r["name"] in memory:
+                r["memory"] = memory[r["name"]]
 
     report = {
         "command": "oases compare " + shlex.join(argv),
@@ -293,148 +325,13 @@ def main(argv):
             "iters": own.iters,
             "tokens_per_iteration": tokens,
             "oases_plan": plan,
+            "memory_budget_gb": budgets,
         },
         "emulation": emulation,
         "loss_check": {"rtol": rtol},
         "variants": results,
     }
     return finalize(report, out)
-
-
-def finalize(report, out):
-    """Trace metrics, speedups, loss check, timelines and charts; writes results.{json,md}.
-
-    Also used by ``--reanalyze DIR`` on a finished run. Paths in results.json are relative to DIR.
-    Returns the exit code (1 when a variant failed or the losses disagree).
-    """
-    from ..viz.analysis import emulated_comm_model, load_traces, run_metrics
-    from ..viz.timeline import plot_timeline
-    from .report import (
-        add_derived,
-        check_losses,
-        format_table,
-        plot_summary,
-        write_json,
-        write_markdown,
-    )
-
-    def here(p):
-        return p if os.path.isabs(p) else os.path.join(out, p)
-
-    rel = _relative_to(out)
-    emulation = report.get("emulation")
-    comm_model = emulated_comm_model(emulation) if emulation else None
-    suffix = f", emulated {emulation['profile']}" if emulation else ""
-    model = report["config"]["model"]
-    _relative_report(report, rel)
-    results = report["variants"]
-    for r in results:
-        if r["status"] == "ok" and r.get("trace_files"):
-            traces = load_traces([here(f) for f in r["trace_files"]])
-            r["trace"] = run_metrics(traces, comm_model) if traces else None
-            path = os.path.join(out, f"timeline-{r['name']}.png")
-            plot_timeline(
-                traces,
-                path,
-                title=f"{r['name']} ({r['label']}), {model}{suffix}",
-                comm_model=comm_model,
-            )
-            r["timeline"] = rel(path)
-    rtol = report["loss_check"]["rtol"]
-    ref = add_derived(results)
-    bad = check_losses(results, ref, rtol)
-    chart = None
-    if any(r["status"] == "ok" for r in results):
-        chart = rel(
-            plot_summary(results, os.path.join(out, "throughput.png"), title=model + suffix)
-        )
-    report["chart"] = chart
-    failed = [r["name"] for r in results if r["status"] == "failed"]
-    n_ok = sum(r["status"] == "ok" for r in results)
-    summary = (
-        f"all {n_ok} variants agree with {ref['name']} within rtol {rtol:g}"
-        if ref and not bad
-        else "; ".join(bad) or "no variant ran"
-    )
-    report["loss_check"] = {
-        "rtol": rtol,
-        "reference": ref["name"] if ref else None,
-        "ok": not bad,
-        "failures": bad,
-        "summary": summary,
-    }
-    write_json(report, os.path.join(out, "results.json"))
-    write_markdown(report, os.path.join(out, "results.md"))
-    print("\n" + format_table(results), flush=True)
-    print(f"\nlosses: {summary}", flush=True)
-    wrote = ["results.json"] + (["throughput.png"] if chart else [])
-    wrote += [os.path.basename(r["timeline"]) for r in results if r.get("timeline")]
-    print(f"wrote {os.path.join(out, 'results.md')}, {', '.join(wrote)}", flush=True)
-    if failed:
-        print(f"oases compare: variant(s) failed: {', '.join(failed)}", file=sys.stderr, flush=True)
-    if bad:
-        print(
-            "oases compare: the variants' losses disagree (see above)", file=sys.stderr, flush=True
-        )
-    return 1 if failed or bad else 0
-
-
-def _relative_to(out):
-    """Absolute path -> relative to ``out`` (anything else as is): what results.json records."""
-
-    def rel(p):
-        return os.path.relpath(p, out) if isinstance(p, str) and os.path.isabs(p) else p
-
-    return rel
-
-
-def _relative_argv(argv, rel):
-    """Absolute paths in an argument list (also ``--flag=PATH``) made relative by ``rel``."""
-    out = []
-    for a in argv:
-        flag, eq, value = a.partition("=")
-        out.append(f"{flag}={rel(value)}" if eq and flag.startswith("-") else rel(a))
-    return out
-
-
-def _relative_report(report, rel):
-    """Every path results.json records, relative to its directory (older reports included, on
-    --reanalyze): the variants' directories, traces and timelines, the chart, the plan and the
-    command lines (run from DIR; the interpreter by name, not by its path on this machine)."""
-    if isinstance(report.get("command"), str):
-        report["command"] = shlex.join(_relative_argv(shlex.split(report["command"]), rel))
-    config = report.get("config") or {}
-    if config.get("train_argv"):
-        config["train_argv"] = _relative_argv(config["train_argv"], rel)
-    if config.get("oases_plan"):
-        config["oases_plan"] = rel(config["oases_plan"])
-    report["chart"] = rel(report.get("chart"))
-    for r in report.get("variants", []):
-        for key in ("dir", "timeline"):
-            if r.get(key):
-                r[key] = rel(r[key])
-        for run in r.get("runs", []):
-            run["dir"] = rel(run.get("dir"))
-        if r.get("trace_files"):
-            r["trace_files"] = [rel(f) for f in r["trace_files"]]
-        if r.get("flags"):
-            r["flags"] = _relative_argv(r["flags"], rel)
-        if r.get("command"):
-            interpreter = r["command"][0]
-            r["command"] = [os.path.basename(interpreter)] + _relative_argv(r["command"][1:], rel)
-
-
-def reanalyze(out):
-    """``--reanalyze DIR``: recompute metrics, timelines and charts of a finished run."""
-    import json
-
-    path = os.path.join(out, "results.json")
-    try:
-        with open(path) as f:
-            report = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise OasesConfigError(f"--reanalyze {out}: cannot read {path}: {exc}") from exc
-    return finalize(report, os.path.abspath(out))
 
 
 def _code_version():

@@ -155,6 +155,10 @@ def write_markdown(report, path):
         "last iteration's trace, mean over ranks.",
         "",
     ]
+    if report.get("memory_budget") is not None:
+        from .memory import markdown_lines
+
+        lines += markdown_lines(report)
     for r in report["variants"]:
         if r.get("timeline"):
             lines.append(f"![{r['name']} timeline]({os.path.basename(r['timeline'])})")

@@ -11,11 +11,16 @@ class Variant:
     flags: tuple
     label: str
     paper: str  # the closest column of the paper's Table 3
-    recompute: bool = True
+    recompute: str = "full"  # Megatron's recompute setting: "full", "selective" or "none"
     available: bool = True
     note: str = ""
     split_micro_batch: bool = False  # halve the micro-batch, double the micro-batches
     needs_plan: bool = False  # takes compare's --oases-plan PATH (per-layer TMP degrees)
+
+    @property
+    def stock(self):
+        """Stock Megatron (``--oases-schedule off``): the side a memory budget compares against."""
+        return self.flags[:2] == ("--oases-schedule", "off")
 
     def resolved_flags(self, base_args, plan=None):
         """Flags for this variant given the validated base (stock) arguments and compare's
@@ -50,6 +55,7 @@ _FULL = (
     "--recompute-num-layers",
     "1",
 )
+_SELECTIVE = ("--recompute-granularity", "selective")  # Megatron's default modules: core_attn
 VARIANTS = {
     v.name: v
     for v in (
@@ -60,11 +66,18 @@ VARIANTS = {
             "Megatron-LM",
         ),
         Variant(
+            "megatron-selective",
+            ("--oases-schedule", "off") + _SELECTIVE,
+            "stock Megatron-Core, selective recompute (core attention)",
+            "-",
+            recompute="selective",
+        ),
+        Variant(
             "megatron-norecompute",
             ("--oases-schedule", "off"),
             "stock Megatron-Core, no recompute",
             "-",
-            recompute=False,
+            recompute="none",
         ),
         Variant(
             "megatron-halfmb",
@@ -74,10 +87,32 @@ VARIANTS = {
             split_micro_batch=True,
         ),
         Variant(
+            "megatron-halfmb-norecompute",
+            ("--oases-schedule", "off"),
+            "stock, no recompute, micro-batch/2 x 2 (half the activations)",
+            "-",
+            recompute="none",
+            split_micro_batch=True,
+        ),
+        Variant(
             "overlap",
             ("--oases-schedule", "overlap") + _FULL,
             "two sub-batches, per-pass overlap",
             "Merak (pipelined passes)",
+        ),
+        Variant(
+            "overlap-selective",
+            ("--oases-schedule", "overlap") + _SELECTIVE,
+            "two sub-batches, per-pass overlap, selective recompute (core attention)",
+            "-",
+            recompute="selective",
+        ),
+        Variant(
+            "overlap-norecompute",
+            ("--oases-schedule", "overlap"),
+            "two sub-batches, per-pass overlap, no recompute",
+            "-",
+            recompute="none",
         ),
         Variant(
             "cross-pass",
@@ -101,6 +136,19 @@ VARIANTS = {
     )
 }
 DEFAULT_VARIANTS = ("megatron", "megatron-norecompute", "overlap", "cross-pass", "oases")
+# With --memory-budget: every stock memory setting against every Oases one (cross-pass is left out:
+# it keeps what oases keeps, and oases is the faster of the two).
+MEMORY_VARIANTS = (
+    "megatron",
+    "megatron-selective",
+    "megatron-norecompute",
+    "megatron-halfmb",
+    "megatron-halfmb-norecompute",
+    "overlap",
+    "overlap-selective",
+    "overlap-norecompute",
+    "oases",
+)
 # Flags compare sets itself, per variant or per run.
 RESERVED = (
     "--oases-schedule",
@@ -117,8 +165,8 @@ RESERVED = (
 )
 
 
-def parse_variants(spec):
-    names = [s.strip() for s in (spec or ",".join(DEFAULT_VARIANTS)).split(",") if s.strip()]
+def parse_variants(spec, default=DEFAULT_VARIANTS):
+    names = [s.strip() for s in (spec or ",".join(default)).split(",") if s.strip()]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise OasesConfigError(
@@ -137,8 +185,10 @@ def estimate_memory_gb(args, recompute, dtype_bytes=2):
 
     Model states: 16 bytes per parameter shard (fp16 weight and gradient, fp32 master and two Adam
     moments). Activations per layer and micro-batch (Korthikanti et al. 2022, TP without sequence
-    parallelism): ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes; with full recompute only each layer's
-    input (``2·s·b·h``) plus one layer's working set. 1F1B keeps up to PP micro-batches in flight.
+    parallelism): ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes; selective recompute drops the
+    attention-score term ``5·a·s/(h·t)``; with full recompute only each layer's input
+    (``2·s·b·h``) plus one layer's working set. 1F1B keeps up to PP micro-batches in flight.
+    ``recompute``: ``"full"``/True, ``"selective"`` or ``"none"``/False.
     """
     t, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     h, s, b, a = args.hidden_size, args.seq_length, args.micro_batch_size, args.num_attention_heads
@@ -149,8 +199,10 @@ def estimate_memory_gb(args, recompute, dtype_bytes=2):
     states = 16 * params
     full_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * dtype_bytes / 2
     in_flight = min(pp, args.num_microbatches)
-    if recompute:
+    if recompute in (True, "full"):
         act = in_flight * layers * dtype_bytes * s * b * h + full_layer
+    elif recompute == "selective":
+        act = in_flight * layers * s * b * h * (10 + 24 / t) * dtype_bytes / 2 + full_layer
     else:
         act = in_flight * layers * full_layer
     return (states + act) / 1e9

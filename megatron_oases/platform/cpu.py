@@ -45,6 +45,11 @@ Replaced symbol                             Why / what the shim does
   ``initialize_megatron``                   function with ``allow_no_cuda=True``.
 ``megatron.core.datasets.utils.``           the wheel ships the dataset helper prebuilt but no
   ``compile_helpers``                       Makefile; ``make`` fails: a no-op.
+``megatron.training.training.``             its JIT warm-up draws ``torch.rand`` tensors shaped by
+  ``set_jit_fusion_options``                ``--micro-batch-size`` (and dropout masks) from the
+                                            "CUDA" generator, here the CPU one that then initialises
+                                            the weights: run with the CPU RNG state restored, so
+                                            the initial weights do not depend on the micro-batch.
 ==========================================  =====================================================
 """
 
@@ -218,6 +223,17 @@ def _make_cpu_tracker_class():
     return CpuRNGStatesTracker
 
 
+def _rng_neutral(fn):
+    """``fn`` with the CPU generator's state restored afterwards."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _training_shims():
     """``{(module, attr): replacement}`` for Megatron-LM's loop (``megatron.training``, 0.17+)."""
     try:
@@ -230,6 +246,9 @@ def _training_shims():
             training.initialize_megatron, allow_no_cuda=True
         ),
         ("megatron.core.datasets.utils", "compile_helpers"): lambda: None,
+        ("megatron.training.training", "set_jit_fusion_options"): _rng_neutral(
+            training.set_jit_fusion_options
+        ),
     }
     for (module, name), _ in shims.items():
         if not hasattr(importlib.import_module(module), name):

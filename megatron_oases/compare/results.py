@@ -1,0 +1,159 @@
+"""A finished ``oases compare`` run: trace metrics, speedups, the loss check, the memory budgets,
+timelines and charts, then results.json/.md. ``--reanalyze DIR`` redoes this from results.json
+alone, so every path it records is relative to DIR.
+"""
+
+import os
+import shlex
+import sys
+
+from ..errors import OasesConfigError
+
+
+def finalize(report, out):
+    """Trace metrics, speedups, loss check, memory budgets, timelines and charts; writes
+    results.{json,md}.
+
+    Also used by ``--reanalyze DIR`` on a finished run. Paths in results.json are relative to DIR.
+    Returns the exit code (1 when a variant failed or the losses disagree).
+    """
+    from ..viz.analysis import emulated_comm_model, load_traces, run_metrics
+    from ..viz.timeline import plot_timeline
+    from .report import (
+        add_derived,
+        check_losses,
+        format_table,
+        plot_summary,
+        write_json,
+        write_markdown,
+    )
+
+    def here(p):
+        return p if os.path.isabs(p) else os.path.join(out, p)
+
+    rel = _relative_to(out)
+    emulation = report.get("emulation")
+    comm_model = emulated_comm_model(emulation) if emulation else None
+    suffix = f", emulated {emulation['profile']}" if emulation else ""
+    model = report["config"]["model"]
+    _relative_report(report, rel)
+    results = report["variants"]
+    for r in results:
+        if r["status"] == "ok" and r.get("trace_files"):
+            traces = load_traces([here(f) for f in r["trace_files"]])
+            r["trace"] = run_metrics(traces, comm_model) if traces else None
+            path = os.path.join(out, f"timeline-{r['name']}.png")
+            plot_timeline(
+                traces,
+                path,
+                title=f"{r['name']} ({r['label']}), {model}{suffix}",
+                comm_model=comm_model,
+            )
+            r["timeline"] = rel(path)
+    rtol = report["loss_check"]["rtol"]
+    ref = add_derived(results)
+    bad = check_losses(results, ref, rtol)
+    chart = None
+    if any(r["status"] == "ok" for r in results):
+        chart = rel(
+            plot_summary(results, os.path.join(out, "throughput.png"), title=model + suffix)
+        )
+    report["chart"] = chart
+    budgets = report["config"].get("memory_budget_gb")
+    if budgets:
+        from . import memory
+
+        report["memory_budget"] = memory.select(results, budgets)
+        report["memory_chart"] = None
+        if any(memory.is_measured(r) for r in results):
+            path = os.path.join(out, "memory.png")
+            report["memory_chart"] = rel(memory.plot_memory(report, path, title=model + suffix))
+    failed = [r["name"] for r in results if r["status"] == "failed"]
+    n_ok = sum(r["status"] == "ok" for r in results)
+    summary = (
+        f"all {n_ok} variants agree with {ref['name']} within rtol {rtol:g}"
+        if ref and not bad
+        else "; ".join(bad) or "no variant ran"
+    )
+    report["loss_check"] = {
+        "rtol": rtol,
+        "reference": ref["name"] if ref else None,
+        "ok": not bad,
+        "failures": bad,
+        "summary": summary,
+    }
+    write_json(report, os.path.join(out, "results.json"))
+    write_markdown(report, os.path.join(out, "results.md"))
+    print("\n" + format_table(results), flush=True)
+    print(f"\nlosses: {summary}", flush=True)
+    if budgets:
+        print("\n" + memory.format_tables(report), flush=True)
+    wrote = ["results.json"] + (["throughput.png"] if chart else [])
+    wrote += ["memory.png"] if report.get("memory_chart") else []
+    wrote += [os.path.basename(r["timeline"]) for r in results if r.get("timeline")]
+    print(f"wrote {os.path.join(out, 'results.md')}, {', '.join(wrote)}", flush=True)
+    if failed:
+        print(f"oases compare: variant(s) failed: {', '.join(failed)}", file=sys.stderr, flush=True)
+    if bad:
+        print(
+            "oases compare: the variants' losses disagree (see above)", file=sys.stderr, flush=True
+        )
+    return 1 if failed or bad else 0
+
+
+def _relative_to(out):
+    """Absolute path -> relative to ``out`` (anything else as is): what results.json records."""
+
+    def rel(p):
+        return os.path.relpath(p, out) if isinstance(p, str) and os.path.isabs(p) else p
+
+    return rel
+
+
+def _relative_argv(argv, rel):
+    """Absolute paths in an argument list (also ``--flag=PATH``) made relative by ``rel``."""
+    out = []
+    for a in argv:
+        flag, eq, value = a.partition("=")
+        out.append(f"{flag}={rel(value)}" if eq and flag.startswith("-") else rel(a))
+    return out
+
+
+def _relative_report(report, rel):
+    """Every path results.json records, relative to its directory (older reports included, on
+    --reanalyze): the variants' directories, traces and timelines, the chart, the plan and the
+    command lines (run from DIR; the interpreter by name, not by its path on this machine)."""
+    if isinstance(report.get("command"), str):
+        report["command"] = shlex.join(_relative_argv(shlex.split(report["command"]), rel))
+    config = report.get("config") or {}
+    if config.get("train_argv"):
+        config["train_argv"] = _relative_argv(config["train_argv"], rel)
+    if config.get("oases_plan"):
+        config["oases_plan"] = rel(config["oases_plan"])
+    report["chart"] = rel(report.get("chart"))
+    for r in report.get("variants", []):
+        for key in ("dir", "timeline"):
+            if r.get(key):
+                r[key] = rel(r[key])
+        for run in r.get("runs", []):
+            run["dir"] = rel(run.get("dir"))
+        if r.get("trace_files"):
+            r["trace_files"] = [rel(f) for f in r["trace_files"]]
+        if r.get("flags"):
+            r["flags"] = _relative_argv(r["flags"], rel)
+        if r.get("command"):
+            interpreter = r["command"][0]
+            r["command"] = [os.path.basename(interpreter)] + _relative_argv(r["command"][1:], rel)
+
+
+def reanalyze(out):
+    """``--reanalyze DIR``: recompute metrics, timelines and charts of a finished run."""
+    import json
+
+    path = os.path.join(out, "results.json")
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise OasesConfigError(f"--reanalyze {out}: cannot read {path}: {exc}") from exc
+    return finalize(report, os.path.abspath(out))
