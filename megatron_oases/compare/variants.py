@@ -127,6 +127,12 @@ VARIANTS = {
             "+ Fine-grained recomputation",
         ),
         Variant(
+            "oases-3sb",
+            ("--oases-schedule", "oases", "--oases-sub-batches", "3") + _FULL,
+            "oases with three sub-batches (1/3 of the pass-end all-reduce exposed)",
+            "-",
+        ),
+        Variant(
             "oases+planner",
             ("--oases-schedule", "oases") + _FULL,
             "+ per-layer TMP planner (--oases-plan)",
@@ -162,6 +168,7 @@ RESERVED = (
     "--save",
     "--load",
     "--oases-plan",
+    "--oases-sub-batches",
 )
 
 
