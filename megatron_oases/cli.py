@@ -38,6 +38,9 @@ COMMANDS = {
     ),
 }
 
+#: Commands that import Megatron-Core (and would print its fallback warnings).
+QUIET_COMMANDS = ("train", "run", "profile")
+
 
 def _resolve(target):
     module, func = target.split(":")
@@ -58,6 +61,10 @@ def main(argv=None):
         return 0
     if argv[0] not in COMMANDS:
         parser.parse_args(argv[:1])  # prints argparse's "invalid choice" and exits 2
+    if argv[0] in QUIET_COMMANDS:
+        from .training import quiet
+
+        quiet.install()  # before Megatron is imported: its CPU fallback warnings, by their text
     from .training.pretrain import TrainingStopped
 
     try:

@@ -29,8 +29,6 @@ import io
 import os
 import warnings
 
-import yaml
-
 from ..errors import OasesConfigError
 
 # Keys that are ours, not Megatron-LM flags.
@@ -98,8 +96,9 @@ def read_model_file(spec):
             f"model file {spec!r} not found; pass --model PATH.yaml[:NAME] or a name under "
             "configs/models/"
         )
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    from ..megatron_lm.configs import read_yaml
+
+    raw = read_yaml(path, "model file") or {}
     if not isinstance(raw, dict):
         raise OasesConfigError(
             f"model file {path} must hold a mapping of Megatron-LM argument names"
@@ -240,7 +239,10 @@ def model_args(flat, overrides=None):
     world = flat.get("world_size")
     if dp is None:
         dp = (int(world) // (tp * pp)) if world else 1
-    args = parse_offline(argv, world_size=int(dp) * tp * pp, cuda=True)
+    try:
+        args = parse_offline(argv, world_size=int(dp) * tp * pp, cuda=True)
+    except OasesConfigError as exc:  # name the model whose settings Megatron refused
+        raise OasesConfigError(f"model {flat.get('name')}: {exc}") from None
     args.name = flat.get("name")
     return args
 
