@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import OasesConfigError, report_once
+from .errors import exit_status
 
 COMMANDS = {
     "train": (
@@ -69,9 +69,8 @@ def main(argv=None):
 
     try:
         rc = _resolve(COMMANDS[argv[0]][0])(argv[1:])
-    except (OasesConfigError, TrainingStopped) as exc:
-        report_once(f"oases {argv[0]}: error: {exc}")  # once per job, not once per rank
-        return 2 if isinstance(exc, OasesConfigError) else 1
+    except Exception as exc:  # ours: one line once per job; anything else: raised again
+        return exit_status(exc, f"oases {argv[0]}", stopped=(TrainingStopped,))
     return rc or 0
 
 

@@ -17,6 +17,7 @@ error becomes one line too (:func:`make_load_patch`).
 
 import os
 import re
+import warnings
 
 from ..compat import require_symbol
 from ..errors import OasesConfigError
@@ -248,7 +249,9 @@ def check_load(args):
     load = require_symbol(checkpointing, "_load_base_checkpoint")
     check = require_symbol(checkpointing, "check_checkpoint_args")
     try:
-        state_dict, _, _, _ = load(args.load, args, rank0=True)
+        with warnings.catch_warnings():  # "single process" and API notes of this read-only peek
+            warnings.simplefilter("ignore")
+            state_dict, _, _, _ = load(args.load, args, rank0=True)
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - an unreadable checkpoint is the user's
         raise OasesConfigError(
             f"--load {args.load}: cannot read the checkpoint ({_first_line(exc)}); "

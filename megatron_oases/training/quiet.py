@@ -22,7 +22,18 @@ ALWAYS = (
     r"Overriding default arguments for tokenizer_type:GPT2BPETokenizer with "
     r"tokenizer_type:NullTokenizer",
     r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+    r"`torch\.distributed\.distributed_c10d\._set_pg_timeout` is deprecated",
+    # torch.distributed.checkpoint as Megatron's torch_dist checkpoints use it (every --load)
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+    r"load in a single process",
+    r"The argument order of load has been changed",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
 )
+#: Log records filtered everywhere, by logger: Megatron's sync save runs its own deprecated
+#: "mcore" async machinery and says so on every save.
+LOG_MESSAGES = {
+    "megatron.core.dist_checkpointing.strategies.torch": ("MCore's async save is deprecated",),
+}
 #: Filtered only without CUDA: on a GPU these fallbacks cost speed, and the user should know.
 CPU_ONLY = (
     r"Transformer Engine and Apex are not installed",
@@ -46,4 +57,19 @@ def install(cuda=None):
     if not cuda:
         for name in CPU_ONLY_LOGGERS:
             logging.getLogger(name).setLevel(logging.ERROR)
+    for name, messages in LOG_MESSAGES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(messages))
     return patterns
+
+
+class _DropMessages(logging.Filter):
+    """Drops the records whose message starts with one of ``messages``."""
+
+    def __init__(self, messages):
+        super().__init__()
+        self.messages = tuple(messages)
+
+    def filter(self, record):
+        return not str(record.getMessage()).startswith(self.messages)

@@ -14,6 +14,7 @@ closed here by a reversible patch (installed for a run with ``--save``):
   empty. Here it is written to a temporary file and renamed over the old one (atomic on POSIX).
 """
 
+import contextlib
 import os
 import shutil
 
@@ -67,6 +68,55 @@ def _swap_in(target, staging):
     _barrier()
 
 
+def _root_cause(exc):
+    """One line for a failed save: the first ``OSError`` in the failure (torch's
+    ``CheckpointException`` carries each failed rank's exception), else the first failure."""
+    seen, todo = [], [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError):
+            return f"{type(e).__name__}: {e}"
+        failures = getattr(e, "failures", None) or {}
+        todo += [f[0] for f in failures.values()] + [e.__cause__, e.__context__]
+    first = seen[1] if len(seen) > 1 else exc
+    text = str(first).strip().splitlines()
+    return f"{type(first).__name__}: {text[0] if text else ''}"
+
+
+@contextlib.contextmanager
+def _failure_is_one_line(target, written):
+    """A save that fails (disk full, I/O error, a rank's writer failing) stops the run with one
+    line (``TrainingStopped``, exit status 1) naming the previous checkpoint, which is intact:
+    the tracker still names it. The partial directory ``written`` is removed (rank 0)."""
+    try:
+        yield
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+            raise
+        from .pretrain import TrainingStopped
+
+        save_dir = os.path.dirname(target)
+        if _rank() == 0:
+            shutil.rmtree(written, ignore_errors=True)
+        try:
+            with open(os.path.join(save_dir, TRACKER)) as f:
+                previous = f"the previous checkpoint (iteration {f.read().strip()}) is intact"
+        except OSError:
+            previous = "no earlier checkpoint exists there"
+        try:
+            free = f", {shutil.disk_usage(save_dir).free / 1e9:.1f} GB free there"
+        except OSError:
+            free = ""
+        raise TrainingStopped(
+            f"saving {os.path.basename(target)} to {save_dir} failed ({_root_cause(exc)}"
+            f"{free}); {previous}: fix the cause (free space, permissions), then resume with "
+            f"--load {save_dir}"
+        ) from None
+
+
 def guarded_save(real_save):
     """``dist_checkpointing.save`` that writes into a fresh directory when ``checkpoint_dir`` holds
     files already, and swaps it in when complete."""
@@ -74,13 +124,15 @@ def guarded_save(real_save):
     def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
         target = str(checkpoint_dir).rstrip("/")
         if not _broadcast(_non_empty_dir(target) if _rank() == 0 else None):
-            return real_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            with _failure_is_one_line(target, target):
+                return real_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         staging = target + STAGING
         if _rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftovers
             os.makedirs(staging)
         _barrier()
-        request = real_save(sharded_state_dict, staging, *args, **kwargs)
+        with _failure_is_one_line(target, staging):
+            request = real_save(sharded_state_dict, staging, *args, **kwargs)
         if request is None:  # synchronous: every rank has written (the save ends on a barrier)
             _swap_in(target, staging)
         else:  # asynchronous: after Megatron's own finalisation of this save
