@@ -74,6 +74,14 @@ def test_bad_input_is_rejected(argv, world, match):
     assert "\n" not in str(info.value)
 
 
+def test_demo_defaults_leave_sample_based_training_alone():
+    """``oases train --train-samples N``: no demo --train-iters next to it (Megatron refuses both)."""
+    args = parse("--train-samples 64 --lr-decay-samples 64", world_size=1)
+    assert args.train_samples == 64 and args.train_iters is None  # Megatron derives it later
+    with pytest.raises(OasesConfigError, match="--train-samples -5 must be >= 1"):
+        parse("--train-samples -5", world_size=1)
+
+
 def test_megatron_derives_the_rest():
     args = parse(
         "--recompute-granularity full --tensor-model-parallel-size 2 --vocab-size 300 "

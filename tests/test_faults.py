@@ -138,6 +138,10 @@ def full_disk_then_resume(tmp_path_factory):
         TINY + save + ["--log-json", str(root / "first.json")], fault="enospc:rank=1:iter=4"
     )
     after_failure = {"tracker": tracker(ckpt), "dirs": sorted(os.listdir(ckpt))}
+    # a leftover of an older layout where the resumed run will save iteration 4
+    os.makedirs(os.path.join(ckpt, "iter_0000004"))
+    with open(os.path.join(ckpt, "iter_0000004", "__9_0.distcp"), "w") as f:
+        f.write("stale shard of another layout")
     resumed = launch(TINY + save + ["--load", ckpt, "--log-json", str(root / "resumed.json")])
     return dict(
         root=root,
@@ -173,6 +177,8 @@ def test_resume_after_a_failed_save_is_bit_exact(full_disk_then_resume):
     # iterations 3 and 4 again, from the checkpoint of iteration 2: the same losses, dropout on
     assert r["resumed_losses"] == r["first_losses"][2:], (r["resumed_losses"], r["first_losses"])
     assert tracker(r["ckpt"]) == "4"
+    # saved into a fresh directory and swapped in: nothing of the old one is merged into it
+    assert "__9_0.distcp" not in os.listdir(os.path.join(r["ckpt"], "iter_0000004"))
 
 
 def _load_checks_worker(ckpt, broken):
@@ -188,6 +194,9 @@ def _load_checks_worker(ckpt, broken):
     }
     cases = {name: f"--tensor-model-parallel-size 2 --load {path}" for name, path in broken.items()}
     cases["vocab-at-tp1"] = f"--tensor-model-parallel-size 1 --load {ckpt}"
+    cases["layers"] = f"--tensor-model-parallel-size 2 --num-layers 4 --load {ckpt}"
+    cases["heads"] = f"--tensor-model-parallel-size 2 --num-attention-heads 8 --load {ckpt}"
+    cases["norm"] = f"--tensor-model-parallel-size 2 --normalization RMSNorm --load {ckpt}"
     cases["schedule"] = f"--tensor-model-parallel-size 2 --train-iters 6 --load {ckpt}"
     for name, flags in cases.items():
         argv = f"--vocab-size 520 --train-iters 4 --num-workers 0 {flags}"
@@ -221,7 +230,12 @@ def test_killed_resave_keeps_the_checkpoint_loadable_and_damage_is_one_line(
     assert tracker(ckpt) == "4" and check_tracker(ckpt) == 4  # complete, not torn
     # damaged copies of it
     broken = {}
-    for name in ("empty-tracker", "truncated-shard", "missing-shard", "missing-metadata"):
+    for name in (
+        "empty-tracker",
+        "truncated-shard",
+        "missing-shard",
+        "missing-metadata",
+    ):
         path = str(r["root"] / name)
         shutil.copytree(ckpt, path, ignore=shutil.ignore_patterns("*.saving"))
         it = os.path.join(path, "iter_0000004")
@@ -247,6 +261,11 @@ def test_killed_resave_keeps_the_checkpoint_loadable_and_damage_is_one_line(
         "vocab-at-tp1": "the padded vocabulary is 768 in the checkpoint (--vocab-size 520 padded "
         "to a multiple of --make-vocab-size-divisible-by 128 x --tensor-model-parallel-size 2), "
         "640 here; use --make-vocab-size-divisible-by 256",
+        "layers": "holds a checkpoint of another model: num_layers value from checkpoint (2) is "
+        "not equal to the input argument value (4)",
+        "heads": "num_attention_heads value from checkpoint (4) is not equal to the input "
+        "argument value (8)",
+        "norm": "--normalization is 'LayerNorm' in the checkpoint, 'RMSNorm' here",
         "schedule": "the checkpoint's learning-rate schedule differs: the decay in samples "
         "(--lr-decay-iters, default --train-iters) is 8 there, 12 here; add "
         "--override-opt-param-scheduler",
@@ -256,15 +275,31 @@ def test_killed_resave_keeps_the_checkpoint_loadable_and_damage_is_one_line(
 
 
 @pytest.mark.timeout(200)
-def test_truncated_checkpoint_is_one_line_per_job(full_disk_then_resume, tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_checkpoint_is_one_line_per_job(full_disk_then_resume, tmp_path, damage):
+    """A truncated shard is found up front (exit status 2 on every rank); a shard of the right
+    size with other bytes only by the rank that reads it in Megatron's load: that rank says so."""
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(full_disk_then_resume["ckpt"], ckpt, ignore=shutil.ignore_patterns("*.saving"))
-    shard = os.path.join(ckpt, f"iter_000000{tracker(ckpt)}", "__0_0.distcp")
-    os.truncate(shard, 100)
-    proc = launch(TINY + ["--load", ckpt, "--train-iters", "6"], timeout=180)
-    assert proc.returncode == 2
+    it = tracker(ckpt)
+    shard = os.path.join(ckpt, f"iter_{int(it):07d}", "__1_0.distcp")
+    if damage == "truncated":
+        os.truncate(shard, 100)
+    else:
+        with open(shard, "r+b") as f:
+            f.write(os.urandom(os.path.getsize(shard)))
+    proc = launch(TINY + ["--load", ckpt], timeout=180)
+    assert proc.returncode != 0, proc.stderr[-3000:]
     (line,) = errors(proc)
-    assert "is incomplete or damaged: __0_0.distcp is truncated (100 of" in line, line
+    if damage == "truncated":
+        assert "exitcode  : 2 " in proc.stderr, proc.stderr[-3000:]
+        assert (
+            f"the checkpoint of iteration {it} is incomplete or damaged: __1_0.distcp is " in line
+        )
+        assert "truncated (100 of" in line, line
+    else:
+        assert f"--load {ckpt}: the checkpoint is damaged (" in line, line
+    assert "write 2 (a complete checkpoint there)" in line, line
     assert not TRAINED.search(proc.stdout)  # refused before any training
 
 
@@ -436,3 +471,22 @@ def test_cpu_fallback_warnings_are_filtered_only_without_cuda():
         warnings.warn("Apex is not installed. Falling back to Torch Norm")
         warnings.warn("something that matters")
     assert [str(w.message) for w in seen] == ["something that matters"]
+
+
+def test_tracker_is_replaced_atomically(tmp_path):
+    """Megatron writes the tracker with ``open(path, "w")``; through the safe-save patch it is
+    written beside and renamed over: until then the old content stays whole."""
+    from megatron.core.msc_utils import maybe_msc
+
+    from megatron_oases.training.safe_save import TRACKER, _AtomicTracker
+
+    path = tmp_path / TRACKER
+    path.write_text("2")
+    msc = _AtomicTracker(maybe_msc)
+    with msc.open(str(path), "w") as f:
+        f.write("4")
+        assert path.read_text() == "2"  # not truncated while the new one is written
+    assert path.read_text() == "4" and os.listdir(tmp_path) == [TRACKER]
+    other = tmp_path / "other.txt"
+    with msc.open(str(other), "w") as f:  # any other file: Megatron's own open
+        assert not hasattr(f, "tmp")

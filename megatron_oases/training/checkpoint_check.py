@@ -56,7 +56,10 @@ def _first_line(exc):
     if failures:
         exc = next(iter(failures.values()))[0]
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    line = text[0] if text else ""
+    if len(line) > 160:  # torch's hints run on for lines
+        line = line[:160].rsplit(" ", 1)[0] + " ..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
 # ------------------------------------------------------------------------------------- --save
@@ -276,7 +279,13 @@ def check_load(args):
     for name in MODEL_FLAGS:
         if _value(saved, name) != _value(args, name):
             if name == "padded_vocab_size":
-                problems.append(_vocab_problem(saved, args))
+                vocab = (getattr(saved, "vocab_size", None), getattr(args, "vocab_size", None))
+                if None in vocab or vocab[0] == vocab[1]:
+                    problems.append(_vocab_problem(saved, args))
+                else:
+                    problems.append(
+                        f"--vocab-size is {vocab[0]} in the checkpoint, {vocab[1]} here."
+                    )
                 continue
             problems.append(
                 f"{_flag(name)} is {_value(saved, name)!r} in the checkpoint, "
@@ -297,7 +306,8 @@ def check_load(args):
 
 def make_load_patch(load_dir):
     """Megatron's checkpoint load with its errors (torch's ``CheckpointException``, a
-    ``BaseException``, with every rank's traceback) turned into one :class:`OasesConfigError`."""
+    ``BaseException``, with every rank's traceback) turned into one line: ``TrainingStopped``,
+    printed by the rank that saw it (a damaged shard may be read by one rank only)."""
     from megatron.core import dist_checkpointing
     from megatron.training import checkpointing
 
@@ -315,9 +325,15 @@ def make_load_patch(load_dir):
                 exc, (EOFError, RuntimeError, ValueError, OSError)
             ):
                 raise
-            raise OasesConfigError(
+            from .pretrain import TrainingStopped  # not OasesConfigError: one rank may see it
+
+            try:
+                damaged = check_tracker(load_dir)
+            except OasesConfigError:
+                damaged = None
+            raise TrainingStopped(
                 f"--load {load_dir}: the checkpoint is damaged ({_first_line(exc)}); "
-                f"restore it from a copy, or {_older(load_dir)}"
+                f"restore it from a copy, or {_older(load_dir, but=damaged)}"
             ) from None
 
     return Patch("checkpoint-load-errors", [(dist_checkpointing, "load", load)])

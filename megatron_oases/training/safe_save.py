@@ -90,7 +90,8 @@ def _root_cause(exc):
 def _failure_is_one_line(target, written):
     """A save that fails (disk full, I/O error, a rank's writer failing) stops the run with one
     line (``TrainingStopped``, exit status 1) naming the previous checkpoint, which is intact:
-    the tracker still names it. The partial directory ``written`` is removed (rank 0)."""
+    the tracker still names it. The partial directory ``written`` is removed (rank 0) when every
+    rank has stopped writing."""
     try:
         yield
     except BaseException as exc:  # torch's CheckpointException is a BaseException
@@ -99,7 +100,9 @@ def _failure_is_one_line(target, written):
         from .pretrain import TrainingStopped
 
         save_dir = os.path.dirname(target)
-        if _rank() == 0:
+        if _rank() == 0 and type(exc).__name__ == "CheckpointException":
+            # torch reports a write failure to every rank at once, so nobody writes any more;
+            # after a failure of this rank alone, others may still be writing: leave it
             shutil.rmtree(written, ignore_errors=True)
         try:
             with open(os.path.join(save_dir, TRACKER)) as f:
