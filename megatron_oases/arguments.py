@@ -7,6 +7,7 @@ should not have to know about, Megatron's ``parse_args``/``validate_args`` check
 """
 
 import contextlib
+import io
 import os
 import sys
 
@@ -162,6 +163,8 @@ def with_defaults(argv, demo=False, cuda=None):
                 continue
             if flag == "--vocab-size" and _has(argv, "--vocab-file"):
                 continue
+            if flag == "--train-iters" and _has(argv, "--train-samples"):
+                continue  # sample-based training: Megatron refuses both
             argv += [flag] if value is None else [flag, value]
     if not _has(argv, "--save") and not _has(argv, "--rerun-mode"):
         # Megatron's default rerun mode answers a NaN/Inf loss by saving a checkpoint for a
@@ -205,12 +208,21 @@ def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_gl
     # Megatron asks for it with TP > 1; on GPUs the overlap needs launch order = issue order.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     with _argv(prog, argv):
+        err = io.StringIO()
         try:
-            args = margs.parse_args(add_oases_args)
-        except SystemExit as exc:  # argparse has printed its message (or --help its text)
+            with contextlib.redirect_stderr(err):
+                args = margs.parse_args(add_oases_args)
+        except SystemExit as exc:  # argparse's usage and message (or --help's text on stdout)
             if exc.code in (0, None):
+                sys.stderr.write(err.getvalue())
                 raise
+            errors = [ln for ln in err.getvalue().splitlines() if ": error: " in ln]
+            if errors:  # "prog: error: argument --hidden-size: invalid int value: 'x'"
+                message = errors[-1].split(": error: ", 1)[1]
+                raise OasesConfigError(f"{message}; see {prog} --help") from None
+            sys.stderr.write(err.getvalue())
             raise OasesConfigError(f"invalid command line (exit {exc.code}); see {prog} --help")
+        sys.stderr.write(err.getvalue())  # whatever else parsing printed (warnings)
     if world_size is not None:
         args.world_size = world_size
     check_model_shape(args)

@@ -8,7 +8,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import OasesConfigError, report_once
+from .errors import exit_status
 
 COMMANDS = {
     "train": (
@@ -38,6 +38,9 @@ COMMANDS = {
     ),
 }
 
+#: Commands that import Megatron-Core (and would print its fallback warnings).
+QUIET_COMMANDS = ("train", "run", "profile")
+
 
 def _resolve(target):
     module, func = target.split(":")
@@ -58,13 +61,16 @@ def main(argv=None):
         return 0
     if argv[0] not in COMMANDS:
         parser.parse_args(argv[:1])  # prints argparse's "invalid choice" and exits 2
+    if argv[0] in QUIET_COMMANDS:
+        from .training import quiet
+
+        quiet.install()  # before Megatron is imported: its CPU fallback warnings, by their text
     from .training.pretrain import TrainingStopped
 
     try:
         rc = _resolve(COMMANDS[argv[0]][0])(argv[1:])
-    except (OasesConfigError, TrainingStopped) as exc:
-        report_once(f"oases {argv[0]}: error: {exc}")  # once per job, not once per rank
-        return 2 if isinstance(exc, OasesConfigError) else 1
+    except Exception as exc:  # ours: one line once per job; anything else: raised again
+        return exit_status(exc, f"oases {argv[0]}", stopped=(TrainingStopped,))
     return rc or 0
 
 

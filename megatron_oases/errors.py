@@ -1,5 +1,7 @@
 """One exception type for bad user input: the CLI prints its message as one line and exits 2."""
 
+import os
+
 
 class OasesConfigError(ValueError):
     """A configuration the user can fix; the message names the fix."""
@@ -13,7 +15,6 @@ ERROR_EXIT_GRACE_S = 5.0
 def report_once(message, rank=None):
     """Print ``message`` on rank 0 only (every rank reaches the same verdict on the same command
     line); other ranks wait :data:`ERROR_EXIT_GRACE_S` before the caller exits."""
-    import os
     import sys
     import time
 
@@ -22,3 +23,83 @@ def report_once(message, rank=None):
         print(message, file=sys.stderr, flush=True)
     else:
         time.sleep(ERROR_EXIT_GRACE_S)
+
+
+#: Texts of the errors a rank gets when another rank of its job died or stopped responding
+#: (gloo and NCCL): the cause is that rank's, reported by it or by the launcher.
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "timed out",
+    "NCCL communicator was aborted",
+)
+
+
+def _first_of_its_group():
+    """Whether this rank is the first rank of its model replica's last-stage group: tensor,
+    context and data-parallel rank 0 (True when Megatron's parallel state is not set up)."""
+    try:
+        from megatron.core import parallel_state as mpu
+
+        if not mpu.model_parallel_is_initialized():
+            return int(os.environ.get("RANK", "0")) == 0
+        return (
+            mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0
+            and mpu.get_data_parallel_rank() == 0
+        )
+    except Exception:  # noqa: BLE001 - reporting must not fail
+        return int(os.environ.get("RANK", "0")) == 0
+
+
+def report_stop(message):
+    """A run stopped by a check that only some ranks make (a NaN loss is seen on the last
+    pipeline stage, not on rank 0): the first rank of the stopping group prints at once; any
+    other rank that stopped prints after :data:`ERROR_EXIT_GRACE_S` — by then the launcher has
+    ended the job if the first one printed, so the line appears once."""
+    import sys
+    import time
+
+    if not _first_of_its_group():
+        time.sleep(ERROR_EXIT_GRACE_S)
+    print(message, file=sys.stderr, flush=True)
+
+
+def is_peer_lost(exc):
+    """``exc`` is a collective's failure because another rank died or stopped responding."""
+    return isinstance(exc, RuntimeError) and any(s in str(exc) for s in PEER_LOST)
+
+
+def exit_status(exc, prog, stopped=()):
+    """The exit status of an entry point that ends on ``exc``, its one line printed once per
+    job; ``exc`` itself is raised again when it is none of ours:
+
+    * :class:`OasesConfigError`: 2, printed on rank 0 (every rank reaches the same verdict).
+    * ``stopped`` (a run stopped on a check, e.g. NaN loss): 1, :func:`report_stop`.
+    * another rank died or hung (:func:`is_peer_lost`): 1, after :data:`ERROR_EXIT_GRACE_S` on
+      rank 0 only — normally the launcher has ended the job by then, and the line that counts is
+      the other rank's own error or the launcher's report of its exit.
+    """
+    if isinstance(exc, OasesConfigError):
+        report_once(f"{prog}: error: {exc}")
+        return 2
+    if stopped and isinstance(exc, stopped):
+        report_stop(f"{prog}: error: {exc}")
+        return 1
+    if is_peer_lost(exc):
+        import sys
+        import time
+
+        time.sleep(ERROR_EXIT_GRACE_S)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(
+                f"{prog}: error: lost contact with another rank of this job, which stopped or "
+                f"died (its own error, or the launcher's report of its exit, says why): "
+                f"{str(exc).strip().splitlines()[0][:200]}",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 1
+    raise exc

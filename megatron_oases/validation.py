@@ -98,19 +98,72 @@ def check_transformer_impl(impl):
         )
 
 
+#: Numeric flags and the smallest value each may take (Megatron checks these only where it uses
+#: them, with an assertion or a ZeroDivisionError, or not at all); None values are not set.
+AT_LEAST_ONE = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "max_position_embeddings",
+    "micro_batch_size",
+    "global_batch_size",
+    "ffn_hidden_size",
+    "kv_channels",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "train_iters",
+    "train_samples",
+    "log_interval",
+    "eval_interval",
+    "save_interval",
+    "exit_interval",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+)
+AT_LEAST_ZERO = (
+    "lr",
+    "min_lr",
+    "weight_decay",
+    "clip_grad",
+    "lr_warmup_iters",
+    "lr_decay_iters",
+    "eval_iters",
+    "num_workers",
+    "seed",
+)
+#: Probabilities: a dropout of 1 zeroes every activation.
+PROBABILITIES = ("hidden_dropout", "attention_dropout")
+
+
+def _flag(name):
+    return "--" + name.replace("_", "-")
+
+
+def check_ranges(args):
+    """Every numeric flag in its range, one line naming the flag: a negative ``--train-iters``
+    would train nothing and exit 0, ``--log-interval 0`` divide by zero mid-run, ``--vocab-size 0``
+    fail in the tokenizer with a traceback."""
+    for names, low in ((AT_LEAST_ONE, 1), (AT_LEAST_ZERO, 0)):
+        for name in names:
+            value = getattr(args, name, None)
+            if name == "train_iters" and getattr(args, "skip_train", False):
+                continue  # --skip-train: evaluation only
+            if value is not None and not isinstance(value, bool) and value < low:
+                raise OasesConfigError(f"{_flag(name)} {value} must be >= {low}")
+    for name in PROBABILITIES:
+        value = getattr(args, name, None)
+        if value is not None and not 0.0 <= value < 1.0:
+            raise OasesConfigError(f"{_flag(name)} {value} must be in [0, 1)")
+    if getattr(args, "group_query_attention", False):
+        groups = getattr(args, "num_query_groups", None)
+        if groups is not None and groups < 1:
+            raise OasesConfigError(f"--num-query-groups {groups} must be >= 1")
+
+
 def check_model_shape(args):
     """Sizes Megatron checks only when it builds the model (or not at all): one line each."""
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            raise OasesConfigError(f"--{name.replace('_', '-')} {value} must be >= 1")
-    if args.micro_batch_size is not None and args.micro_batch_size < 1:
-        raise OasesConfigError(f"--micro-batch-size {args.micro_batch_size} must be >= 1")
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise OasesConfigError(f"--{name.replace('_', '-')} must be in [0, 1)")
-    if args.lr is not None and args.lr < 0:
-        raise OasesConfigError(f"--lr {args.lr} must be >= 0")
+    check_ranges(args)
     tp, heads = args.tensor_model_parallel_size, args.num_attention_heads
     if args.hidden_size and heads and args.kv_channels is None and args.hidden_size % heads:
         raise OasesConfigError(

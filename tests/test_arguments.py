@@ -67,7 +67,13 @@ from megatron_oases.errors import OasesConfigError
         ),
         ("--micro-batch-size 0", 1, "--micro-batch-size 0 must be >= 1"),
         ("--num-attention-heads 0", 1, "--num-attention-heads 0 must be >= 1"),
-        ("--hidden-dropout 1.5", 1, r"--hidden-dropout must be in \[0, 1\)"),
+        ("--hidden-dropout 1.5", 1, r"--hidden-dropout 1.5 must be in \[0, 1\)"),
+        ("--train-iters -5", 1, "--train-iters -5 must be >= 1"),
+        ("--log-interval 0", 1, "--log-interval 0 must be >= 1"),
+        ("--vocab-size 0", 1, "--vocab-size 0 must be >= 1"),
+        ("--eval-interval 0", 1, "--eval-interval 0 must be >= 1"),
+        ("--make-vocab-size-divisible-by 0", 1, "--make-vocab-size-divisible-by 0 must be >= 1"),
+        ("--seed -1", 1, "--seed -1 must be >= 0"),
         ("--lr -1", 1, "--lr -1.0 must be >= 0"),
     ],
 )
@@ -78,6 +84,14 @@ def test_bad_input_is_rejected(argv, world, match):
     ) as info:
         parse(argv, world_size=world)
     assert "\n" not in str(info.value)
+
+
+def test_demo_defaults_leave_sample_based_training_alone():
+    """``oases train --train-samples N``: no demo --train-iters next to it (Megatron refuses both)."""
+    args = parse("--train-samples 64 --lr-decay-samples 64", world_size=1)
+    assert args.train_samples == 64 and args.train_iters is None  # Megatron derives it later
+    with pytest.raises(OasesConfigError, match="--train-samples -5 must be >= 1"):
+        parse("--train-samples -5", world_size=1)
 
 
 def test_megatron_derives_the_rest():

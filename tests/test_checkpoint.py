@@ -67,9 +67,12 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
 
 
 def _interrupted_save_worker(base, ckpt):
-    """A save that dies half-way (after writing some files) leaves the tracker on the old one."""
+    """A save that dies half-way (after writing some files) leaves the tracker on the old one; the
+    run stops with one line naming it (``TrainingStopped``)."""
     from megatron.core import dist_checkpointing
     from megatron.training import checkpointing
+
+    from megatron_oases.training.pretrain import TrainingStopped
 
     first = pretrain_and_capture(
         f"{base} {TP2} --train-iters 3 --exit-interval 1 --save {ckpt} --oases-schedule oases"
@@ -89,13 +92,14 @@ def _interrupted_save_worker(base, ckpt):
                 f"{base} {TP2} --train-iters 3 --exit-interval 2 --save {ckpt} --load {ckpt} "
                 "--oases-schedule oases"
             )
-            died = False
-        except OSError:
-            died = True
+            died = None
+        except TrainingStopped as exc:
+            died = str(exc)
     finally:
         checkpointing.dist_checkpointing.save = real_save
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
         tracker = f.read().strip()
+    died = (died, sorted(os.listdir(ckpt)))
     resumed = pretrain_and_capture(f"{base} {TP2} --train-iters 3 --load {ckpt}")
     full = pretrain_and_capture(f"{base} {TP2} --train-iters 3")
     return {"first": first, "died": died, "tracker": tracker, "resumed": resumed, "full": full}
@@ -104,7 +108,10 @@ def _interrupted_save_worker(base, ckpt):
 @pytest.mark.timeout(400)
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path):
     r = run_distributed(_interrupted_save_worker, 2, BASE, str(tmp_path / "ck"), timeout=380)[-1]
-    assert r["died"] and r["tracker"] == "1"
+    message, files = r["died"]
+    assert "saving iter_0000002" in message and "No space left on device" in message, message
+    assert "the previous checkpoint (iteration 1) is intact" in message
+    assert r["tracker"] == "1" and "iter_0000001" in files
     assert len(r["resumed"]["losses"]) == 2  # iterations 2 and 3 from the iteration-1 checkpoint
     assert max_rel_diff(r["resumed"]["losses"], r["full"]["losses"][1:]) < 1e-5
 

@@ -461,3 +461,28 @@ def test_killed_rank_fails_the_job_instead_of_hanging(slurm, tmp_path):
     assert (
         _job_processes(job_id, slurm.env["SLURM_CONF"]) == []
     ), "processes of the failed job are still running"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_corrupt_plan_file_fails_the_job_with_one_line(slurm, tmp_path):
+    """A fault found before training (a binary --oases-plan): one error line for the whole job
+    (2 ranks under srun + torchrun), a failed job, no training."""
+    plan = tmp_path / "plan.json"
+    plan.write_bytes(bytes(range(256)))
+    out = tmp_path / "badplan.out"
+    proc = subprocess.run(
+        slurm.sbatch_cmd(LAUNCHER, out, "oases-ci-badplan", 3),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=slurm.job_env(TRAIN_ITERS=3, EXTRA_ARGS=f"--oases-plan {plan}"),
+    )
+    log = _read(out)
+    assert proc.returncode != 0, log
+    errors = [ln for ln in log.splitlines() if ": error: " in ln]
+    assert errors == [
+        f"oases train: error: plan file {plan} is not a text file (binary content); write one "
+        "with `oases plan --out PLAN_JSON`"
+    ], log
+    assert not re.search(r" iteration +\d+/", log), log

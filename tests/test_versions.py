@@ -115,6 +115,12 @@ def test_replaced_symbols_are_what_megatron_calls():
     # --load of another model: refused before Megatron loads it.
     req(checkpointing, "_load_base_checkpoint", parameters=("rank0",))
     req(checkpointing, "check_checkpoint_args")
+    # Safe saves: the torch_dist save and the tracker write go through these names.
+    from megatron.core import dist_checkpointing
+
+    req(dist_checkpointing, "save", called_by=[checkpointing.save_checkpoint])
+    req(checkpointing, "maybe_msc", called_by=[checkpointing.save_checkpoint])
+    req(dist_checkpointing, "load", called_by=[checkpointing._load_global_dist_base_checkpoint])
     # The test harness and the trace wrap train_step by name.
     req(training, "train_step", called_by=[training.train])
     # Plans: the replica sync is the config's finalize_model_grads_func, which train() keeps from

@@ -11,6 +11,7 @@ import json
 
 from ..errors import OasesConfigError
 from ..validation import check_schedule
+from . import read_json
 
 PLAN_VERSION = 1
 
@@ -63,15 +64,7 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
 
 
 def load_plan(path, num_layers=None, tensor_model_parallel_size=None):
-    try:
-        with open(path) as f:
-            plan = json.load(f)
-    except FileNotFoundError:
-        raise OasesConfigError(f"plan file {path} not found") from None
-    except json.JSONDecodeError as exc:
-        raise OasesConfigError(
-            f"plan file {path} is not valid JSON ({exc.msg} at line {exc.lineno})"
-        ) from None
+    plan = read_json(path, "plan file", "write one with `oases plan --out PLAN_JSON`")
     return validate_plan(plan, num_layers, tensor_model_parallel_size, source=str(path))
 
 

@@ -37,6 +37,7 @@ import hashlib
 import json
 
 from ..errors import OasesConfigError
+from . import read_json
 
 PROFILE_VERSION = 1
 PHASES = ("forward_s", "recompute_s", "backward_s")
@@ -90,14 +91,16 @@ class Profile:
     # ------------------------------------------------------------------ basics
     def _check(self):
         d = self.data
+        where = self.path or "profile"
         if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION:
             raise OasesConfigError(
-                f"{self.path or 'profile'}: not an oases profile (version {PROFILE_VERSION}); "
+                f"{where}: not an oases profile (version {PROFILE_VERSION}); "
                 "create one with `oases profile`"
             )
         for key in ("model", "tensor_model_parallel_size", "degrees", "compute", "comm", "memory"):
             if key not in d:
-                raise OasesConfigError(f"{self.path or 'profile'}: missing key {key!r}")
+                raise OasesConfigError(f"{where}: missing key {key!r}")
+        check_profile_types(d, where)
 
     @property
     def shape(self):
@@ -207,16 +210,101 @@ class Profile:
         return float(value)
 
 
-def load_profile(path):
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
+def _number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _positive_int(x):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _points(x):
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(p, list) and len(p) == 2 and all(map(_number, p)) for p in x)
+    )
+
+
+def _numbers(value, path, bad):
+    """Every leaf of ``value`` a number (``*source`` notes may be text); the first other leaf's
+    dotted path goes to ``bad``."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, str) and str(k).endswith("source"):
+                continue
+            _numbers(v, f"{path}.{k}", bad)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _numbers(v, f"{path}[{i}]", bad)
+    elif not _number(value) and not bad:
+        bad.append((path, value))
+
+
+def check_profile_types(d, where="profile"):
+    """The types the planner reads, so that a hand-edited or damaged profile is one line naming
+    the entry (never a ``ValueError`` from deep in the cost model)."""
+
+    def fail(path, value, expected):
         raise OasesConfigError(
-            f"profile {path} not found; create it with `oases profile`"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise OasesConfigError(f"profile {path} is not valid JSON ({exc.msg} at line {exc.lineno})")
+            f"{where}: {path} must be {expected}, got {value!r}; fix the entry or re-create the "
+            "profile with `oases profile`"
+        )
+
+    if not isinstance(d["model"], dict):
+        fail("model", d["model"], "a mapping of model settings")
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if key in d["model"] and not _positive_int(d["model"][key]):
+            fail(f"model.{key}", d["model"][key], "a positive integer")
+    if "num_layers" not in d["model"]:
+        raise OasesConfigError(f"{where}: missing key 'model.num_layers'")
+    for key in ("tensor_model_parallel_size", "data_parallel_size", "dtype_bytes"):
+        if key in d and not _positive_int(d[key]):
+            fail(key, d[key], "a positive integer")
+    degrees = d["degrees"]
+    if not isinstance(degrees, list) or not degrees or not all(map(_positive_int, degrees)):
+        fail("degrees", degrees, "a non-empty list of positive integers")
+    if not isinstance(d["compute"], dict):
+        fail("compute", d["compute"], "a mapping block -> degree -> phase -> [[samples, s], ...]")
+    for block, per_degree in d["compute"].items():
+        if not isinstance(per_degree, dict):
+            fail(f"compute.{block}", per_degree, "a mapping degree -> phase -> points")
+        for deg, phases in per_degree.items():
+            if not isinstance(phases, dict):
+                fail(f"compute.{block}.{deg}", phases, "a mapping phase -> points")
+            for phase, pts in phases.items():
+                if not _points(pts):
+                    fail(f"compute.{block}.{deg}.{phase}", pts, "a list of [samples, seconds]")
+    for section in ("comm", "memory"):
+        if not isinstance(d[section], dict):
+            fail(section, d[section], "a mapping")
+    fit_sections = [(f"comm.{kind}", fits) for kind, fits in d["comm"].items()]
+    grad_sync = d.get("grad_sync")
+    if grad_sync is not None:
+        if not isinstance(grad_sync, dict):
+            fail("grad_sync", grad_sync, "a mapping")
+        fit_sections.append(("grad_sync.all_reduce", grad_sync.get("all_reduce", {})))
+    for where_fits, fits in fit_sections:
+        if not isinstance(fits, dict):
+            fail(where_fits, fits, "a mapping ranks -> fit")
+        for key, fit in fits.items():
+            if not isinstance(fit, dict):
+                fail(f"{where_fits}.{key}", fit, "a mapping with alpha_s and beta_s_per_byte")
+            for name in ("alpha_s", "beta_s_per_byte"):
+                if not _number(fit.get(name)):
+                    fail(f"{where_fits}.{key}.{name}", fit.get(name), "a number")
+    numeric = {"memory": d["memory"], "fixed_compute": d.get("fixed_compute") or {}}
+    if grad_sync is not None:
+        numeric["grad_sync.bytes_per_layer"] = grad_sync.get("bytes_per_layer", {})
+    for section, value in numeric.items():
+        bad = []
+        _numbers(value, section, bad)
+        if bad:
+            fail(bad[0][0], bad[0][1], "a number")
+
+
+def load_profile(path):
+    data = read_json(path, "profile", "create it with `oases profile`")
     return Profile(data, path=path)
 
 

@@ -21,12 +21,31 @@ from ..errors import OasesConfigError
 FLAG_SECTIONS = ("model", "parallel", "training")
 
 
-def _load_yaml(path):
+def read_yaml(path, what="config file"):
+    """The YAML document in ``path``; a missing, unreadable, binary or malformed file is one
+    :class:`OasesConfigError` line naming it (and, for a syntax error, the line)."""
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError as exc:
-        raise OasesConfigError(f"no such config file: {path}") from exc
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except FileNotFoundError:
+        raise OasesConfigError(f"no such {what}: {path}") from None
+    except IsADirectoryError:
+        raise OasesConfigError(f"{what} {path} is a directory, not a YAML file") from None
+    except UnicodeDecodeError:
+        raise OasesConfigError(f"{what} {path} is not a text file (binary content)") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise OasesConfigError(
+            f"{what} {path} is not valid YAML ({problem}{where}); fix the file"
+        ) from None
+    except OSError as exc:
+        raise OasesConfigError(f"cannot read {what} {path} ({exc.strerror})") from None
+
+
+def _load_yaml(path):
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise OasesConfigError(f"{path}: expected a YAML mapping at top level")
     return data

@@ -96,7 +96,10 @@ def _overrides(items):
         if "=" not in item:
             raise OasesConfigError(f"bad --set {item!r}; use KEY=VALUE")
         k, v = item.split("=", 1)
-        out[k.strip().replace("-", "_")] = yaml.safe_load(v)
+        try:
+            out[k.strip().replace("-", "_")] = yaml.safe_load(v)
+        except yaml.YAMLError:
+            raise OasesConfigError(f"bad --set {item!r}: {v!r} is not a YAML value") from None
     return out
 
 

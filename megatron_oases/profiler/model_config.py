@@ -29,8 +29,6 @@ import io
 import os
 import warnings
 
-import yaml
-
 from ..errors import OasesConfigError
 from ..resources import available_models, model_config
 
@@ -95,8 +93,9 @@ def read_model_file(spec):
             f"model file {spec!r} not found; pass --model PATH.yaml[:NAME] or a packaged model "
             f"({', '.join(available_models())})"
         )
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    from ..megatron_lm.configs import read_yaml
+
+    raw = read_yaml(path, "model file") or {}
     if not isinstance(raw, dict):
         raise OasesConfigError(
             f"model file {path} must hold a mapping of Megatron-LM argument names"
@@ -237,7 +236,10 @@ def model_args(flat, overrides=None):
     world = flat.get("world_size")
     if dp is None:
         dp = (int(world) // (tp * pp)) if world else 1
-    args = parse_offline(argv, world_size=int(dp) * tp * pp, cuda=True)
+    try:
+        args = parse_offline(argv, world_size=int(dp) * tp * pp, cuda=True)
+    except OasesConfigError as exc:  # name the model whose settings Megatron refused
+        raise OasesConfigError(f"model {flat.get('name')}: {exc}") from None
     args.name = flat.get("name")
     return args
 

@@ -1,15 +1,27 @@
-"""``--load`` of a checkpoint of another model: refused up front with one line.
+"""Checkpoint directories checked up front, before any training: one line each, never a traceback.
 
-Megatron's own ``check_checkpoint_args`` (layers, hidden size, heads, ...) runs on the checkpoint's
-saved arguments before any process group or model exists, plus the model-defining flags it does
-not compare (norm, MLP, attention groups, positions, biases, vocabulary) — which torch_dist would
-otherwise reject deep inside loading with a traceback.
+``--save``: the directory must be writable (found before training, not at the first save), and
+saves go through :mod:`.safe_save` (the previous good checkpoint is never overwritten in place; the
+tracker is switched atomically).
+
+``--load``: a save that crashed between its final renames is undone (:func:`.safe_save.recover`);
+the tracker file must name an iteration whose directory is complete (every shard file as long as
+the checkpoint's own ``.metadata`` says — a truncated copy or a save killed by a full disk is
+refused); then Megatron's own ``check_checkpoint_args`` (layers, hidden size, heads, ...) runs on
+the checkpoint's saved arguments before any process group or model exists, plus the
+model-defining flags it does not compare (norm, MLP, attention groups, positions, biases,
+vocabulary) — which torch_dist would otherwise reject deep inside loading with a traceback.
+A shard that is damaged inside (same size, other bytes) is found only by the real load, whose
+error becomes one line too (:func:`make_load_patch`).
 """
 
 import os
+import re
+import warnings
 
 from ..compat import require_symbol
 from ..errors import OasesConfigError
+from . import safe_save
 
 #: Flags that change the parameters' names or shapes, beyond Megatron's own comparison.
 MODEL_FLAGS = (
@@ -23,6 +35,8 @@ MODEL_FLAGS = (
     "padded_vocab_size",
     "kv_channels",
 )
+TRACKER = safe_save.TRACKER
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 def _flag(name):
@@ -36,23 +50,223 @@ def _value(args, name):
     return getattr(args, name, None)
 
 
-def check_load_matches(args):
-    """Raise :class:`OasesConfigError` if ``--load`` holds a checkpoint of another model."""
-    if not args.load or not os.path.isfile(
-        os.path.join(args.load, "latest_checkpointed_iteration.txt")
+def _first_line(exc):
+    """The root cause of a (torch.distributed.checkpoint) exception, on one line."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        exc = next(iter(failures.values()))[0]
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else ""
+    if len(line) > 160:  # torch's hints run on for lines
+        line = line[:160].rsplit(" ", 1)[0] + " ..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+# ------------------------------------------------------------------------------------- --save
+
+
+def check_save_dir(args):
+    """``--save`` must be a directory this process can create and write, before training."""
+    save = getattr(args, "save", None)
+    if not save:
+        return
+    probe = os.path.join(save, f".oases-write-test-{os.getpid()}")
+    try:
+        os.makedirs(save, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
+    except OSError as exc:
+        raise OasesConfigError(
+            f"--save {save} is not writable ({exc.strerror or exc}); choose a directory you can "
+            "write to (checked before training, so no work is lost)"
+        ) from None
+
+
+# ------------------------------------------------------------------------------------- --load
+
+
+def _complete(path):
+    """Why the torch_dist checkpoint directory ``path`` is incomplete, or None if it is not."""
+    if not os.path.isdir(path):
+        return "it is missing"
+    if not os.path.isfile(os.path.join(path, "metadata.json")):  # written last by the save
+        return "metadata.json is missing (the save did not finish)"
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return None  # not a torch_dist checkpoint: Megatron's own load checks it
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a damaged index is the user's to fix
+        return f".metadata cannot be read ({_first_line(exc)})"
+    needed = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} is missing"
+        have = os.path.getsize(file)
+        if have < size:
+            return f"{name} is truncated ({have} of {size} bytes)"
+    return None
+
+
+def complete_iterations(load_dir):
+    """Iterations of ``load_dir`` whose directory is a complete checkpoint, ascending."""
+    try:
+        names = os.listdir(load_dir)
+    except OSError:
+        return []
+    found = sorted(int(m[1]) for m in map(_ITER_DIR.match, names) if m)
+    return [it for it in found if _complete(os.path.join(load_dir, f"iter_{it:07d}")) is None]
+
+
+def _older(load_dir, but=None):
+    good = [it for it in complete_iterations(load_dir) if it != but]
+    where = os.path.join(load_dir, TRACKER)
+    if good:
+        return f"write {good[-1]} (a complete checkpoint there) into {where}"
+    return "no complete checkpoint is left there: start without --load or use another directory"
+
+
+def check_tracker(load_dir):
+    """The tracker names a complete checkpoint; returns its iteration (None: ``release``)."""
+    tracker = os.path.join(load_dir, TRACKER)
+    try:
+        with open(tracker) as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OasesConfigError(
+            f"--load {load_dir}: cannot read {TRACKER} ({exc}); {_older(load_dir)}"
+        ) from None
+    if text == "release":
+        return None
+    if not re.fullmatch(r"\d+", text):
+        what = "empty" if not text else f"invalid ({text[:20]!r})"
+        raise OasesConfigError(
+            f"--load {load_dir}: {TRACKER} is {what}, an interrupted save?; {_older(load_dir)}"
+        )
+    iteration = int(text)
+    why = _complete(os.path.join(load_dir, f"iter_{iteration:07d}"))
+    if why is not None:
+        raise OasesConfigError(
+            f"--load {load_dir}: the checkpoint of iteration {iteration} is incomplete or "
+            f"damaged: {why}; {_older(load_dir, but=iteration)}"
+        )
+    return iteration
+
+
+def _padded(vocab, divisor, tp):
+    """Megatron's ``vocab_size_with_padding``: a multiple of divisor x TP."""
+    multiple = divisor * tp
+    return -(-vocab // multiple) * multiple
+
+
+def _vocab_problem(saved, args):
+    """The padded vocabulary differs: name ``--make-vocab-size-divisible-by`` and a value that
+    pads this run's vocabulary at this TP to the checkpoint's."""
+    saved_padded, tp, vocab = saved.padded_vocab_size, args.tensor_model_parallel_size, None
+    divisor = getattr(saved, "make_vocab_size_divisible_by", None)
+    saved_tp = getattr(saved, "tensor_model_parallel_size", None)
+    fix = "use --make-vocab-size-divisible-by so that both pad to the same size"
+    if getattr(saved, "vocab_size", None) == getattr(args, "vocab_size", None):
+        vocab = args.vocab_size
+    if vocab and saved_padded % tp == 0:
+        candidates = [divisor * saved_tp // tp] if divisor and saved_tp else []
+        candidates.append(saved_padded // tp)
+        for d in candidates:
+            if d >= 1 and _padded(vocab, d, tp) == saved_padded:
+                fix = f"use --make-vocab-size-divisible-by {d}"
+                break
+    return (
+        f"the padded vocabulary is {saved_padded} in the checkpoint (--vocab-size "
+        f"{getattr(saved, 'vocab_size', '?')} padded to a multiple of "
+        f"--make-vocab-size-divisible-by {divisor} x --tensor-model-parallel-size {saved_tp}), "
+        f"{args.padded_vocab_size} here; {fix}"
+    )
+
+
+def _schedule(a):
+    """What Megatron's ``OptimizerParamScheduler.load_state_dict`` compares (iteration-based
+    training, as ``get_optimizer_param_scheduler`` computes it), keyed by the flags that set it."""
+    gbs = a.global_batch_size
+    decay = (a.lr_decay_iters or a.train_iters) * gbs
+    warmup = (
+        a.lr_warmup_fraction * decay
+        if getattr(a, "lr_warmup_fraction", None) is not None
+        else a.lr_warmup_iters * gbs
+    )
+    return {
+        "--lr": a.lr,
+        "--min-lr": a.min_lr,
+        "the warm-up in samples (--lr-warmup-iters or --lr-warmup-fraction)": warmup,
+        "the decay in samples (--lr-decay-iters, default --train-iters)": decay,
+        "--lr-decay-style": a.lr_decay_style,
+        "--start-weight-decay": a.start_weight_decay,
+        "--end-weight-decay": a.end_weight_decay,
+        "the weight-decay ramp in samples (--train-iters)": a.train_iters * gbs,
+        "--weight-decay-incr-style": a.weight_decay_incr_style,
+    }
+
+
+def _schedule_problem(saved, args):
+    """The learning-rate schedule differs and nothing says which one to use: Megatron would stop
+    on an assertion after building the model."""
+    if (
+        args.override_opt_param_scheduler
+        or args.use_checkpoint_opt_param_scheduler
+        or args.finetune
+        or args.no_load_optim
+        or not args.train_iters
+        or not getattr(saved, "train_iters", None)
     ):
+        return None
+    try:
+        here, there = _schedule(args), _schedule(saved)
+    except (AttributeError, TypeError):  # an older checkpoint's arguments: Megatron checks
+        return None
+    for what, value in here.items():
+        if there[what] != value:
+            return (
+                f"the checkpoint's learning-rate schedule differs: {what} is {there[what]!r} "
+                f"there, {value!r} here; add --override-opt-param-scheduler to use this run's "
+                "schedule, or --use-checkpoint-opt-param-scheduler to keep the checkpoint's"
+            )
+    return None
+
+
+def check_load(args):
+    """Raise :class:`OasesConfigError` if ``--load`` holds a damaged checkpoint or one of another
+    model."""
+    if not args.load:
+        return
+    safe_save.recover(args.load)
+    if not os.path.isfile(os.path.join(args.load, TRACKER)):
         return  # nothing to load: Megatron starts from scratch (or fails on its own flag)
+    iteration = check_tracker(args.load)
     from megatron.training import checkpointing
 
     load = require_symbol(checkpointing, "_load_base_checkpoint")
     check = require_symbol(checkpointing, "check_checkpoint_args")
     try:
-        state_dict, _, _, _ = load(args.load, args, rank0=True)
-    except Exception as exc:  # noqa: BLE001 - an unreadable checkpoint is the user's to fix
+        with warnings.catch_warnings():  # "single process" and API notes of this read-only peek
+            warnings.simplefilter("ignore")
+            state_dict, _, _, _ = load(args.load, args, rank0=True)
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - an unreadable checkpoint is the user's
         raise OasesConfigError(
-            f"--load {args.load}: cannot read the checkpoint ({str(exc).splitlines()[0]}); "
-            "point --load at a directory written by --save"
-        ) from exc
+            f"--load {args.load}: cannot read the checkpoint ({_first_line(exc)}); "
+            f"{_older(args.load, but=iteration)}"
+        ) from None
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        if type(exc).__name__ != "CheckpointException":
+            raise
+        raise OasesConfigError(
+            f"--load {args.load}: cannot read the checkpoint ({_first_line(exc)}); "
+            f"{_older(args.load, but=iteration)}"
+        ) from None
     saved = (state_dict or {}).get("args")
     if saved is None:
         return
@@ -64,12 +278,78 @@ def check_load_matches(args):
         problems.append(str(exc).strip())
     for name in MODEL_FLAGS:
         if _value(saved, name) != _value(args, name):
+            if name == "padded_vocab_size":
+                vocab = (getattr(saved, "vocab_size", None), getattr(args, "vocab_size", None))
+                if None in vocab or vocab[0] == vocab[1]:
+                    problems.append(_vocab_problem(saved, args))
+                else:
+                    problems.append(
+                        f"--vocab-size is {vocab[0]} in the checkpoint, {vocab[1]} here."
+                    )
+                continue
             problems.append(
                 f"{_flag(name)} is {_value(saved, name)!r} in the checkpoint, "
                 f"{_value(args, name)!r} here."
             )
     if problems:
+        problem = problems[0]
+        if "make-vocab-size-divisible-by" in problem:
+            raise OasesConfigError(f"--load {args.load}: {problem}")
         raise OasesConfigError(
-            f"--load {args.load} holds a checkpoint of another model: {problems[0]} Use the "
+            f"--load {args.load} holds a checkpoint of another model: {problem} Use the "
             "model flags it was saved with, or another --load directory"
         )
+    problem = _schedule_problem(saved, args)
+    if problem:
+        raise OasesConfigError(f"--load {args.load}: {problem}")
+
+
+def make_load_patch(load_dir):
+    """Megatron's checkpoint load with its errors (torch's ``CheckpointException``, a
+    ``BaseException``, with every rank's traceback) turned into one line: ``TrainingStopped``,
+    printed by the rank that saw it (a damaged shard may be read by one rank only)."""
+    from megatron.core import dist_checkpointing
+    from megatron.training import checkpointing
+
+    from ..patches import Patch
+
+    real = require_symbol(
+        dist_checkpointing, "load", called_by=(checkpointing._load_global_dist_base_checkpoint,)
+    )
+
+    def load(*args, **kwargs):
+        try:
+            return real(*args, **kwargs)
+        except BaseException as exc:
+            if type(exc).__name__ != "CheckpointException" and not isinstance(
+                exc, (EOFError, RuntimeError, ValueError, OSError)
+            ):
+                raise
+            from .pretrain import TrainingStopped  # not OasesConfigError: one rank may see it
+
+            try:
+                damaged = check_tracker(load_dir)
+            except OasesConfigError:
+                damaged = None
+            raise TrainingStopped(
+                f"--load {load_dir}: the checkpoint is damaged ({_first_line(exc)}); "
+                f"restore it from a copy, or {_older(load_dir, but=damaged)}"
+            ) from None
+
+    return Patch("checkpoint-load-errors", [(dist_checkpointing, "load", load)])
+
+
+def prepare_checkpointing(args):
+    """Everything above, before ``pretrain()``: ``--save`` writable and saved safely, ``--load``
+    complete and of this model, its load errors one line."""
+    from ..patches import REGISTRY
+
+    check_save_dir(args)
+    check_load(args)
+    if args.load and os.path.isfile(os.path.join(args.load, TRACKER)):
+        REGISTRY.install(make_load_patch(args.load))
+    safe_save.install(args)
+
+
+#: What ``pretrain_gpt`` calls today; the same as :func:`prepare_checkpointing`.
+check_load_matches = prepare_checkpointing

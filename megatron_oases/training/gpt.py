@@ -83,7 +83,31 @@ def loss_func(loss_mask, output_tensor):
     return loss, num_tokens, report
 
 
+#: Without CUDA: the default generator's state when the datasets were requested, put back at the
+#: first forward (``(id(args), state)``). On CPU, dropout draws from the default generator, which
+#: Megatron's DataLoader also draws its base seed from when its iterator is created — after a
+#: checkpoint's RNG state was restored — so a resumed run's dropout masks would differ from those
+#: of the uninterrupted run. On CUDA, dropout uses the CUDA generator and nothing is needed.
+_RNG_BEFORE_DATA = None
+
+
+def _mark_rng_before_data():
+    global _RNG_BEFORE_DATA
+    if not torch.cuda.is_available():
+        _RNG_BEFORE_DATA = (id(get_args()), torch.get_rng_state())
+
+
+def _restore_rng_before_data():
+    global _RNG_BEFORE_DATA
+    if _RNG_BEFORE_DATA is not None:
+        owner, state = _RNG_BEFORE_DATA
+        _RNG_BEFORE_DATA = None
+        if owner == id(get_args()):
+            torch.set_rng_state(state)
+
+
 def forward_step(data_iterator, model):
+    _restore_rng_before_data()  # once per run, before its first forward (a no-op on CUDA)
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
         data_iterator, getattr(model, "vp_stage", None)
     )
@@ -115,6 +139,7 @@ def _dataset_config(args):
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
     """Megatron's GPT datasets, built on every rank of the stages that read data."""
     args = get_args()
+    _mark_rng_before_data()
     dataset_type = MockGPTDataset if args.mock_data else GPTDataset
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     datasets = BlendedMegatronDatasetBuilder(

@@ -1,0 +1,239 @@
+"""Saves that never destroy the previous good checkpoint.
+
+Megatron's ``torch_dist`` save writes ``SAVE/iter_NNNNNNN/`` and then the tracker file
+``SAVE/latest_checkpointed_iteration.txt``, which is what ``--load`` reads. Two gaps remain, both
+closed here by a reversible patch (installed for a run with ``--save``):
+
+* Re-saving an iteration whose directory already exists (a resumed run that ends on the iteration
+  it loaded, or a new run into an old ``--save`` directory) overwrites that directory in place: a
+  crash half-way leaves the tracker pointing at a torn checkpoint, and files of an older layout
+  stay next to the new ones. Here such a save goes to ``iter_NNNNNNN.saving`` and replaces the old
+  directory only once complete (two renames; a crash between them leaves
+  ``iter_NNNNNNN.replaced``, which :func:`recover` puts back before a ``--load``).
+* The tracker is written with ``open(path, "w")``: a crash between truncation and write leaves it
+  empty. Here it is written to a temporary file and renamed over the old one (atomic on POSIX).
+"""
+
+import contextlib
+import os
+import shutil
+
+from ..patches import REGISTRY, Patch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+STAGING = ".saving"
+REPLACED = ".replaced"
+PATCH_NAME = "safe-checkpoint-save"
+
+
+def _rank():
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast(value):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _non_empty_dir(path):
+    try:
+        with os.scandir(path) as it:
+            return next(it, None) is not None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _swap_in(target, staging):
+    """Rank 0: the complete ``staging`` directory takes ``target``'s place."""
+    if _rank() == 0:
+        old = target + REPLACED
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        os.rename(staging, target)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def _root_cause(exc):
+    """One line for a failed save: the first ``OSError`` in the failure (torch's
+    ``CheckpointException`` carries each failed rank's exception), else the first failure."""
+    seen, todo = [], [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError):
+            return f"{type(e).__name__}: {e}"
+        failures = getattr(e, "failures", None) or {}
+        todo += [f[0] for f in failures.values()] + [e.__cause__, e.__context__]
+    first = seen[1] if len(seen) > 1 else exc
+    text = str(first).strip().splitlines()
+    return f"{type(first).__name__}: {text[0] if text else ''}"
+
+
+@contextlib.contextmanager
+def _failure_is_one_line(target, written):
+    """A save that fails (disk full, I/O error, a rank's writer failing) stops the run with one
+    line (``TrainingStopped``, exit status 1) naming the previous checkpoint, which is intact:
+    the tracker still names it. The partial directory ``written`` is removed (rank 0) when every
+    rank has stopped writing."""
+    try:
+        yield
+    except BaseException as exc:  # torch's CheckpointException is a BaseException
+        if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+            raise
+        from .pretrain import TrainingStopped
+
+        save_dir = os.path.dirname(target)
+        if _rank() == 0 and type(exc).__name__ == "CheckpointException":
+            # torch reports a write failure to every rank at once, so nobody writes any more;
+            # after a failure of this rank alone, others may still be writing: leave it
+            shutil.rmtree(written, ignore_errors=True)
+        try:
+            with open(os.path.join(save_dir, TRACKER)) as f:
+                previous = f"the previous checkpoint (iteration {f.read().strip()}) is intact"
+        except OSError:
+            previous = "no earlier checkpoint exists there"
+        try:
+            free = f", {shutil.disk_usage(save_dir).free / 1e9:.1f} GB free there"
+        except OSError:
+            free = ""
+        raise TrainingStopped(
+            f"saving {os.path.basename(target)} to {save_dir} failed ({_root_cause(exc)}"
+            f"{free}); {previous}: fix the cause (free space, permissions), then resume with "
+            f"--load {save_dir}"
+        ) from None
+
+
+def guarded_save(real_save):
+    """``dist_checkpointing.save`` that writes into a fresh directory when ``checkpoint_dir`` holds
+    files already, and swaps it in when complete."""
+
+    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        target = str(checkpoint_dir).rstrip("/")
+        if not _broadcast(_non_empty_dir(target) if _rank() == 0 else None):
+            with _failure_is_one_line(target, target):
+                return real_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        staging = target + STAGING
+        if _rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftovers
+            os.makedirs(staging)
+        _barrier()
+        with _failure_is_one_line(target, staging):
+            request = real_save(sharded_state_dict, staging, *args, **kwargs)
+        if request is None:  # synchronous: every rank has written (the save ends on a barrier)
+            _swap_in(target, staging)
+        else:  # asynchronous: after Megatron's own finalisation of this save
+            request.finalize_fns.append(lambda: _swap_in(target, staging))
+        return request
+
+    save.__wrapped__ = real_save
+    return save
+
+
+class _AtomicFile:
+    """A text file written to ``path + '.tmp-PID'`` and renamed over ``path`` on close."""
+
+    def __init__(self, path, mode):
+        self.path = path
+        self.tmp = f"{path}.tmp-{os.getpid()}"
+        self.file = open(self.tmp, mode)
+
+    def write(self, data):
+        return self.file.write(data)
+
+    def close(self):
+        if self.file.closed:
+            return
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.file.close()
+            os.unlink(self.tmp)
+        return False
+
+
+class _AtomicTracker:
+    """Megatron's ``maybe_msc`` with the tracker file written atomically (local paths only)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name != "open":
+            return attr
+
+        def open_(path, mode="r", *args, **kwargs):
+            if mode == "w" and not args and not kwargs and os.path.basename(str(path)) == TRACKER:
+                if os.path.isdir(os.path.dirname(str(path)) or "."):
+                    return _AtomicFile(str(path), mode)
+            return attr(path, mode, *args, **kwargs)
+
+        return open_
+
+
+def make_patch():
+    from megatron.core import dist_checkpointing
+    from megatron.training import checkpointing
+
+    from ..compat import require_symbol
+
+    require_symbol(dist_checkpointing, "save", called_by=(checkpointing.save_checkpoint,))
+    require_symbol(checkpointing, "maybe_msc", called_by=(checkpointing.save_checkpoint,))
+    return Patch(
+        PATCH_NAME,
+        [
+            (dist_checkpointing, "save", guarded_save(dist_checkpointing.save)),
+            (checkpointing, "maybe_msc", _AtomicTracker(checkpointing.maybe_msc)),
+        ],
+    )
+
+
+def install(args):
+    """Install for a run that saves (idempotent; ``patches.uninstall_all()`` reverts it)."""
+    if getattr(args, "save", None):
+        REGISTRY.install(make_patch())
+
+
+def recover(load_dir):
+    """Undo a save that crashed between its two renames: the tracker's ``iter_N`` is missing but
+    ``iter_N.replaced`` (the previous complete checkpoint) is there. Returns True if it acted."""
+    tracker = os.path.join(load_dir, TRACKER)
+    try:
+        with open(tracker) as f:
+            iteration = int(f.read().strip())
+    except (OSError, ValueError):
+        return False
+    target = os.path.join(load_dir, f"iter_{iteration:07d}")
+    if os.path.isdir(target) or not os.path.isdir(target + REPLACED):
+        return False
+    try:
+        os.rename(target + REPLACED, target)
+    except FileNotFoundError:  # another rank did it first
+        pass
+    return True
