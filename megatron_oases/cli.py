@@ -65,7 +65,7 @@ def main(argv=None):
         from .training import quiet
 
         quiet.install()  # before Megatron is imported: its CPU fallback warnings, by their text
-    from .training.pretrain import TrainingStopped
+    from .errors import TrainingStopped
 
     try:
         rc = _resolve(COMMANDS[argv[0]][0])(argv[1:])

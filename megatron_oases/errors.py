@@ -1,10 +1,15 @@
-"""One exception type for bad user input: the CLI prints its message as one line and exits 2."""
+"""The user-facing errors: bad input (:class:`OasesConfigError`, exit 2) and a run that stopped
+on a check (:class:`TrainingStopped`, exit 1), each printed as one line once per job."""
 
 import os
 
 
 class OasesConfigError(ValueError):
     """A configuration the user can fix; the message names the fix."""
+
+
+class TrainingStopped(Exception):
+    """Megatron stopped the run on a check (NaN/Inf loss); printed as one line, exit status 1."""
 
 
 #: Ranks other than 0 wait this long before exiting on an error, so that the launcher does not

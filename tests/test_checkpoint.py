@@ -72,7 +72,7 @@ def _interrupted_save_worker(base, ckpt):
     from megatron.core import dist_checkpointing
     from megatron.training import checkpointing
 
-    from megatron_oases.training.pretrain import TrainingStopped
+    from megatron_oases.errors import TrainingStopped
 
     first = pretrain_and_capture(
         f"{base} {TP2} --train-iters 3 --exit-interval 1 --save {ckpt} --oases-schedule oases"

@@ -11,9 +11,9 @@ import json
 
 import pytest
 from helpers import GPT, RECOMPUTE
+from helpers.runs import pretrain_and_capture
 
-from megatron_oases.testing import run_distributed
-from megatron_oases.testing.runs import pretrain_and_capture
+from megatron_oases.launch import run_distributed
 
 BASE = (
     GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 4 "

@@ -24,10 +24,9 @@ import time
 import types
 
 import pytest
+from helpers.runs import pretrain_and_capture
 
-from megatron_oases.launch import torchrun_command
-from megatron_oases.testing import run_distributed
-from megatron_oases.testing.runs import pretrain_and_capture
+from megatron_oases.launch import run_distributed, torchrun_command
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fault_injection.py")
 #: The demo model (2 layers, dropout 0.1) at TP=2, a vocabulary whose padding depends on TP.
@@ -417,9 +416,10 @@ def test_damaged_profile_is_one_line(profile, tmp_path, capsys):
 
 
 def test_damaged_plan_and_model_files_are_one_line(profile, tmp_path, capsys):
+    from helpers.runs import parse
+
     from megatron_oases.cli import main
     from megatron_oases.errors import OasesConfigError
-    from megatron_oases.testing.runs import parse
 
     binary, directory = tmp_path / "plan.bin", tmp_path / "plan.d"
     binary.write_bytes(bytes(range(256)))

@@ -325,7 +325,7 @@ def make_load_patch(load_dir):
                 exc, (EOFError, RuntimeError, ValueError, OSError)
             ):
                 raise
-            from .pretrain import TrainingStopped  # not OasesConfigError: one rank may see it
+            from ..errors import TrainingStopped  # not OasesConfigError: one rank may see it
 
             try:
                 damaged = check_tracker(load_dir)

@@ -13,13 +13,11 @@ or ``torchrun ... -m megatron_oases train ...``.
 import sys
 import time
 
+from ..errors import TrainingStopped
+
 _PROGRAM_START = time.time()
 
 PROG = "oases-pretrain-gpt"
-
-
-class TrainingStopped(Exception):
-    """Megatron stopped the run on a check (NaN/Inf loss); printed as one line, exit status 1."""
 
 
 def pretrain_gpt(args):

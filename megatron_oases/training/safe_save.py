@@ -97,7 +97,7 @@ def _failure_is_one_line(target, written):
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
             raise
-        from .pretrain import TrainingStopped
+        from ..errors import TrainingStopped
 
         save_dir = os.path.dirname(target)
         if _rank() == 0 and type(exc).__name__ == "CheckpointException":
