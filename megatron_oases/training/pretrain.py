@@ -126,14 +126,16 @@ def train_main(argv=None):
 
 
 def console_main(argv=None):
-    """Entry of the ``oases-pretrain-gpt`` console script: a user error is one line, exit 2."""
-    from ..errors import OasesConfigError, report_once
+    """Entry of the ``oases-pretrain-gpt`` console script: a user error is one line once per job
+    (exit 2), a stopped run one line (exit 1); Megatron's CPU fallback warnings are filtered."""
+    from ..errors import exit_status
+    from . import quiet
 
+    quiet.install()  # before Megatron is imported
     try:
         return main(argv) or 0
-    except (OasesConfigError, TrainingStopped) as exc:
-        report_once(f"{PROG}: error: {exc}")  # once per job, not once per rank
-        return 2 if isinstance(exc, OasesConfigError) else 1
+    except Exception as exc:  # ours: one line once per job; anything else: raised again
+        return exit_status(exc, PROG, stopped=(TrainingStopped,))
 
 
 if __name__ == "__main__":
