@@ -22,6 +22,8 @@ LAYERS = "decoder.layers."
 
 def _stages(model):
     """The ``HeteroStage`` of each model chunk that has one."""
+    from .runtime import stage_of
+
     out = []
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         module = chunk
