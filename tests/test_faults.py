@@ -490,3 +490,39 @@ def test_tracker_is_replaced_atomically(tmp_path):
     other = tmp_path / "other.txt"
     with msc.open(str(other), "w") as f:  # any other file: Megatron's own open
         assert not hasattr(f, "tmp")
+
+
+def test_staged_save_and_which_failures_are_one_line(tmp_path):
+    """In one process: a save into a directory holding files goes to a fresh one that replaces
+    it when complete; an I/O failure stops the run with one line, a bug is raised as it is."""
+    import errno
+
+    from megatron_oases.training import safe_save
+    from megatron_oases.training.pretrain import TrainingStopped
+
+    target = tmp_path / "iter_0000002"
+    target.mkdir()
+    (target / "__3_0.distcp").write_text("old layout")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+
+    def writes(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        assert str(checkpoint_dir).endswith(".saving")  # never in place
+        assert (target / "__3_0.distcp").exists()  # the old one is whole meanwhile
+        with open(os.path.join(checkpoint_dir, "__0_0.distcp"), "w") as f:
+            f.write("new")
+
+    safe_save.guarded_save(writes)({}, str(target))
+    assert sorted(os.listdir(target)) == ["__0_0.distcp"]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+
+    def disk_full(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def bug(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        raise NameError("name 'stage_of' is not defined")
+
+    with pytest.raises(TrainingStopped, match=r"No space left on device.*iteration 2\) is intact"):
+        safe_save.guarded_save(disk_full)({}, str(target))
+    with pytest.raises(NameError):
+        safe_save.guarded_save(bug)({}, str(target))
+    assert sorted(os.listdir(target)) == ["__0_0.distcp"]  # the good one survived both

@@ -68,34 +68,46 @@ def _swap_in(target, staging):
     _barrier()
 
 
-def _root_cause(exc):
-    """One line for a failed save: the first ``OSError`` in the failure (torch's
-    ``CheckpointException`` carries each failed rank's exception), else the first failure."""
+def _causes(exc):
+    """``exc`` and what it carries: causes, contexts, and torch's ``CheckpointException``'s
+    per-rank failures."""
     seen, todo = [], [exc]
     while todo:
         e = todo.pop(0)
         if e is None or any(e is s for s in seen):
             continue
         seen.append(e)
-        if isinstance(e, OSError):
-            return f"{type(e).__name__}: {e}"
         failures = getattr(e, "failures", None) or {}
         todo += [f[0] for f in failures.values()] + [e.__cause__, e.__context__]
-    first = seen[1] if len(seen) > 1 else exc
-    text = str(first).strip().splitlines()
-    return f"{type(first).__name__}: {text[0] if text else ''}"
+    return seen
+
+
+def _io_failure(exc):
+    """One line for a save that failed on I/O (disk full, permissions, a writer that died on
+    an ``OSError``), or None when the failure is something else (a bug: raised as it is)."""
+    causes = _causes(exc)
+    for e in causes:
+        if isinstance(e, OSError):
+            return f"{type(e).__name__}: {e}"
+    for e in causes:  # Megatron's writer reports only the class: "error: <class 'OSError'>"
+        if "OSError" in str(e) or "Errno" in str(e):
+            return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+    return None
 
 
 @contextlib.contextmanager
 def _failure_is_one_line(target, written):
-    """A save that fails (disk full, I/O error, a rank's writer failing) stops the run with one
-    line (``TrainingStopped``, exit status 1) naming the previous checkpoint, which is intact:
+    """A save that fails on I/O (disk full, permissions, a rank's writer failing on an
+    ``OSError``) stops the run with one line (``TrainingStopped``, exit status 1) naming the previous checkpoint, which is intact:
     the tracker still names it. The partial directory ``written`` is removed (rank 0) when every
     rank has stopped writing."""
     try:
         yield
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
+            raise
+        cause = _io_failure(exc)
+        if cause is None:
             raise
         from ..errors import TrainingStopped
 
@@ -114,7 +126,7 @@ def _failure_is_one_line(target, written):
         except OSError:
             free = ""
         raise TrainingStopped(
-            f"saving {os.path.basename(target)} to {save_dir} failed ({_root_cause(exc)}"
+            f"saving {os.path.basename(target)} to {save_dir} failed ({cause}"
             f"{free}); {previous}: fix the cause (free space, permissions), then resume with "
             f"--load {save_dir}"
         ) from None
