@@ -90,6 +90,8 @@ def _io_failure(exc):
         if isinstance(e, OSError):
             return f"{type(e).__name__}: {e}"
     for e in causes:  # Megatron's writer reports only the class: "error: <class 'OSError'>"
+        if type(e).__name__ == "CheckpointException":  # its text holds every rank's: look inside
+            continue
         if "OSError" in str(e) or "Errno" in str(e):
             return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
     return None
