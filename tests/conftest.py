@@ -10,3 +10,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture
 def tmp_out(tmp_path):
     return str(tmp_path)
+
+
+@pytest.fixture
+def model_parallel_1():
+    """One gloo rank in this process: TP=1 model-parallel state and Megatron's RNG tracker
+    (seeded), with the CPU shims where there is no CUDA; all torn down after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_oases import platform
+    from megatron_oases.launch import find_free_port
+
+    installed = platform.install_cpu_shims()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
+    )
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        if installed:
+            platform.uninstall_cpu_shims()

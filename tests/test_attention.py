@@ -20,30 +20,6 @@ from megatron_oases.launch import run_distributed
 S, B, HEADS, GROUPS, HN = 16, 3, 8, 4, 8
 
 
-@pytest.fixture(scope="module")
-def model_parallel_1():
-    """One gloo rank in this process, TP=1 state and Megatron's RNG tracker; torn down after."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    from megatron_oases import platform
-    from megatron_oases.launch import find_free_port
-
-    installed = platform.install_cpu_shims()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
-    )
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        tensor_parallel.model_parallel_cuda_manual_seed(1234)
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        if installed:
-            platform.uninstall_cpu_shims()
-
-
 def _pair(mask_type="causal", layer_number=1, dropout=0.0, **config):
     """(stock DotProductAttention, its SDPAttention twin) for one layer."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention

@@ -156,29 +156,6 @@ MODEL_SETTINGS = (
 )
 
 
-@pytest.fixture
-def model_parallel_1():
-    """One gloo rank in this process, model-parallel state for TP=1; all torn down after."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_oases import platform
-    from megatron_oases.launch import find_free_port
-
-    installed = platform.install_cpu_shims()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{find_free_port()}", rank=0, world_size=1
-    )
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-        if installed:
-            platform.uninstall_cpu_shims()
-
-
 def test_local_gpt_model_is_the_builders_model(model_parallel_1):
     """0.18 builds the model with :func:`compat.local_gpt_model`; it must stay the model that
     Megatron's own builder (0.19+) builds: same parameters, same initial values."""
