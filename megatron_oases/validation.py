@@ -214,10 +214,10 @@ def check_oases_args(args, before_megatron=False, plan=None):
     check_transformer_impl(getattr(args, "transformer_impl", "local"))
     if mode != "off" or getattr(args, "oases_plan", None):
         what = f"--oases-schedule {mode}" if mode != "off" else "--oases-plan"
-        if getattr(args, "sequence_parallel", False):
+        if getattr(args, "sequence_parallel", False) and getattr(args, "oases_plan", None):
             raise OasesConfigError(
-                f"{what} does not support --sequence-parallel yet (TMP all-reduce path only); "
-                "drop --sequence-parallel"
+                "--oases-plan does not support --sequence-parallel (per-layer degrees would "
+                "re-shard the sequence between layers); drop one of them"
             )
         if (getattr(args, "context_parallel_size", 1) or 1) != 1:
             raise OasesConfigError(f"{what} does not support --context-parallel-size > 1")

@@ -53,9 +53,9 @@ from megatron_oases.errors import OasesConfigError
             "merges recompute with backward; add --recompute-granularity full",
         ),
         (
-            "--oases-schedule overlap --sequence-parallel --tensor-model-parallel-size 2",
+            "--oases-plan plan.json --sequence-parallel --tensor-model-parallel-size 2",
             2,
-            "drop --sequence-parallel",
+            "--oases-plan does not support --sequence-parallel",
         ),
         ("--oases-schedule overlap --context-parallel-size 2", 2, "context-parallel"),
         ("--oases-schedule overlap --num-experts 4", 1, "MoE"),

@@ -297,15 +297,20 @@ class TestDeferredTmpComm:
                 1 / 0
         assert not comm.deferring()
 
-    def test_reduce_from_tp_region(self):
+    @pytest.mark.parametrize(
+        "name",
+        ["reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region"],
+    )
+    def test_deferred_reduction(self, name):
         calls = []
 
         def original(x, group=None):
             calls.append(group)
             return x * 2
 
-        reduce = comm.make_reduce_from_tp_region(original)
-        assert reduce.__wrapped__ is original
+        original.__name__ = name
+        reduce = comm.make_deferred_reduction(original)
+        assert reduce.__wrapped__ is original and reduce.__name__ == name
         x = torch.ones(3)
         torch.testing.assert_close(reduce(x, group="g"), torch.full((3,), 2.0))
         assert calls == ["g"]
@@ -313,17 +318,25 @@ class TestDeferredTmpComm:
             assert reduce(x, group="g") is x  # the partial sum, unchanged
         assert calls == ["g"]
 
-    def test_column_forward_switches_dgrad_allreduce_off_for_the_call(self):
+    def test_column_forward_switches_its_communication_off_for_the_call(self):
         seen = []
 
         def original(self, x, *args, **kwargs):
-            seen.append((self.allreduce_dgrad, self.disable_grad_reduce, args, kwargs))
+            seen.append(
+                (
+                    self.allreduce_dgrad,
+                    self.disable_grad_reduce,
+                    self.sequence_parallel,
+                    args,
+                    kwargs,
+                )
+            )
             if kwargs.get("fail"):
                 raise RuntimeError("forward failed")
             return x + 1
 
         class Linear:
-            allreduce_dgrad, disable_grad_reduce = True, False
+            allreduce_dgrad, disable_grad_reduce, sequence_parallel = True, False, True
 
         lin = Linear()
         forward = comm.make_column_forward(original)
@@ -334,8 +347,12 @@ class TestDeferredTmpComm:
             with pytest.raises(RuntimeError, match="forward failed"):
                 forward(lin, 1, fail=True)
         assert seen == [
-            (True, False, ("w",), {}),
-            (False, True, (), {"k": 3}),
-            (False, True, (), {"fail": True}),
+            (True, False, True, ("w",), {}),
+            (False, True, False, (), {"k": 3}),
+            (False, True, False, (), {"fail": True}),
         ]
-        assert (lin.allreduce_dgrad, lin.disable_grad_reduce) == (True, False)
+        assert (lin.allreduce_dgrad, lin.disable_grad_reduce, lin.sequence_parallel) == (
+            True,
+            False,
+            True,
+        )

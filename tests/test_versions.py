@@ -90,16 +90,16 @@ def test_replaced_symbols_are_what_megatron_calls():
     from megatron_oases.schedule.transformer_block import make_block_forward
 
     req = compat.require_symbol
-    # oases-schedule: RowParallelLinear's forward all-reduce, by the name imported into layers.
-    req(
-        layers,
+    # oases-schedule: RowParallelLinear's forward all-reduce / SP reduce-scatter, by the names
+    # imported into layers.
+    for name in (
         "reduce_from_tensor_model_parallel_region",
-        called_by=[layers.RowParallelLinear.forward],
-        parameters=("input_", "group"),
-    )
-    # ColumnParallelLinear.forward reads the two flags the deferral switches off per call.
+        "reduce_scatter_to_sequence_parallel_region",
+    ):
+        req(layers, name, called_by=[layers.RowParallelLinear.forward], parameters=("input_",))
+    # ColumnParallelLinear.forward reads the three flags the deferral switches off per call.
     forward = req(layers.ColumnParallelLinear, "forward")
-    for flag in ("allreduce_dgrad", "disable_grad_reduce"):
+    for flag in ("allreduce_dgrad", "disable_grad_reduce", "sequence_parallel"):
         assert flag in inspect.getsource(forward), flag
     # Our TransformerBlock.forward hands the stock one its arguments by position.
     ours = list(inspect.signature(make_block_forward(TransformerBlock.forward, "oases")).parameters)

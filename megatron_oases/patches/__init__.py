@@ -4,6 +4,7 @@ model is built (the mechanism, :class:`Patch` and the process registry, is :mod:
 ``install_from_args(args)`` installs, in this order (each a named, reversible :class:`Patch`;
 a factory returns None when its flag is not given):
 
+0. ``torch-norm-sp``: Megatron's torch norms under ``--sequence-parallel`` (local spec, no apex).
 1. ``emulate-link``: link emulation of every collective (``--emulate-link PROFILE``, testbed).
 2. ``oases-trace``: schedule tracer (``--oases-trace PATH``).
 3. ``golden-values``: per-iteration golden values from Megatron's loop (``--log-json PATH``).
@@ -21,10 +22,12 @@ def factories():
     fails at import instead of turning its flag into a silent no-op."""
     from ..instrument.golden import make_patch as golden_values
     from ..instrument.trace_patch import make_patch as oases_trace
+    from ..platform.torch_norm import make_patch as torch_norm_sp
     from ..schedule.transformer_block import make_patch as oases_schedule
     from ..testbed.emulator import make_patch as emulate_link
 
     return (
+        ("torch-norm-sp", torch_norm_sp),
         ("emulate-link", emulate_link),
         ("oases-trace", oases_trace),
         ("golden-values", golden_values),

@@ -6,6 +6,12 @@ Block ``j`` of a stage is layer ``j // 2``'s attention (even j) or MLP (odd j) h
 
 ``main_j`` is ``self_attention`` or ``mlp`` with TMP communication deferred (see :mod:`.comm`):
 its forward all-reduce follows it, and its backward all-reduce is on the gradient of ``L_j``.
+Under sequence parallelism H_j, R_j and the ln output hold s/t of the sequence, and the one
+all-reduce becomes two collectives (Korthikanti et al. 2022)::
+
+    H_j ──ln_j──▶ ══all-gather══▶ L_j ──main_j──▶ partial_j ══reduce-scatter══▶ R_j ──bda_j──▶ H_{j+1}
+
+with a reduce-scatter of L_j's gradient and an all-gather of R_j's gradient in backward.
 Everything is called through the layer's own submodules, so Megatron's numerics (fused or not,
 LayerNorm/RMSNorm, SwiGLU, GQA, RoPE, dropout) are unchanged.
 """
@@ -27,6 +33,13 @@ class LayerBlocks:
         self.attention_bias = attention_bias
         for layer in self.layers:
             check_layer(layer)
+
+    @property
+    def sequence_parallel(self):
+        return bool(self.layers) and self.layers[0].config.sequence_parallel
+
+    def tp_group(self, j):
+        return self.layer(j).self_attention.linear_proj.tp_group
 
     @property
     def num_blocks(self):
@@ -84,8 +97,6 @@ def check_layer(layer):
                 "cross-attention layers are not supported by --oases-schedule; use off"
             )
     config = layer.config
-    if config.sequence_parallel:
-        raise OasesConfigError("sequence parallelism is not supported; drop --sequence-parallel")
     check_transformer_impl(getattr(config, "transformer_impl", "local"))
     for lin in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
         if not getattr(lin, "skip_bias_add", True) and lin.bias is not None:

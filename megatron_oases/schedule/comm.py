@@ -5,10 +5,17 @@ tensor-parallel linears skip their own all-reduces:
 
 - ``RowParallelLinear``: the forward all-reduce (``layers.reduce_from_tensor_model_parallel_region``,
   imported by name into ``layers``) returns the partial sum unchanged; the engine all-reduces it
-  asynchronously. Its backward is the identity (paper eq. 1), so nothing is lost.
+  asynchronously. Its backward is the identity (paper eq. 1), so nothing is lost. Under sequence
+  parallelism the same holds for its reduce-scatter
+  (``layers.reduce_scatter_to_sequence_parallel_region``), whose backward (an all-gather of the
+  output gradient) the engine then issues itself.
 - ``ColumnParallelLinear``: the backward all-reduce of the input gradient (``allreduce_dgrad``,
   read at forward time and saved in the autograd context) is switched off for that call; the
-  engine all-reduces the input gradient asynchronously.
+  engine all-reduces the input gradient asynchronously. Under sequence parallelism its input
+  all-gather (forward) and input-gradient reduce-scatter (backward) are switched off the same way
+  (``sequence_parallel`` is read at forward time too): the engine passes the gathered input and
+  reduce-scatters the gradient. The linear then keeps the gathered input for its weight gradient
+  instead of re-gathering it in backward (see :mod:`.engine` for what that costs in memory).
 
 Outside the context both behave exactly as stock. The flag is thread-local: autograd on CPU runs
 re-entrant backward on the calling thread, and the engine never hands work to other threads.
@@ -34,16 +41,18 @@ def deferred_tmp_comm(enabled=True):
         _local.defer = prev
 
 
-def make_reduce_from_tp_region(original):
-    """Replacement for ``layers.reduce_from_tensor_model_parallel_region``."""
+def make_deferred_reduction(original):
+    """Replacement for ``layers.reduce_from_tensor_model_parallel_region`` or
+    ``layers.reduce_scatter_to_sequence_parallel_region``: the identity while deferring."""
 
-    def reduce_from_tensor_model_parallel_region(input_, group=None):
+    def reduction(input_, *args, **kwargs):
         if deferring():
             return input_
-        return original(input_, group=group)
+        return original(input_, *args, **kwargs)
 
-    reduce_from_tensor_model_parallel_region.__wrapped__ = original
-    return reduce_from_tensor_model_parallel_region
+    reduction.__name__ = reduction.__qualname__ = original.__name__
+    reduction.__wrapped__ = original
+    return reduction
 
 
 def make_column_forward(original):
@@ -52,12 +61,12 @@ def make_column_forward(original):
     def forward(self, input_, *args, **kwargs):
         if not deferring():
             return original(self, input_, *args, **kwargs)
-        saved = self.allreduce_dgrad, self.disable_grad_reduce
-        self.allreduce_dgrad, self.disable_grad_reduce = False, True
+        saved = self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel
+        self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel = False, True, False
         try:
             return original(self, input_, *args, **kwargs)
         finally:
-            self.allreduce_dgrad, self.disable_grad_reduce = saved
+            self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel = saved
 
     forward.__wrapped__ = original
     return forward

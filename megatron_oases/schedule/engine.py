@@ -65,6 +65,7 @@ class SubBatch:
     def __init__(self, index, hidden, mask):
         self.index, self.input, self.mask = index, hidden, mask
         self.H, self.L, self.Lout, self.P, self.B, self.R, self.hout = ({} for _ in range(7))
+        self.G = {}  # sequence parallelism: the all-gathered ln output of block j
         self.buf, self.rng, self.gR, self.gL, self.gH = ({} for _ in range(5))
         self.output = None
 
@@ -86,6 +87,10 @@ class ScheduledLayers:
         else:
             self.checkpoint = "none"
         self.keep_graph = self.checkpoint == "none"
+        # Sequence parallelism: an all-gather before each block's main op, and the block's
+        # reduction is a reduce-scatter (see :mod:`.blocks`).
+        self.sp = blocks.sequence_parallel
+        self.reduction = "reduce_scatter" if self.sp else "all_reduce"
         self.sbs = []
 
     # ------------------------------------------------------------------ helpers
@@ -96,12 +101,31 @@ class ScheduledLayers:
     def _compute(self, fn, j, pass_):
         return Compute(fn, **self._labels(j, pass_))
 
-    def _all_reduce(self, get, store, j, pass_):
-        """All-reduce ``get()`` on block j's TP group; the result lands in ``store[j]``."""
-        group = self.blocks.layer(j).self_attention.linear_proj.tp_group
+    def _collective(self, kind, get, store, j, pass_):
+        """``kind`` of ``get()`` on block j's TP group; the result lands in ``store[j]``."""
         return Comm(
-            get=get, done=lambda t: store.__setitem__(j, t), group=group, **self._labels(j, pass_)
+            get=get,
+            done=lambda t: store.__setitem__(j, t),
+            group=self.blocks.tp_group(j),
+            kind=kind,
+            **self._labels(j, pass_),
         )
+
+    def _to_main(self, sb, j, pass_, first, main):
+        """Ops from block j's input to its partial sum: ``first`` (ln; without sequence
+        parallelism also main), then under SP the all-gather of the ln output and ``main``."""
+        ops = [self._compute(first, j, pass_)]
+        if self.sp:
+            ops.append(self._collective("all_gather", lambda: sb.buf.pop(j), sb.G, j, pass_))
+            ops.append(self._compute(main, j, pass_))
+        return ops
+
+    def _after_ln(self, sb, j, Lout, main):
+        """Hand the ln output to the all-gather (SP) or straight to ``main``."""
+        if self.sp:
+            sb.buf[j] = Lout.detach()
+        else:
+            main(Lout)
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden):
@@ -126,8 +150,16 @@ class ScheduledLayers:
         J = self.blocks.num_blocks
         ops = []
         for j in range(J):
-            ops.append(self._compute(lambda j=j: self._fwd_block(sb, j), j, "forward"))
-            ops.append(self._all_reduce(lambda j=j: sb.buf.pop(j), sb.R, j, "forward"))
+            ops += self._to_main(
+                sb,
+                j,
+                "forward",
+                lambda j=j: self._fwd_block(sb, j),
+                lambda j=j: self._fwd_main(sb, j, sb.G.pop(j)),
+            )
+            ops.append(
+                self._collective(self.reduction, lambda j=j: sb.buf.pop(j), sb.R, j, "forward")
+            )
         ops.append(self._compute(lambda: self._fwd_tail(sb), J - 1, "forward"))
         return ops
 
@@ -151,12 +183,19 @@ class ScheduledLayers:
             out = self._bda_forward(sb, j - 1)
             H = _leaf(out) if self.keep_graph else out
         sb.H[j] = H  # a layer checkpoint drops odd blocks' H again after bda_j
+        Lout = self.blocks.ln(j, H)
         if self.keep_graph:
-            Lout = sb.Lout[j] = self.blocks.ln(j, H)
-            L = sb.L[j] = _leaf(Lout)
+            sb.Lout[j] = Lout
+        self._after_ln(sb, j, Lout, lambda x: self._fwd_main(sb, j, x))
+
+    def _fwd_main(self, sb, j, x):
+        """main_j on its (gathered) input; the RNG snapshot is taken right before it, as the
+        other sub-batch may run between ln_j and main_j under SP."""
+        if self.keep_graph:
+            L = sb.L[j] = _leaf(x)
         else:
             sb.rng[("main", j)] = _snapshot()
-            L = self.blocks.ln(j, H)
+            L = x
         P, sb.B[j] = self.blocks.main(j, L, sb.mask)
         if self.keep_graph:
             sb.P[j] = P
@@ -203,17 +242,23 @@ class ScheduledLayers:
         self.sbs = []
         return out
 
-    def _bwd_comm(self, sb, j):
-        """The column-parallel input-gradient all-reduce of block j (in place in ``sb.gL``)."""
-        return self._all_reduce(lambda: sb.gL.pop(j), sb.gL, j, "backward")
+    def _main_backward(self, sb, j):
+        """Block j's main backward between its collectives: under SP the all-gather of R_j's
+        gradient (the row-parallel reduce-scatter's backward) first; then the input-gradient
+        reduction of the column-parallel linear (all-reduce, or reduce-scatter under SP)."""
+        ops = []
+        if self.sp:
+            ops.append(self._collective("all_gather", lambda: sb.gR.pop(j), sb.gR, j, "backward"))
+        ops.append(self._compute(lambda: self._ov_main(sb, j), j, "backward"))
+        ops.append(self._collective(self.reduction, lambda: sb.gL.pop(j), sb.gL, j, "backward"))
+        return ops
 
     # overlap: graphs kept from forward ------------------------------------------
     def _overlap_backward(self, sb):
         J = self.blocks.num_blocks
         ops = [self._compute(lambda: self._ov_bda(sb, J - 1), J - 1, "backward")]
         for j in reversed(range(J)):
-            ops.append(self._compute(lambda j=j: self._ov_main(sb, j), j, "backward"))
-            ops.append(self._bwd_comm(sb, j))
+            ops += self._main_backward(sb, j)
             ops.append(self._compute(lambda j=j: self._ov_ln(sb, j), j, "backward"))
             if j > 0:
                 ops.append(self._compute(lambda j=j: self._ov_bda(sb, j - 1), j - 1, "backward"))
@@ -236,10 +281,9 @@ class ScheduledLayers:
         J = self.blocks.num_blocks
         ops = [self._compute(lambda: self._probe_bda(sb, J - 1), J - 1, "backward")]
         for j in reversed(range(J)):
-            ops.append(self._compute(lambda j=j: self._recompute_block(sb, j), j, "recompute"))
-            ops.append(self._compute(lambda j=j: self._ov_main(sb, j), j, "backward"))
-            ops.append(self._bwd_comm(sb, j))
-            ops.append(self._compute(lambda j=j: self._rc_ln(sb, j), j, "backward"))
+            ops += self._recompute_to_main(sb, j, lambda j=j: self._rc_ln(sb, j))
+            ops += self._main_backward(sb, j)
+            ops.append(self._compute(lambda j=j: self._ln_backward(sb, j), j, "backward"))
             if j > 0:
                 ops.append(self._compute(lambda j=j: self._probe_bda(sb, j - 1), j - 1, "backward"))
         return ops
@@ -253,16 +297,26 @@ class ScheduledLayers:
             out = self.blocks.bda(j, probe, sb.B[j], torch.zeros_like(g))
         _backward(out, g)
         sb.gR[j] = probe.grad
-        sb.gH[j] = g  # residual path; the ln path is added by _rc_ln
+        sb.gH[j] = g  # residual path; the ln path is added by _ln_backward
 
-    def _recompute_block(self, sb, j):
-        H = sb.H[j] = _leaf(sb.H[j])
-        with _rng(sb.rng.pop(("main", j))):
-            Lout = sb.Lout[j] = self.blocks.ln(j, H)
-            L = sb.L[j] = _leaf(Lout)
-            sb.P[j], _ = self.blocks.main(j, L, sb.mask)
+    def _recompute_to_main(self, sb, j, first):
+        """Recompute block j from its saved input H_j up to its partial sum. Under sequence
+        parallelism this re-gathers the ln output (an all-gather in recompute, overlapped like
+        every collective) rather than keeping the gathered input from forward: that would hold
+        t× the block input per block, undoing SP's activation saving."""
+        return self._to_main(sb, j, "recompute", first, lambda: self._rc_main(sb, j, sb.G.pop(j)))
 
     def _rc_ln(self, sb, j):
+        H = sb.H[j] = _leaf(sb.H[j])
+        Lout = sb.Lout[j] = self.blocks.ln(j, H)
+        self._after_ln(sb, j, Lout, lambda x: self._rc_main(sb, j, x))
+
+    def _rc_main(self, sb, j, x):
+        L = sb.L[j] = _leaf(x)
+        with _rng(sb.rng.pop(("main", j))):
+            sb.P[j], _ = self.blocks.main(j, L, sb.mask)
+
+    def _ln_backward(self, sb, j):
         _backward(sb.Lout.pop(j), sb.gL.pop(j))
         g_ln = sb.H.pop(j).grad
         sb.gH[j] = g_ln if j not in sb.gH else sb.gH[j] + g_ln
@@ -276,34 +330,31 @@ class ScheduledLayers:
         return ops
 
     def _layer_phases(self, sb, layer):
-        """Recompute ops (with the layer's forward all-reduces) and backward ops of one layer."""
+        """Recompute ops (with the layer's forward collectives) and backward ops of one layer."""
         a, m = 2 * layer, 2 * layer + 1
-        recompute = [
-            self._compute(lambda: self._recompute_block(sb, a), a, "recompute"),
-            self._all_reduce(lambda: sb.P[a].detach(), sb.R, a, "recompute"),
-            self._compute(lambda: self._cp_mid(sb, a, m), m, "recompute"),
-            self._all_reduce(lambda: sb.P[m].detach(), sb.R, m, "recompute"),
-            self._compute(lambda: self._cp_tail(sb, m), m, "recompute"),
-        ]
-        backward = [
-            self._compute(lambda: self._ov_bda(sb, m), m, "backward"),
-            self._compute(lambda: self._ov_main(sb, m), m, "backward"),
-            self._bwd_comm(sb, m),
-            self._compute(lambda: self._ov_ln(sb, m), m, "backward"),
-            self._compute(lambda: self._ov_bda(sb, a), a, "backward"),
-            self._compute(lambda: self._ov_main(sb, a), a, "backward"),
-            self._bwd_comm(sb, a),
-            self._compute(lambda: self._rc_ln(sb, a), a, "backward"),
-        ]
+        recompute = self._recompute_to_main(sb, a, lambda: self._rc_ln(sb, a))
+        recompute.append(self._rc_reduction(sb, a))
+        recompute += self._recompute_to_main(sb, m, lambda: self._cp_mid(sb, a, m))
+        recompute.append(self._rc_reduction(sb, m))
+        recompute.append(self._compute(lambda: self._cp_tail(sb, m), m, "recompute"))
+        backward = [self._compute(lambda: self._ov_bda(sb, m), m, "backward")]
+        backward += self._main_backward(sb, m)
+        backward.append(self._compute(lambda: self._ov_ln(sb, m), m, "backward"))
+        backward.append(self._compute(lambda: self._ov_bda(sb, a), a, "backward"))
+        backward += self._main_backward(sb, a)
+        backward.append(self._compute(lambda: self._ln_backward(sb, a), a, "backward"))
         return recompute, backward
 
+    def _rc_reduction(self, sb, j):
+        return self._collective(self.reduction, lambda: sb.P[j].detach(), sb.R, j, "recompute")
+
     def _cp_mid(self, sb, a, m):
-        """Recompute bda_a (needs the recomputed all-reduce) and block m up to its partial sum."""
+        """Recompute bda_a (needs the recomputed reduction) and block m's ln (and main)."""
         R = sb.R[a] = _leaf(sb.R[a])
         with _rng(sb.rng.pop(("bda", a))):
             h = sb.hout[a] = self.blocks.bda(a, R, sb.B[a], sb.H[a])
         sb.H[m] = h
-        self._recompute_block(sb, m)
+        self._rc_ln(sb, m)
 
     def _cp_tail(self, sb, m):
         R = sb.R[m] = _leaf(sb.R[m])

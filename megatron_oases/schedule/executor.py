@@ -2,11 +2,12 @@
 
 Each sub-batch has a *program*: a list of :class:`Compute` and :class:`Comm` ops with data
 dependencies only inside the program. The executor runs sub-batch x's computes until its next
-communication, starts that all-reduce asynchronously, and switches to the other sub-batch, whose
+communication, starts that collective (all-reduce; all-gather or reduce-scatter under sequence
+parallelism) asynchronously, and switches to the other sub-batch, whose
 compute then hides x's transfer ("whenever meeting a communication operator, start it
-asynchronously and switch the sub-batch"). Before issuing a new all-reduce it waits for the one in
+asynchronously and switch the sub-batch"). Before issuing a new collective it waits for the one in
 flight (one communication channel, as NCCL serialises collectives on a communicator), and before
-running x's computes it waits for x's own pending all-reduce (data dependence).
+running x's computes it waits for x's own pending collective (data dependence).
 
 Ordering assumption for GPUs: collectives are issued on the TP group's NCCL stream and computes on
 the default stream in program order; the overlap needs them on different streams, which is what
@@ -15,6 +16,7 @@ the default stream in program order; the overlap needs them on different streams
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 
 from .comm import deferred_tmp_comm
@@ -27,13 +29,21 @@ class Compute:
         self.fn, self.labels = fn, labels
 
 
+#: The collectives a :class:`Comm` can run. The sequence-parallel ones work on dim 0 of [s, b, h].
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
 class Comm:
-    """All-reduce ``get()`` in place on ``group``; ``done(tensor)`` runs when it has completed."""
+    """A ``kind`` collective of ``get()`` on ``group``: all-reduce in place, or all-gather /
+    reduce-scatter along the sequence dim into a new tensor; ``done(result)`` runs when it has
+    completed."""
 
-    __slots__ = ("get", "done", "group", "labels")
+    __slots__ = ("get", "done", "group", "kind", "labels")
 
-    def __init__(self, get, done, group, **labels):
-        self.get, self.done, self.group, self.labels = get, done, group, labels
+    def __init__(self, get, done, group, kind="all_reduce", **labels):
+        assert kind in KINDS, kind
+        self.get, self.done, self.group, self.kind = get, done, group, kind
+        self.labels = labels
 
 
 class _InFlight:
@@ -48,14 +58,29 @@ class _InFlight:
         self.op.done(self.tensor)
 
 
+def _start(kind, tensor, group):
+    """Start ``kind`` asynchronously; returns (work, result tensor)."""
+    if kind == "all_reduce":
+        return dist.all_reduce(tensor, group=group, async_op=True), tensor
+    n = dist.get_world_size(group)
+    tensor = tensor.contiguous()
+    if kind == "all_gather":
+        out = tensor.new_empty((tensor.size(0) * n,) + tuple(tensor.shape[1:]))
+        return dist.all_gather_into_tensor(out, tensor, group=group, async_op=True), out
+    if tensor.size(0) % n:
+        raise ValueError(f"reduce-scatter of {tensor.size(0)} rows over {n} ranks")
+    out = tensor.new_empty((tensor.size(0) // n,) + tuple(tensor.shape[1:]))
+    return dist.reduce_scatter_tensor(out, tensor, group=group, async_op=True), out
+
+
 def _issue(sub_batch, op, tracer):
     tensor = op.get()
     if op.group is None or dist.get_world_size(op.group) == 1:
         return _InFlight(sub_batch, None, tensor, op)
     ctx = tracer.context(sub_batch=sub_batch, **op.labels) if tracer else contextlib.nullcontext()
-    with ctx:
-        work = dist.all_reduce(tensor, group=op.group, async_op=True)
-    return _InFlight(sub_batch, work, tensor, op)
+    with ctx, torch.no_grad():
+        work, result = _start(op.kind, tensor, op.group)
+    return _InFlight(sub_batch, work, result, op)
 
 
 def _run_compute(sub_batch, op, tracer):

@@ -9,11 +9,13 @@ Replaced symbols (all restored by ``uninstall``):
   stock. Eval/inference runs stock code.
 - with a plan, ``tensor_parallel.param_is_not_tensor_parallel_duplicate`` (and its by-name copy
   in ``optimizer.clip_grads``): grad-norm clipping counts each replica once.
-- ``tensor_parallel.layers.reduce_from_tensor_model_parallel_region`` and
+- ``tensor_parallel.layers.reduce_from_tensor_model_parallel_region``,
+  ``tensor_parallel.layers.reduce_scatter_to_sequence_parallel_region`` and
   ``ColumnParallelLinear.forward``: honour the engine's deferral of TMP communication
   (:mod:`.comm`); stock behaviour outside the engine.
 """
 
+import contextlib
 import logging
 
 import torch
@@ -22,7 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
 from ..arguments import validate_oases_args
-from ..compat import finalize_model_grads_replacements
+from ..compat import finalize_model_grads_replacements, require_symbol
 from ..errors import OasesConfigError
 from ..hetero.model import make_param_is_not_tp_duplicate
 from ..hetero.reshard import reshard
@@ -30,7 +32,7 @@ from ..hetero.runtime import stage_of
 from ..patching import Patch
 from ..validation import SUB_BATCHES, sub_batches
 from .blocks import LayerBlocks
-from .comm import make_column_forward, make_reduce_from_tp_region
+from .comm import make_column_forward, make_deferred_reduction
 from .engine import ScheduledLayers, ScheduledLayersFunction
 
 logger = logging.getLogger(__name__)
@@ -94,26 +96,29 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES):
         else:
             runs, T = hetero.runs(), hetero.groups.T
         degree, mask = T, attention_mask
-        for d, idx in runs:
-            layers = [self.layers[i] for i in idx]
-            if hetero is not None:
-                hidden_states = reshard(hidden_states, degree, d, hetero.groups)
-                mask = _mask_share(attention_mask, hidden_states.size(1), d, hetero.groups)
-                degree = d
-            if mode == "off":
-                hidden_states = _stock_layers(
-                    self, layers, hidden_states, mask, rotary_pos_emb, attention_bias
-                )
-            else:
-                run = ScheduledLayers(
-                    LayerBlocks(layers, mask, rotary_pos_emb, attention_bias),
-                    mode,
-                    microbatch=mb,
-                    recompute=self.config.recompute_granularity == "full",
-                    tracer=tracer,
-                    parts=parts,
-                )
-                hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
+        # As stock: under sequence parallelism the layers run in the model-parallel RNG fork
+        # (TP ranks hold different tokens); recomputation replays snapshots taken inside it.
+        with _sequence_parallel_rng(self.config):
+            for d, idx in runs:
+                layers = [self.layers[i] for i in idx]
+                if hetero is not None:
+                    hidden_states = reshard(hidden_states, degree, d, hetero.groups)
+                    mask = _mask_share(attention_mask, hidden_states.size(1), d, hetero.groups)
+                    degree = d
+                if mode == "off":
+                    hidden_states = _stock_layers(
+                        self, layers, hidden_states, mask, rotary_pos_emb, attention_bias
+                    )
+                else:
+                    run = ScheduledLayers(
+                        LayerBlocks(layers, mask, rotary_pos_emb, attention_bias),
+                        mode,
+                        microbatch=mb,
+                        recompute=self.config.recompute_granularity == "full",
+                        tracer=tracer,
+                        parts=parts,
+                    )
+                    hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
         if hetero is not None:
             hidden_states = reshard(hidden_states, degree, T, hetero.groups)
         if self.final_layernorm is not None:
@@ -125,6 +130,14 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES):
 
     forward.__wrapped__ = original
     return forward
+
+
+def _sequence_parallel_rng(config):
+    if not config.sequence_parallel:
+        return contextlib.nullcontext()
+    from megatron.core import tensor_parallel
+
+    return tensor_parallel.get_cuda_rng_tracker().fork()
 
 
 def _mask_share(mask, batch, degree, groups):
@@ -169,7 +182,7 @@ def make_patch(args, built=None):
     tracer = trace.tracer if trace is not None else None
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import clip_grads
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     replacements = [
         (
@@ -177,11 +190,14 @@ def make_patch(args, built=None):
             "forward",
             make_block_forward(TransformerBlock.forward, mode, tracer, sub_batches(args)),
         ),
-        (
-            tp_layers,
-            "reduce_from_tensor_model_parallel_region",
-            make_reduce_from_tp_region(tp_layers.reduce_from_tensor_model_parallel_region),
-        ),
+    ]
+    for name in (
+        "reduce_from_tensor_model_parallel_region",
+        "reduce_scatter_to_sequence_parallel_region",
+    ):
+        original = require_symbol(tp_layers, name, called_by=[RowParallelLinear.forward])
+        replacements.append((tp_layers, name, make_deferred_reduction(original)))
+    replacements += [
         (ColumnParallelLinear, "forward", make_column_forward(ColumnParallelLinear.forward)),
     ]
     if plan:  # checkpoints of a plan are written in the stock layout
