@@ -62,6 +62,21 @@ def check_megatron_core(version=None):
     return version
 
 
+# Megatron-Core modules that bind torch collectives to module globals at import time (patching
+# ``torch.distributed`` alone misses them): the TP mappings and linears, and DDP's buffers.
+MEGATRON_ALIASES = (
+    (
+        "megatron.core.tensor_parallel.mappings",
+        ("dist_all_gather_func", "dist_reduce_scatter_func"),
+    ),
+    ("megatron.core.tensor_parallel.layers", ("dist_all_gather_func", "dist_reduce_scatter_func")),
+    (
+        "megatron.core.distributed.param_and_grad_buffer",
+        ("dist_all_gather_func", "dist_reduce_scatter_func"),
+    ),
+)
+
+
 def require_symbol(owner, name, called_by=(), parameters=()):
     """Return ``owner.name`` after checking it is what Megatron calls.
 

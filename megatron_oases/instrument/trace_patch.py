@@ -1,7 +1,9 @@
 """The ``oases-trace`` patch: record compute segments and TMP communication per rank.
 
-Replaced symbols: ``torch.distributed.all_reduce`` (records issue / wait / completion; async ops
-return a work wrapper), ``TransformerLayer.forward`` (labels stock Megatron's forward and
+Replaced symbols: ``torch.distributed.all_reduce``, ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` and Megatron's tensor-parallel aliases of the latter two
+(``dist_all_gather_func``/``dist_reduce_scatter_func``, sequence parallelism) — each records issue /
+wait / completion, async ops return a work wrapper —, ``TransformerLayer.forward`` (labels stock Megatron's forward and
 recompute communication with the layer, and its backward communication via gradient hooks on the
 layer output/input), and Megatron-LM's ``train_step`` (an iteration starts and ends there). The
 schedule engine labels its own ops explicitly. The trace of the last iteration is written when the
@@ -12,11 +14,14 @@ forward; inside one, to the recomputation if a ``TransformerLayer.forward`` is r
 (``CheckpointFunction.backward`` re-running the layer), else to the backward.
 """
 
+import importlib
+import inspect
+
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from ..compat import require_symbol
+from ..compat import MEGATRON_ALIASES, require_symbol
 from ..patching import Patch
 from .trace import Tracer, trace_path
 
@@ -43,6 +48,20 @@ class _TracedWork:
         return getattr(self._work, name)
 
 
+#: Traced collectives: name -> (recorded op, the argument whose bytes are the transfer size).
+TRACED = {
+    "all_reduce": ("all_reduce", "tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+}
+ALIASES = {
+    "dist_all_gather_func": "all_gather_into_tensor",
+    "dist_reduce_scatter_func": "reduce_scatter_tensor",
+}
+#: Only the tensor-parallel modules' aliases: DDP's buffers communicate over data parallelism.
+TP_MODULES = ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers")
+
+
 def _stock_pass(tracer):
     if torch._C._current_graph_task_id() == -1:
         return "forward"
@@ -57,32 +76,51 @@ class TracePatch(Patch):
         #: Created now so that the schedule patch, built after this one, records into it.
         self.tracer = Tracer(schedule=self.schedule)
         self._bwd_layer = -1
-        orig_all_reduce = dist.all_reduce
         orig_layer_forward = TransformerLayer.forward
         patch = self
 
-        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-            tracer = patch.tracer
-            if tracer is None:
-                return orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
-            labels = {}
-            if tracer.current["sub_batch"] < 0:  # stock code path: infer pass and layer
-                p = _stock_pass(tracer)
-                labels["pass"] = p
-                if p == "backward":
-                    labels["layer"] = patch._bwd_layer
-            with tracer.context(**labels):
-                rec = tracer.comm_issue(
-                    "all_reduce",
-                    tensor.numel() * tensor.element_size(),
-                    dist.get_world_size(group),
-                    async_op,
-                )
-            work = orig_all_reduce(tensor, op=op, group=group, async_op=async_op)
-            if async_op:
-                return _TracedWork(work, tracer, rec)
-            tracer.comm_done(rec)
-            return work
+        def traced(orig, name):
+            op, size_arg = TRACED[name]
+            signature = inspect.signature(orig)
+
+            def collective(*args, **kwargs):
+                tracer = patch.tracer
+                if tracer is None:
+                    return orig(*args, **kwargs)
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                a = bound.arguments
+                labels = {}
+                if tracer.current["sub_batch"] < 0:  # stock code path: infer pass and layer
+                    p = _stock_pass(tracer)
+                    labels["pass"] = p
+                    if p == "backward":
+                        labels["layer"] = patch._bwd_layer
+                tensor, async_op = a[size_arg], a["async_op"]
+                with tracer.context(**labels):
+                    rec = tracer.comm_issue(
+                        op,
+                        tensor.numel() * tensor.element_size(),
+                        dist.get_world_size(a["group"]),
+                        async_op,
+                    )
+                work = orig(*args, **kwargs)
+                if async_op:
+                    return _TracedWork(work, tracer, rec)
+                tracer.comm_done(rec)
+                return work
+
+            collective.__name__ = getattr(orig, "__name__", name)
+            collective.__wrapped__ = orig
+            return collective
+
+        collectives = [(dist, name, traced(getattr(dist, name), name)) for name in TRACED]
+        for module, attrs in MEGATRON_ALIASES:
+            if module in TP_MODULES:
+                mod = importlib.import_module(module)
+                for attr in attrs:
+                    name = ALIASES[attr]
+                    collectives.append((mod, attr, traced(getattr(mod, attr), name)))
 
         def layer_forward(self_layer, *args, **kwargs):
             tracer = patch.tracer
@@ -112,8 +150,8 @@ class TracePatch(Patch):
 
         super().__init__(
             "oases-trace",
-            replacements=[
-                (dist, "all_reduce", all_reduce),
+            replacements=collectives
+            + [
                 (TransformerLayer, "forward", layer_forward),
                 (training, "train_step", train_step),
             ],

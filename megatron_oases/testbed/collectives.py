@@ -27,6 +27,7 @@ import inspect
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ..compat import MEGATRON_ALIASES
 from ..errors import OasesConfigError
 
 
@@ -56,18 +57,6 @@ UNSUPPORTED = (
     "reduce",
     "all_reduce_coalesced",
     "all_gather_coalesced",
-)
-# Megatron-Core modules that bind torch collectives to module globals at import time.
-MEGATRON_ALIASES = (
-    (
-        "megatron.core.tensor_parallel.mappings",
-        ("dist_all_gather_func", "dist_reduce_scatter_func"),
-    ),
-    ("megatron.core.tensor_parallel.layers", ("dist_all_gather_func", "dist_reduce_scatter_func")),
-    (
-        "megatron.core.distributed.param_and_grad_buffer",
-        ("dist_all_gather_func", "dist_reduce_scatter_func"),
-    ),
 )
 
 

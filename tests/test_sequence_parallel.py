@@ -1,0 +1,256 @@
+"""Sequence parallelism (``--sequence-parallel``) under every schedule, against stock Megatron with
+``--sequence-parallel`` in its own loop: loss and every gradient (fp32, dropout 0), RNG-exact
+recomputation with dropout, which collectives each pass issues and that they are overlapped (from
+the schedule trace), and activation memory.
+
+Stock Megatron's local spec needs the ``torch-norm-sp`` patch to build its torch norms under SP
+(:mod:`megatron_oases.platform.torch_norm`); it is the only patch on the stock side.
+"""
+
+import glob
+import json
+
+import pytest
+import torch
+from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, variants_worker
+from helpers.runs import max_rel_diff
+
+from megatron_oases.launch import run_distributed
+
+SP = "--sequence-parallel "
+ITERS = "--train-iters 2 "
+SCHEDULES = ("overlap", "cross-pass", "oases")
+
+CONFIGS = {
+    "gpt-tp2-pp1-mbs3": (
+        2,
+        GPT.format(layers=2) + "--tensor-model-parallel-size 2 "
+        "--micro-batch-size 3 --global-batch-size 6",
+    ),
+    "llama-tp4-pp1-mbs3": (
+        4,
+        LLAMA.format(layers=2) + "--tensor-model-parallel-size 4 "
+        "--micro-batch-size 3 --global-batch-size 3",
+    ),
+    "gpt-tp2-pp2-mbs2": (
+        4,
+        GPT.format(layers=4) + "--tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 8",
+    ),
+    "llama-tp2-pp2-mbs3": (
+        4,
+        LLAMA.format(layers=4) + "--tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2 --micro-batch-size 3 --global-batch-size 12",
+    ),
+}
+
+
+def _assert_matches(got, stock, what, worst):
+    if stock["losses"][0] is not None:  # last pipeline stage
+        err = max_rel_diff(got["losses"], stock["losses"])
+        assert err < 1e-5, (what, got["losses"], stock["losses"])
+        worst = max(worst, err)
+    assert set(got["grads"]) == set(stock["grads"]) and stock["grads"], what
+    for pname, g in stock["grads"].items():
+        assert torch.count_nonzero(g) > 0 or "bias" in pname, pname
+        err = max_rel_diff(got["grads"][pname], g)
+        assert err < 1e-5, f"{what} {pname}: rel err {err:.2e}"
+        worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_schedules_match_stock_with_sequence_parallel(config):
+    """Full recomputation on both sides; on the TP2 config also the other memory settings (all
+    activations kept, selective recomputation), each against stock at the same setting."""
+    world, base = CONFIGS[config]
+    variants = [("stock", RECOMPUTE + "--oases-schedule off")]
+    variants += [(name, RECOMPUTE + f"--oases-schedule {name}") for name in SCHEDULES]
+    memory_settings = {"keep": "", "selective": "--recompute-granularity selective "}
+    if world == 2:
+        for setting, flags in memory_settings.items():
+            variants += [
+                (f"stock-{setting}", flags + "--oases-schedule off"),
+                (f"overlap-{setting}", flags + "--oases-schedule overlap"),
+            ]
+    results = run_distributed(
+        variants_worker, world, base + " " + ITERS + NO_DROP + SP, variants, timeout=560
+    )
+    worst = 0.0
+    for rank, res in enumerate(results):
+        assert res["stock"]["installed"] == ["torch-norm-sp"]
+        for name in SCHEDULES:
+            assert res[name]["installed"] == ["torch-norm-sp", "oases-schedule"]
+            worst = _assert_matches(res[name], res["stock"], f"{config} {name} rank {rank}", worst)
+        if world == 2:
+            for setting in memory_settings:
+                got, stock = res[f"overlap-{setting}"], res[f"stock-{setting}"]
+                worst = _assert_matches(got, stock, f"{config} overlap-{setting} {rank}", worst)
+    print(f"{config} --sequence-parallel: worst relative difference {worst:.2e}")
+
+
+BASE = (
+    GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
+    "--global-batch-size 4 --train-iters 1 " + SP
+)
+
+
+@pytest.mark.timeout(300)
+def test_dropout_recompute_is_rng_exact_with_sequence_parallel():
+    """Every recomputing schedule replays the masks of ``overlap`` (which recomputes nothing and
+    splits the same way) under SP, where dropout runs in Megatron's model-parallel RNG fork."""
+    variants = [
+        ("overlap", "--oases-schedule overlap"),
+        ("overlap-recompute", RECOMPUTE + "--oases-schedule overlap"),
+        ("overlap-selective", "--recompute-granularity selective --oases-schedule overlap"),
+        ("cross-pass", RECOMPUTE + "--oases-schedule cross-pass"),
+        ("oases", RECOMPUTE + "--oases-schedule oases"),
+        ("oases-again", RECOMPUTE + "--oases-schedule oases"),
+        ("no-sp", RECOMPUTE + "--oases-schedule oases"),
+    ]
+    base = BASE.replace(SP, "")
+    variants = [(n, f if n == "no-sp" else SP + f) for n, f in variants]
+    for res in run_distributed(variants_worker, 2, base + DROP, variants, timeout=280):
+        ref = res["overlap"]
+        for name in ("overlap-recompute", "overlap-selective", "cross-pass", "oases"):
+            assert max_rel_diff(res[name]["losses"], ref["losses"]) < 1e-6, name
+            for p, g in ref["grads"].items():
+                assert max_rel_diff(res[name]["grads"][p], g) < 1e-6, (name, p)
+        assert res["oases"]["losses"] == res["oases-again"]["losses"]
+        for p, g in res["oases"]["grads"].items():
+            assert torch.equal(g, res["oases-again"]["grads"][p]), p
+        # SP draws hidden dropout per sequence shard in the model-parallel RNG: other masks
+        assert res["no-sp"]["losses"] != res["oases"]["losses"]
+
+
+def _trace_worker(base, variants, outdir):
+    from helpers.runs import pretrain_and_capture
+
+    for name, extra in variants:
+        pretrain_and_capture(f"{base} {extra} --oases-trace {outdir}/{name}.json")
+    return True
+
+
+TRACED = [
+    ("stock", RECOMPUTE + "--oases-schedule off"),
+    ("oases", RECOMPUTE + "--oases-schedule oases"),
+    ("cross-pass", RECOMPUTE + "--oases-schedule cross-pass"),
+    ("overlap", "--oases-schedule overlap"),
+]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp-traces")
+    run_distributed(_trace_worker, 2, BASE, TRACED, str(out), timeout=280)
+    return {
+        name: [json.load(open(p)) for p in sorted(glob.glob(f"{out}/{name}.rank*.json"))]
+        for name, _ in TRACED
+    }
+
+
+def _kind(event):
+    return "all_gather" if "gather" in event["name"] else "reduce_scatter"
+
+
+def _per_block(trace, per):
+    """{pass: (all-gathers, reduce-scatters) per block and per ``per`` unit}."""
+    comms = [e for e in trace["traceEvents"] if e["cat"] == "comm" and e["args"]["layer"] >= 0]
+    assert comms and all(("gather" in e["name"]) != ("scatter" in e["name"]) for e in comms)
+    out = {}
+    for pass_ in ("forward", "recompute", "backward"):
+        mine = [e for e in comms if e["args"]["pass"] == pass_]
+        out[pass_] = tuple(
+            sum(1 for e in mine if _kind(e) == k) / per for k in ("all_gather", "reduce_scatter")
+        )
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_communication(traces):
+    """What each pass communicates per block (all-gathers, reduce-scatters). Stock re-gathers the
+    column-parallel input in backward for the weight gradient; the schedules keep the gathered
+    input of the block being back-propagated instead. ``oases`` re-gathers the ln output in its
+    fine-grained recomputation (it keeps s/t-sized block inputs) but reduce-scatters nothing."""
+    blocks, microbatches, sub_batches = 4, 2, 2
+    expected = {
+        "stock": {"forward": (1, 1), "recompute": (1, 1), "backward": (2, 1)},
+        "oases": {"forward": (1, 1), "recompute": (1, 0), "backward": (1, 1)},
+        "cross-pass": {"forward": (1, 1), "recompute": (1, 1), "backward": (1, 1)},
+        "overlap": {"forward": (1, 1), "recompute": (0, 0), "backward": (1, 1)},
+    }
+    for name, want in expected.items():
+        per = blocks * microbatches * (1 if name == "stock" else sub_batches)
+        for trace in traces[name]:
+            assert _per_block(trace, per) == want, name
+
+
+def _overlapped_by_other(comm, computes):
+    sb = comm["args"]["sub_batch"]
+    start, end = comm["ts"], comm["args"]["wait_us"]
+    return any(
+        c["args"]["sub_batch"] not in (sb, -1)
+        and c["ts"] >= start
+        and c["ts"] + c["dur"] <= end + 1e-3
+        for c in computes
+    )
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_inner_collective_is_overlapped(traces, schedule):
+    """Each all-gather / reduce-scatter but the last of a pass runs while the other sub-batch
+    computes (asynchronous, and a compute of the other sub-batch lies inside its window)."""
+    for trace in traces[schedule]:
+        events = trace["traceEvents"]
+        computes = [e for e in events if e["cat"] == "compute"]
+        comms = [e for e in events if e["cat"] == "comm" and e["args"]["layer"] >= 0]
+        assert comms and all(e["args"]["async"] for e in comms)
+        for mb in {e["args"]["microbatch"] for e in comms}:
+            for phase in (("forward",), ("recompute", "backward")):
+                seq = sorted(
+                    (
+                        e
+                        for e in comms
+                        if e["args"]["microbatch"] == mb and e["args"]["pass"] in phase
+                    ),
+                    key=lambda e: e["ts"],
+                )
+                missing = [
+                    e["name"] + str(e["args"])
+                    for e in seq[:-1]
+                    if not _overlapped_by_other(e, computes)
+                ]
+                assert not missing, missing[:3]
+
+
+@pytest.mark.timeout(300)
+def test_sequence_parallel_activation_memory():
+    """SP's saving survives the schedules: each recomputing schedule's activation peak under SP
+    stays close to stock SP full recomputation and below its own peak without SP."""
+    base = (
+        GPT.replace("--hidden-size 64", "--hidden-size 128").format(layers=4)
+        + "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 4 "
+        "--seq-length 64 --max-position-embeddings 64 --vocab-size 128 "
+    )
+    variants = [
+        ("stock-sp", RECOMPUTE + SP + "--oases-schedule off"),
+        ("stock", RECOMPUTE + "--oases-schedule off"),
+        ("oases-sp", RECOMPUTE + SP + "--oases-schedule oases"),
+        ("oases", RECOMPUTE + "--oases-schedule oases"),
+        ("cross-pass-sp", RECOMPUTE + SP + "--oases-schedule cross-pass"),
+        ("overlap-keep-sp", SP + "--oases-schedule overlap"),
+        ("stock-keep-sp", SP + "--oases-schedule off"),
+    ]
+    from megatron_oases.training.measure import activation_peaks
+
+    configs = [(name, base + " " + extra) for name, extra in variants]
+    peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
+    print({k: f"{v / 2**20:.2f} MiB" for k, v in peaks.items()})
+    assert peaks["stock-sp"] < 0.9 * peaks["stock"], peaks  # the meter sees SP's saving
+    # oases keeps s/t-sized block inputs and re-gathers in recomputation: below stock SP
+    assert peaks["oases-sp"] <= peaks["stock-sp"] and peaks["oases-sp"] < peaks["oases"], peaks
+    # cross-pass recomputes a layer of both sub-batches at once, each keeping its gathered
+    # column-parallel inputs until their weight gradients (stock re-gathers them): ~1.2x here
+    assert peaks["cross-pass-sp"] <= 1.25 * peaks["stock-sp"], peaks
