@@ -123,6 +123,11 @@ def test_memory_estimate_skips_what_cannot_fit():
         demo=True,
     )
     assert estimate_memory_gb(long_seq, recompute=False) > 24 > estimate_memory_gb(long_seq, True)
+    # Sequence parallelism divides the s·b·h activations by t (Korthikanti et al. eq. 5 vs 2).
+    without = {r: estimate_memory_gb(long_seq, r) for r in ("none", "selective", "full")}
+    long_seq.sequence_parallel = True
+    for r, gb in without.items():
+        assert estimate_memory_gb(long_seq, r) < gb, r
 
 
 @pytest.mark.timeout(240)

@@ -52,7 +52,8 @@ def _assert_matches(got, stock, what, worst):
         worst = max(worst, err)
     assert set(got["grads"]) == set(stock["grads"]) and stock["grads"], what
     for pname, g in stock["grads"].items():
-        assert torch.count_nonzero(g) > 0 or "bias" in pname, pname
+        # (an untied embedding shard sees no gradient when mock data has no token ids in it)
+        assert torch.count_nonzero(g) > 0 or "bias" in pname or "word_emb" in pname, pname
         err = max_rel_diff(got["grads"][pname], g)
         assert err < 1e-5, f"{what} {pname}: rel err {err:.2e}"
         worst = max(worst, err)
@@ -172,7 +173,10 @@ def test_sequence_parallel_communication(traces):
     """What each pass communicates per block (all-gathers, reduce-scatters). Stock re-gathers the
     column-parallel input in backward for the weight gradient; the schedules keep the gathered
     input of the block being back-propagated instead. ``oases`` re-gathers the ln output in its
-    fine-grained recomputation (it keeps s/t-sized block inputs) but reduce-scatters nothing."""
+    fine-grained recomputation (it keeps s/t-sized block inputs) but reduce-scatters nothing.
+    ``overlap`` without recomputation keeps graphs from forward to backward: like stock, it saves
+    only the s/t shard of each column-parallel input and re-gathers it for backward, in the same
+    all-gather as the output gradient."""
     blocks, microbatches, sub_batches = 4, 2, 2
     expected = {
         "stock": {"forward": (1, 1), "recompute": (1, 1), "backward": (2, 1)},
@@ -242,6 +246,8 @@ def test_sequence_parallel_activation_memory():
         ("cross-pass-sp", RECOMPUTE + SP + "--oases-schedule cross-pass"),
         ("overlap-keep-sp", SP + "--oases-schedule overlap"),
         ("stock-keep-sp", SP + "--oases-schedule off"),
+        ("overlap-keep", "--oases-schedule overlap"),
+        ("stock-keep", "--oases-schedule off"),
     ]
     from megatron_oases.training.measure import activation_peaks
 
@@ -254,3 +260,8 @@ def test_sequence_parallel_activation_memory():
     # cross-pass recomputes a layer of both sub-batches at once, each keeping its gathered
     # column-parallel inputs until their weight gradients (stock re-gathers them): ~1.2x here
     assert peaks["cross-pass-sp"] <= 1.25 * peaks["stock-sp"], peaks
+    # All activations kept: the column-parallel inputs are saved as s/t shards, as stock does
+    # (saving the gathered ones measured 1.31x here). What remains is the same small overhead as
+    # without SP (~0.7 MiB here: both sub-batches' backward working sets meet).
+    assert peaks["overlap-keep-sp"] <= 1.10 * peaks["stock-keep-sp"], peaks
+    assert peaks["overlap-keep"] <= 1.10 * peaks["stock-keep"], peaks

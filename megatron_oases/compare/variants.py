@@ -191,10 +191,11 @@ def estimate_memory_gb(args, recompute, dtype_bytes=2):
     """Rough per-GPU memory of a run on the target (mixed precision + Adam), in GB.
 
     Model states: 16 bytes per parameter shard (fp16 weight and gradient, fp32 master and two Adam
-    moments). Activations per layer and micro-batch (Korthikanti et al. 2022, TP without sequence
-    parallelism): ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes; selective recompute drops the
-    attention-score term ``5·a·s/(h·t)``; with full recompute only each layer's input
-    (``2·s·b·h``) plus one layer's working set. 1F1B keeps up to PP micro-batches in flight.
+    moments). Activations per layer and micro-batch (Korthikanti et al. 2022):
+    ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes, or ``s·b·h·(34/t + 5·a·s/(h·t))`` with sequence
+    parallelism; selective recompute drops the attention-score term ``5·a·s/(h·t)``; with full
+    recompute only each layer's input (``2·s·b·h``, ``/t`` under SP) plus one layer's working set.
+    1F1B keeps up to PP micro-batches in flight.
     ``recompute``: ``"full"``/True, ``"selective"`` or ``"none"``/False.
     """
     t, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
@@ -204,12 +205,14 @@ def estimate_memory_gb(args, recompute, dtype_bytes=2):
     per_layer_params = 4 * h * h + 2 * h * ffn * (1.5 if args.swiglu else 1.0)
     params = layers * per_layer_params / t + args.padded_vocab_size * h / t
     states = 16 * params
-    full_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * dtype_bytes / 2
+    sp = getattr(args, "sequence_parallel", False)
+    linear = 34 / t if sp else 10 + 24 / t  # per s·b·h, without the attention scores
+    full_layer = s * b * h * (linear + 5 * a * s / (h * t)) * dtype_bytes / 2
     in_flight = min(pp, args.num_microbatches)
     if recompute in (True, "full"):
-        act = in_flight * layers * dtype_bytes * s * b * h + full_layer
+        act = in_flight * layers * dtype_bytes * s * b * h / (t if sp else 1) + full_layer
     elif recompute == "selective":
-        act = in_flight * layers * s * b * h * (10 + 24 / t) * dtype_bytes / 2 + full_layer
+        act = in_flight * layers * s * b * h * linear * dtype_bytes / 2 + full_layer
     else:
         act = in_flight * layers * full_layer
     return (states + act) / 1e9

@@ -26,11 +26,13 @@ dropout masks in recompute equal those of the forward.
 import contextlib
 
 import torch
+from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
 from megatron.core.tensor_parallel.random import _get_all_rng_states, _set_all_rng_states
 
 from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
 from .blocks import split_mask, split_sizes
 from .executor import Comm, Compute, run_programs
+from .regather import GradSink, shard_saved
 
 
 def _snapshot():
@@ -64,7 +66,7 @@ class SubBatch:
 
     def __init__(self, index, hidden, mask):
         self.index, self.input, self.mask = index, hidden, mask
-        self.H, self.L, self.Lout, self.P, self.B, self.R, self.hout = ({} for _ in range(7))
+        self.H, self.Lout, self.P, self.B, self.R, self.hout = ({} for _ in range(6))
         self.G = {}  # sequence parallelism: the all-gathered ln output of block j
         self.buf, self.rng, self.gR, self.gL, self.gH = ({} for _ in range(5))
         self.output = None
@@ -91,6 +93,10 @@ class ScheduledLayers:
         # reduction is a reduce-scatter (see :mod:`.blocks`).
         self.sp = blocks.sequence_parallel
         self.reduction = "reduce_scatter" if self.sp else "all_reduce"
+        # SP with graphs kept from forward: main_j's saved input stays an s/t shard, re-gathered
+        # before its backward (:mod:`.regather`), as stock Megatron's SP linears do.
+        self.regather = self.sp and self.keep_graph
+        self.anchor = None
         self.sbs = []
 
     # ------------------------------------------------------------------ helpers
@@ -120,6 +126,12 @@ class ScheduledLayers:
             ops.append(self._compute(main, j, pass_))
         return ops
 
+    def _input(self, x, grads, j):
+        """``x`` as an op's input whose gradient lands in ``grads[j]`` (see
+        :class:`.regather.GradSink`): unlike a leaf, nothing keeps ``x`` alive but the graph's
+        own saved tensors, so a kept graph holds what stock Megatron's would."""
+        return GradSink.apply(self.anchor, x.detach(), lambda g: grads.__setitem__(j, g))
+
     def _after_ln(self, sb, j, Lout, main):
         """Hand the ln output to the all-gather (SP) or straight to ``main``."""
         if self.sp:
@@ -133,6 +145,7 @@ class ScheduledLayers:
         sizes = split_sizes(b, self.parts)
         masks = split_mask(self.blocks.attention_mask, sizes, b)
         grad_ctx = torch.enable_grad() if self.keep_graph else torch.no_grad()
+        self.anchor = torch.zeros((), device=hidden.device, requires_grad=True)
         with grad_ctx:
             pieces = torch.split(hidden.detach(), sizes, dim=1)
             self.sbs = [
@@ -172,7 +185,7 @@ class ScheduledLayers:
             if self.checkpoint == "layer" and j % 2 == 1:
                 sb.H.pop(j)  # layer-granular checkpoint: keep only layer inputs
             return out
-        R = sb.R[j] = _leaf(sb.R[j])
+        R = self._input(sb.R.pop(j), sb.gR, j)
         out = sb.hout[j] = self.blocks.bda(j, R, sb.B[j], sb.H[j])
         return out
 
@@ -191,15 +204,18 @@ class ScheduledLayers:
     def _fwd_main(self, sb, j, x):
         """main_j on its (gathered) input; the RNG snapshot is taken right before it, as the
         other sub-batch may run between ln_j and main_j under SP."""
-        if self.keep_graph:
-            L = sb.L[j] = _leaf(x)
+        if self.regather:  # x's storage is freed after this call; see .regather
+            with shard_saved(x, lambda: sb.G[j]):
+                P, sb.B[j] = self.blocks.main(j, self._input(x, sb.gL, j), sb.mask)
+        elif self.keep_graph:
+            P, sb.B[j] = self.blocks.main(j, self._input(x, sb.gL, j), sb.mask)
         else:
             sb.rng[("main", j)] = _snapshot()
-            L = x
-        P, sb.B[j] = self.blocks.main(j, L, sb.mask)
-        if self.keep_graph:
-            sb.P[j] = P
+            P, sb.B[j] = self.blocks.main(j, x, sb.mask)
         sb.buf[j] = P.detach()
+        if self.keep_graph:  # backward needs P's grad_fn only; its data goes to the reduction
+            deallocate_output_tensor(P, deallocate_pipeline_outputs=P._base is None)
+            sb.P[j] = P
 
     def _fwd_tail(self, sb):
         sb.output = self._bda_forward(sb, self.blocks.num_blocks - 1)
@@ -239,7 +255,7 @@ class ScheduledLayers:
                         [p[1] for p in phases], labels=labels, tracer=self.tracer
                     )  # backward pass
         out = torch.cat([sb.gH.pop(0) for sb in self.sbs], dim=1)
-        self.sbs = []
+        self.sbs, self.anchor = [], None
         return out
 
     def _main_backward(self, sb, j):
@@ -247,7 +263,9 @@ class ScheduledLayers:
         gradient (the row-parallel reduce-scatter's backward) first; then the input-gradient
         reduction of the column-parallel linear (all-reduce, or reduce-scatter under SP)."""
         ops = []
-        if self.sp:
+        if self.regather:  # main_j's input again, in the same collective
+            ops.append(self._regather(sb, j))
+        elif self.sp:
             ops.append(self._collective("all_gather", lambda: sb.gR.pop(j), sb.gR, j, "backward"))
         ops.append(self._compute(lambda: self._ov_main(sb, j), j, "backward"))
         ops.append(self._collective(self.reduction, lambda: sb.gL.pop(j), sb.gL, j, "backward"))
@@ -255,22 +273,39 @@ class ScheduledLayers:
 
     # overlap: graphs kept from forward ------------------------------------------
     def _overlap_backward(self, sb):
-        J = self.blocks.num_blocks
-        ops = [self._compute(lambda: self._ov_bda(sb, J - 1), J - 1, "backward")]
-        for j in reversed(range(J)):
+        ops = []
+        for j in reversed(range(self.blocks.num_blocks)):
+            ops.append(self._compute(lambda j=j: self._ov_bda(sb, j), j, "backward"))
             ops += self._main_backward(sb, j)
             ops.append(self._compute(lambda j=j: self._ov_ln(sb, j), j, "backward"))
-            if j > 0:
-                ops.append(self._compute(lambda j=j: self._ov_bda(sb, j - 1), j - 1, "backward"))
         return ops
 
+    def _regather(self, sb, j):
+        """One all-gather of R_j's gradient and main_j's saved input shard (a collective each
+        would leave the second with no compute to hide behind)."""
+
+        def done(gathered):
+            sb.gR[j], sb.G[j] = gathered
+
+        return Comm(
+            get=lambda: (sb.gR.pop(j), sb.Lout[j].detach()),
+            done=done,
+            group=self.blocks.tp_group(j),
+            kind="all_gather",
+            **self._labels(j, "backward"),
+        )
+
     def _ov_bda(self, sb, j):
-        _backward(sb.hout.pop(j), sb.gH.pop(j + 1))
-        sb.gR[j] = sb.R.pop(j).grad
+        _backward(sb.hout.pop(j), sb.gH.pop(j + 1))  # R_j's gradient lands in sb.gR
 
     def _ov_main(self, sb, j):
-        _backward(sb.P.pop(j), sb.gR.pop(j))
-        sb.gL[j] = sb.L.pop(j).grad
+        P, g = sb.P.pop(j), sb.gR.pop(j)
+        if P.numel() != g.numel():  # data freed in forward (kept graph): grad_fn only
+            custom_backward(P, g)
+        else:
+            _backward(P, g)
+        if self.regather:
+            sb.G.pop(j)  # main_j's input gradient has landed in sb.gL
 
     def _ov_ln(self, sb, j):
         _backward(sb.Lout.pop(j), sb.gL.pop(j))
@@ -312,9 +347,8 @@ class ScheduledLayers:
         self._after_ln(sb, j, Lout, lambda x: self._rc_main(sb, j, x))
 
     def _rc_main(self, sb, j, x):
-        L = sb.L[j] = _leaf(x)
         with _rng(sb.rng.pop(("main", j))):
-            sb.P[j], _ = self.blocks.main(j, L, sb.mask)
+            sb.P[j], _ = self.blocks.main(j, self._input(x, sb.gL, j), sb.mask)
 
     def _ln_backward(self, sb, j):
         _backward(sb.Lout.pop(j), sb.gL.pop(j))
@@ -350,14 +384,14 @@ class ScheduledLayers:
 
     def _cp_mid(self, sb, a, m):
         """Recompute bda_a (needs the recomputed reduction) and block m's ln (and main)."""
-        R = sb.R[a] = _leaf(sb.R[a])
+        R = self._input(sb.R.pop(a), sb.gR, a)
         with _rng(sb.rng.pop(("bda", a))):
             h = sb.hout[a] = self.blocks.bda(a, R, sb.B[a], sb.H[a])
         sb.H[m] = h
         self._rc_ln(sb, m)
 
     def _cp_tail(self, sb, m):
-        R = sb.R[m] = _leaf(sb.R[m])
+        R = self._input(sb.R.pop(m), sb.gR, m)
         with _rng(sb.rng.pop(("bda", m))):
             sb.hout[m] = self.blocks.bda(m, R, sb.B[m], sb.H[m])
 

@@ -36,7 +36,8 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 class Comm:
     """A ``kind`` collective of ``get()`` on ``group``: all-reduce in place, or all-gather /
     reduce-scatter along the sequence dim into a new tensor; ``done(result)`` runs when it has
-    completed."""
+    completed. An all-gather's ``get()`` may return a tuple of same-shaped tensors: they travel
+    in one collective, and ``done`` gets the tuple of gathered tensors."""
 
     __slots__ = ("get", "done", "group", "kind", "labels")
 
@@ -47,36 +48,45 @@ class Comm:
 
 
 class _InFlight:
-    __slots__ = ("sub_batch", "work", "tensor", "op")
+    __slots__ = ("sub_batch", "work", "result", "op")
 
-    def __init__(self, sub_batch, work, tensor, op):
-        self.sub_batch, self.work, self.tensor, self.op = sub_batch, work, tensor, op
+    def __init__(self, sub_batch, work, result, op):
+        self.sub_batch, self.work, self.result, self.op = sub_batch, work, result, op
 
     def finish(self):
         if self.work is not None:
             self.work.wait()
-        self.op.done(self.tensor)
+        self.op.done(self.result())
 
 
 def _start(kind, tensor, group):
-    """Start ``kind`` asynchronously; returns (work, result tensor)."""
+    """Start ``kind`` asynchronously; returns (work, a function giving the result after it)."""
     if kind == "all_reduce":
-        return dist.all_reduce(tensor, group=group, async_op=True), tensor
+        return dist.all_reduce(tensor, group=group, async_op=True), lambda: tensor
     n = dist.get_world_size(group)
+    if kind == "all_gather" and isinstance(tensor, tuple):
+        k, shape = len(tensor), tuple(tensor[0].shape)
+        work, out = _start("all_gather", torch.stack(tensor), group)  # [n·k, *shape]
+
+        def split():  # rank-major [n, k, s/n, ...] -> k tensors of [s, ...]
+            parts = out().view(n, k, *shape).transpose(0, 1)
+            return tuple(p.reshape((n * shape[0],) + shape[1:]) for p in parts)
+
+        return work, split
     tensor = tensor.contiguous()
     if kind == "all_gather":
         out = tensor.new_empty((tensor.size(0) * n,) + tuple(tensor.shape[1:]))
-        return dist.all_gather_into_tensor(out, tensor, group=group, async_op=True), out
+        return dist.all_gather_into_tensor(out, tensor, group=group, async_op=True), lambda: out
     if tensor.size(0) % n:
         raise ValueError(f"reduce-scatter of {tensor.size(0)} rows over {n} ranks")
     out = tensor.new_empty((tensor.size(0) // n,) + tuple(tensor.shape[1:]))
-    return dist.reduce_scatter_tensor(out, tensor, group=group, async_op=True), out
+    return dist.reduce_scatter_tensor(out, tensor, group=group, async_op=True), lambda: out
 
 
 def _issue(sub_batch, op, tracer):
     tensor = op.get()
     if op.group is None or dist.get_world_size(op.group) == 1:
-        return _InFlight(sub_batch, None, tensor, op)
+        return _InFlight(sub_batch, None, lambda: tensor, op)
     ctx = tracer.context(sub_batch=sub_batch, **op.labels) if tracer else contextlib.nullcontext()
     with ctx, torch.no_grad():
         work, result = _start(op.kind, tensor, op.group)
