@@ -51,18 +51,27 @@ SHAPES = {
     # 4 layers: the per-iteration communication outside the layers (embedding all-reduce, output
     # layer's input-gradient all-reduce) weighs half as much as with 2.
     "h2048l4": shape(4, 2048, 32, 1024, 2),
+    # Megatron's sequence parallelism (every variant, stock included, runs with it): all-gathers
+    # and reduce-scatters instead of all-reduces, s/t-sized activations between the linears.
+    "h2048sp": shape(2, 2048, 32, 1024, 2) + ["--sequence-parallel"],
 }
 COMMON = ["--vocab-size", "512"]
 TP = {"h2048tp4": 4}  # TMP degree (= ranks) per shape; default 2
+# Variants and memory pass per shape (default: oases compare's variants, no memory pass). The SP
+# rows run every memory setting, so the report can set speed against peak memory per rank.
+SP_VARIANTS = "megatron,megatron-norecompute,overlap-norecompute,overlap,cross-pass,oases"
+SHAPE_OPTIONS = {"h2048sp": ["--variants", SP_VARIANTS, "--memory-budget", "1,1.5,2"]}
 MATRIX = [
     ("rtx3090-pcie", "h1024"),
     ("rtx3090-pcie", "h2048"),
     ("rtx3090-pcie", "h2048s512"),
     ("rtx3090-pcie", "h2048l4"),
     ("rtx3090-pcie", "h2048tp4"),
+    ("rtx3090-pcie", "h2048sp"),
     ("rtx3090-nvlink", "h1024"),
     ("rtx3090-nvlink", "h2048"),
     ("h100-nvlink", "h2048"),  # a very fast link: the split must cost little
+    ("h100-nvlink", "h2048sp"),
 ]
 
 
@@ -86,10 +95,24 @@ def compare_argv(profile, shape, args):
         "--out",
         os.path.join(OUT, config_name(profile, shape)),
     ]
+    options = list(SHAPE_OPTIONS.get(shape, []))
     if args.variants:
-        argv += ["--variants", args.variants]
+        options = _drop_option(options, "--variants") + ["--variants", args.variants]
+    argv += options
     tp = ["--tensor-model-parallel-size", str(TP.get(shape, 2))]
     return argv + ["--", *tp, *COMMON, *SHAPES[shape]]
+
+
+def _drop_option(argv, flag):
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == flag:
+            skip = True
+        else:
+            out.append(a)
+    return out
 
 
 def run(args):
@@ -166,9 +189,9 @@ def summary_table(reports):
     head = (
         "| config | stock tokens/s | stock exposed comm | "
         + " | ".join(f"{n} speedup" for n in names[1:])
-        + " | oases efficiency | host CPU share |"
+        + " | oases efficiency | peak GB/rank stock → oases | host CPU share |"
     )
-    out = [head, "|" + "---|" * (len(names) + 4)]
+    out = [head, "|" + "---|" * (len(names) + 5)]
     for cfg, rep in reports.items():
         stock = _variant(rep, "megatron")
         cells = [cfg]
@@ -185,6 +208,10 @@ def summary_table(reports):
         o = _variant(rep, "oases")
         eff = (o.get("trace") or {}).get("efficiency") if o else None
         cells.append(f"{eff:.2f}" if eff is not None else "n/a")
+        peaks = [(v or {}).get("memory", {}).get("peak_bytes_per_rank") for v in (stock, o)]
+        cells.append(
+            f"{peaks[0] / 1e9:.3f} → {peaks[1] / 1e9:.3f}" if all(peaks) else "not measured"
+        )
         shares = [v["host_cpu_share"] for v in rep["variants"] if v.get("host_cpu_share")]
         cells.append(f"{min(shares):.2f}-{max(shares):.2f}" if shares else "n/a")
         out.append("| " + " | ".join(cells) + " |")
