@@ -1,13 +1,11 @@
 """Oases schedule: RNG-exact recomputation with dropout, determinism, communication accounting and
 overlap evidence from the trace, activation memory, and reversible patches."""
 
-import glob
-import json
-
 import pytest
 import torch
 from helpers import DROP, GPT, RECOMPUTE, variants_worker
 from helpers.runs import max_rel_diff
+from helpers.traces import block_comms, traced_runs, unhidden_inner_comms
 
 from megatron_oases.launch import run_distributed
 
@@ -59,14 +57,6 @@ def test_dropout_training_run_tracks_stock():
     assert max(abs(a - b) for a, b in zip(stock, oases)) < 0.03 * stock[0], (stock, oases)
 
 
-def _trace_worker(base, variants, outdir):
-    from helpers.runs import pretrain_and_capture
-
-    for name, extra in variants:
-        pretrain_and_capture(f"{base} {extra} --oases-trace {outdir}/{name}.json")
-    return True
-
-
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     out = tmp_path_factory.mktemp("traces")
@@ -77,19 +67,11 @@ def traces(tmp_path_factory):
         ("overlap", "--oases-schedule overlap"),
         ("overlap-recompute", R + "--oases-schedule overlap"),
     ]
-    run_distributed(_trace_worker, 2, BASE, variants, str(out), timeout=280)
-    return {
-        name: [json.load(open(p)) for p in sorted(glob.glob(f"{out}/{name}.rank*.json"))]
-        for name, _ in variants
-    }
-
-
-def _block_comms(trace):
-    return [e for e in trace["traceEvents"] if e["cat"] == "comm" and e["args"]["layer"] >= 0]
+    return traced_runs(BASE, variants, out)
 
 
 def _count(trace, pass_):
-    return sum(1 for e in _block_comms(trace) if e["args"]["pass"] == pass_)
+    return sum(1 for e in block_comms(trace) if e["args"]["pass"] == pass_)
 
 
 @pytest.mark.timeout(300)
@@ -121,42 +103,12 @@ def test_communication_accounting(traces):
             assert per_block == expected, name
 
 
-def _overlapped_by_other(comm, computes):
-    sb = comm["args"]["sub_batch"]
-    start, end = comm["ts"], comm["args"]["wait_us"]
-    return any(
-        c["args"]["sub_batch"] not in (sb, -1)
-        and c["ts"] >= start
-        and c["ts"] + c["dur"] <= end + 1e-3
-        for c in computes
-    )
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["oases", "cross-pass", "overlap"])
 def test_every_inner_all_reduce_is_overlapped(traces, schedule):
     for trace in traces[schedule]:
-        events = trace["traceEvents"]
-        computes = [e for e in events if e["cat"] == "compute"]
-        comms = [e for e in _block_comms(trace)]
-        assert comms and all(e["args"]["async"] for e in comms)
-        for mb in {e["args"]["microbatch"] for e in comms}:
-            for phase in (("forward",), ("recompute", "backward")):
-                seq = sorted(
-                    (
-                        e
-                        for e in comms
-                        if e["args"]["microbatch"] == mb and e["args"]["pass"] in phase
-                    ),
-                    key=lambda e: e["ts"],
-                )
-                inner = seq[:-1]  # the last one of a pass has nothing left to hide behind
-                missing = [
-                    e["name"] + str(e["args"])
-                    for e in inner
-                    if not _overlapped_by_other(e, computes)
-                ]
-                assert not missing, missing[:3]
+        missing = unhidden_inner_comms(trace)
+        assert not missing, missing[:3]
 
 
 @pytest.mark.timeout(300)

@@ -7,13 +7,11 @@ Stock Megatron's local spec needs the ``torch-norm-sp`` patch to build its torch
 (:mod:`megatron_oases.platform.torch_norm`); it is the only patch on the stock side.
 """
 
-import glob
-import json
-
 import pytest
 import torch
 from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, variants_worker
 from helpers.runs import max_rel_diff
+from helpers.traces import block_comms, traced_runs, unhidden_inner_comms
 
 from megatron_oases.launch import run_distributed
 
@@ -125,14 +123,6 @@ def test_dropout_recompute_is_rng_exact_with_sequence_parallel():
         assert res["no-sp"]["losses"] != res["oases"]["losses"]
 
 
-def _trace_worker(base, variants, outdir):
-    from helpers.runs import pretrain_and_capture
-
-    for name, extra in variants:
-        pretrain_and_capture(f"{base} {extra} --oases-trace {outdir}/{name}.json")
-    return True
-
-
 TRACED = [
     ("stock", RECOMPUTE + "--oases-schedule off"),
     ("oases", RECOMPUTE + "--oases-schedule oases"),
@@ -143,12 +133,7 @@ TRACED = [
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp-traces")
-    run_distributed(_trace_worker, 2, BASE, TRACED, str(out), timeout=280)
-    return {
-        name: [json.load(open(p)) for p in sorted(glob.glob(f"{out}/{name}.rank*.json"))]
-        for name, _ in TRACED
-    }
+    return traced_runs(BASE, TRACED, tmp_path_factory.mktemp("sp-traces"))
 
 
 def _kind(event):
@@ -157,7 +142,7 @@ def _kind(event):
 
 def _per_block(trace, per):
     """{pass: (all-gathers, reduce-scatters) per block and per ``per`` unit}."""
-    comms = [e for e in trace["traceEvents"] if e["cat"] == "comm" and e["args"]["layer"] >= 0]
+    comms = block_comms(trace)
     assert comms and all(("gather" in e["name"]) != ("scatter" in e["name"]) for e in comms)
     out = {}
     for pass_ in ("forward", "recompute", "backward"):
@@ -190,43 +175,14 @@ def test_sequence_parallel_communication(traces):
             assert _per_block(trace, per) == want, name
 
 
-def _overlapped_by_other(comm, computes):
-    sb = comm["args"]["sub_batch"]
-    start, end = comm["ts"], comm["args"]["wait_us"]
-    return any(
-        c["args"]["sub_batch"] not in (sb, -1)
-        and c["ts"] >= start
-        and c["ts"] + c["dur"] <= end + 1e-3
-        for c in computes
-    )
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_inner_collective_is_overlapped(traces, schedule):
     """Each all-gather / reduce-scatter but the last of a pass runs while the other sub-batch
     computes (asynchronous, and a compute of the other sub-batch lies inside its window)."""
     for trace in traces[schedule]:
-        events = trace["traceEvents"]
-        computes = [e for e in events if e["cat"] == "compute"]
-        comms = [e for e in events if e["cat"] == "comm" and e["args"]["layer"] >= 0]
-        assert comms and all(e["args"]["async"] for e in comms)
-        for mb in {e["args"]["microbatch"] for e in comms}:
-            for phase in (("forward",), ("recompute", "backward")):
-                seq = sorted(
-                    (
-                        e
-                        for e in comms
-                        if e["args"]["microbatch"] == mb and e["args"]["pass"] in phase
-                    ),
-                    key=lambda e: e["ts"],
-                )
-                missing = [
-                    e["name"] + str(e["args"])
-                    for e in seq[:-1]
-                    if not _overlapped_by_other(e, computes)
-                ]
-                assert not missing, missing[:3]
+        missing = unhidden_inner_comms(trace)
+        assert not missing, missing[:3]
 
 
 @pytest.mark.timeout(300)
