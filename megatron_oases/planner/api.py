@@ -17,6 +17,15 @@ SOLVERS = ("ilp", "dp")
 VERIFY_RTOL = 1e-6
 
 
+class NoPlanFits(OasesConfigError):
+    """No degree assignment fits the memory; ``need_gb``: the smallest memory that would (with
+    the margin), or None when the pins and switch limit rule out every plan."""
+
+    def __init__(self, message, need_gb=None):
+        super().__init__(message)
+        self.need_gb = need_gb
+
+
 class PlannerVerificationError(RuntimeError):
     """``--verify``: the ILP and the DP disagree (a bug, not a user error)."""
 
@@ -63,16 +72,17 @@ def parse_degrees(text):
     return out
 
 
-def _infeasible_message(problem):
+def _infeasible(problem):
     need = min_memory(problem)
     margin = problem.margin
     have = problem.memory_bytes
     if need is None:
-        return "no plan satisfies --pin and --max-switches together; relax one of them"
+        return NoPlanFits("no plan satisfies --pin and --max-switches together; relax one of them")
     need_total = need * (1 + margin)
-    return (
+    return NoPlanFits(
         f"no plan fits in {gb(have):.2f} GB (peak memory per rank + {margin:.0%} safety margin); "
-        f"the smallest memory that fits is {gb(need_total):.2f} GB"
+        f"the smallest memory that fits is {gb(need_total):.2f} GB",
+        need_gb=gb(need_total),
     )
 
 
@@ -133,7 +143,7 @@ def solve(problem, solver="dp", verify=False, time_limit_s=DEFAULT_TIME_LIMIT_S)
             check["agree"] = True
     if not sol.feasible:
         if sol.status == "infeasible":
-            raise OasesConfigError(_infeasible_message(problem))
+            raise _infeasible(problem)
         raise OasesConfigError(
             f"the {solver} solver stopped with status {sol.status!r} "
             f"({sol.info.get('lp_status', '')}); try --solver dp or a longer --time-limit"

@@ -40,7 +40,14 @@ def build_parser():
         metavar="GB",
         help="device memory per rank in GB (1e9 bytes); default: the profile's cluster",
     )
-    p.add_argument("--schedule", choices=SCHEDULES, default="oases")
+    p.add_argument(
+        "--schedule",
+        choices=SCHEDULES + ("auto",),
+        default="oases",
+        help="the schedule to plan for; auto: plan stock Megatron and every Oases schedule, with "
+        "and without full recompute, and keep the fastest that fits --memory (the plan's "
+        "launch_flags say how to run it)",
+    )
     p.add_argument(
         "--no-recompute",
         action="store_true",
@@ -187,19 +194,26 @@ def main(argv):
         raise OasesConfigError("--granule-mb must be positive")
     from ..formats.plan import save_plan
     from .api import PlannerVerificationError, make_plan, parse_degrees, parse_pins
+    from .choose import alternatives_table, choose_plan
     from .explain import explanation_table, summary
 
+    if args.schedule == "auto" and args.no_recompute:
+        raise OasesConfigError("--schedule auto chooses the recompute setting; drop --no-recompute")
+    setting = (
+        {}
+        if args.schedule == "auto"
+        else dict(schedule=args.schedule, recompute=not args.no_recompute)
+    )
     try:
-        plan, problem, sol = make_plan(
+        plan, problem, sol = (choose_plan if args.schedule == "auto" else make_plan)(
             args.profile,
             global_batch_size=args.global_batch_size,
             memory_gb=args.memory,
-            schedule=args.schedule,
             micro_batch_size=args.micro_batch_size,
             degrees=parse_degrees(args.degrees),
             pins=parse_pins(args.pin),
             max_switches=args.max_switches,
-            recompute=not args.no_recompute,
+            **setting,
             solver=args.solver,
             verify=args.verify,
             margin=args.margin,
@@ -216,6 +230,8 @@ def main(argv):
         print(explanation_table(problem, sol.ks, max_rows=args.max_rows or None))
         print()
     print(summary(plan))
+    if "alternatives" in plan:
+        print("\n".join(["", *alternatives_table(plan), f"run with: {plan['launch_flags']}"]))
     if args.out:
         save_plan(plan, args.out)
         print(f"wrote {args.out}")

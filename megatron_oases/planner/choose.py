@@ -1,0 +1,89 @@
+"""``oases plan --schedule auto``: choose the schedule and the recompute setting with the degrees.
+
+The comparison a user makes is "the fastest thing that fits my memory": stock Megatron with or
+without full recomputation, or an overlapped schedule. Each (schedule, recompute) setting the cost
+model covers is planned in turn (its own per-layer degrees under the same memory limit); the
+fastest predicted plan that fits wins, and the plan records every setting tried (``alternatives``)
+and the Megatron flags that run the winner (``launch_flags``). Megatron's selective recomputation
+has no term in the memory model yet, so it is not among the candidates.
+"""
+
+from ..errors import OasesConfigError
+from .api import NoPlanFits, make_plan
+
+#: (schedule, full recompute) settings, cheapest memory last.
+SETTINGS = (
+    ("off", False),
+    ("overlap", False),
+    ("off", True),
+    ("overlap", True),
+    ("cross-pass", True),
+    ("oases", True),
+)
+FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+
+def launch_flags(schedule, recompute):
+    """The flags that select ``schedule`` with or without Megatron's full recomputation."""
+    return f"--oases-schedule {schedule}" + (f" {FULL_RECOMPUTE}" if recompute else "")
+
+
+def choose_plan(profile, **kwargs):
+    """Plan every setting of :data:`SETTINGS`; returns (plan, problem, solution) of the fastest
+    that fits. ``kwargs``: :func:`.api.make_plan`'s, without ``schedule`` and ``recompute``."""
+    best, tried = None, []
+    for schedule, recompute in SETTINGS:
+        entry = {"schedule": schedule, "recompute": recompute}
+        try:
+            result = make_plan(profile, schedule=schedule, recompute=recompute, **kwargs)
+        except OasesConfigError as exc:  # does not fit, or cannot split this micro-batch
+            need = exc.need_gb if isinstance(exc, NoPlanFits) else None
+            tried.append(dict(entry, fits=False, why=str(exc), need_gb=need))
+            continue
+        p = result[0]["predicted"]
+        tried.append(
+            dict(
+                entry,
+                fits=True,
+                degrees=result[0]["degrees"],
+                iteration_time_s=p["iteration_time_s"],
+                peak_memory_bytes_per_rank=p["peak_memory_bytes_per_rank"],
+            )
+        )
+        if best is None or p["iteration_time_s"] < best[0]["predicted"]["iteration_time_s"]:
+            best = result
+    if best is None:
+        needs = [t for t in tried if t["need_gb"] is not None]
+        if not needs:
+            raise OasesConfigError(f"no setting can be planned: {tried[-1]['why']}")
+        t = min(needs, key=lambda t: t["need_gb"])
+        raise NoPlanFits(
+            f"no schedule and recompute setting fits in {kwargs.get('memory_gb')} GB; the "
+            f"smallest memory that fits is {t['need_gb']:.2f} GB "
+            f"({launch_flags(t['schedule'], t['recompute'])})",
+            need_gb=t["need_gb"],
+        )
+    plan = best[0]
+    plan["alternatives"] = tried
+    plan["launch_flags"] = launch_flags(plan["schedule"], plan["recompute"])
+    return best
+
+
+def alternatives_table(plan):
+    """The settings tried, fastest first, as text lines."""
+    rows = sorted(
+        plan.get("alternatives", ()),
+        key=lambda t: (not t["fits"], t.get("iteration_time_s", 0.0)),
+    )
+    lines = ["setting                         iteration ms  peak GB/rank  degrees"]
+    for t in rows:
+        name = f"{t['schedule']} ({'full recompute' if t['recompute'] else 'no recompute'})"
+        if t["fits"]:
+            degrees = sorted(set(t["degrees"]))
+            lines.append(
+                f"{name:<31} {t['iteration_time_s'] * 1e3:>12.2f}  "
+                f"{t['peak_memory_bytes_per_rank'] / 1e9:>12.2f}  {degrees}"
+            )
+        else:
+            lines.append(f"{name:<31} {'does not fit':>12}")
+    return lines
