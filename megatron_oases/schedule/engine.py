@@ -18,6 +18,16 @@ micro-batch into two sub-batches along the batch dim of [s, b, h] and runs them 
                  bias-dropout-add between blocks is affine, so its backward is recomputed from the
                  RNG state alone (dropout of a probe tensor), without the all-reduced input.
 
+Sequence parallelism (``--sequence-parallel``): each block's all-reduce becomes an all-gather
+before main_j and a reduce-scatter after it (backward: an all-gather of R_j's gradient, a
+reduce-scatter of L_j's); every one is a :class:`~.executor.Comm` like the all-reduces. ``oases``
+re-gathers in its recomputation (it keeps s/t-sized block inputs); ``overlap`` without recompute
+keeps s/t shards and re-gathers for backward (:mod:`.regather`).
+
+Inputs whose gradient the schedule collects (R_j, L_j) enter their ops through
+:class:`~.regather.GradSink`, and a kept graph's root P_j has its data freed once reduced
+(Megatron's ``deallocate_output_tensor``/``custom_backward``), so kept graphs hold what stock's do.
+
 RNG: every op that may be recomputed snapshots Megatron's RNG states (CPU, device and tracker)
 before it runs in forward, and recomputation restores exactly that snapshot — per sub-batch, so
 dropout masks in recompute equal those of the forward.
