@@ -34,7 +34,7 @@ class FakeWork:
 
 
 class FakeDist:
-    """Stands in for ``torch.distributed`` inside the executor: one channel, recorded."""
+    """Stands in for ``torch.distributed`` inside the executor: one queue of collectives, recorded."""
 
     def __init__(self):
         self.log, self.in_flight, self.works, self.calls = [], [], [], []
@@ -98,8 +98,8 @@ def program(fake, name, n_comms, group, state=None):
 
 
 def test_two_programs_interleave_in_documented_order(fake):
-    """Alg. 1: run x's computes to its next comm, issue it async, switch; wait only when the
-    channel is needed again or x resumes."""
+    """Alg. 1: run x's computes to its next comm, issue it async, switch; wait only when x
+    resumes (its own pending result first). Issuing never waits: the link queues collectives."""
     g = FakeGroup(2)
     a, _ = program(fake, "a", 2, g)
     b, _ = program(fake, "b", 2, g)
@@ -108,40 +108,42 @@ def test_two_programs_interleave_in_documented_order(fake):
         ("compute", "a0"),
         ("issue", "A0"),
         ("compute", "b0"),  # hides A0
-        ("wait", "A0"),  # one channel: A0 retired before B0 is issued
+        ("issue", "B0"),  # queued behind A0: the host does not wait for A0 here
+        ("wait", "A0"),  # a resumes: its own result first (data dependence)
         ("done", "A0"),
-        ("issue", "B0"),
         ("compute", "a1"),  # hides B0
+        ("issue", "A1"),
         ("wait", "B0"),
         ("done", "B0"),
-        ("issue", "A1"),
-        ("compute", "b1"),
+        ("compute", "b1"),  # hides A1
+        ("issue", "B1"),
         ("wait", "A1"),
         ("done", "A1"),
-        ("issue", "B1"),
         ("compute", "a2"),  # hides B1; A is done afterwards
-        ("wait", "B1"),  # b resumes: its own pending comm first (data dependence)
+        ("wait", "B1"),
         ("done", "B1"),
         ("compute", "b2"),
     ]
 
 
-def test_one_channel_in_issue_order(fake):
-    """At most one collective in flight, issued async on the op's group, alternating sub-batches,
-    each waited exactly once."""
+def test_collectives_queue_in_issue_order(fake):
+    """At most one collective in flight per sub-batch (so at most one per program in all),
+    issued async on the op's group, alternating sub-batches, each waited exactly once, in issue
+    order."""
     g = FakeGroup(4)
     a, _ = program(fake, "a", 3, g)
     b, _ = program(fake, "b", 3, g)
     run_programs([a, b])
-    assert fake.max_in_flight == 1
+    assert fake.max_in_flight == 2
     assert fake.in_flight == []
     assert [c[0] for c in fake.calls] == ["A0", "B0", "A1", "B1", "A2", "B2"]
     assert all(group is g and async_op is True for _, group, async_op in fake.calls)
     assert [w.waits for w in fake.works] == [1] * 6
-    issues = [e for e in fake.log if e[0] in ("issue", "wait")]
-    # issue, wait, issue, wait, ...: the next collective never starts before the last is waited
-    assert [e[0] for e in issues] == ["issue", "wait"] * 6
-    assert [e[1] for e in issues[::2]] == [e[1] for e in issues[1::2]]
+    waits = [e[1] for e in fake.log if e[0] == "wait"]
+    assert waits == ["A0", "B0", "A1", "B1", "A2", "B2"]
+    for sub_batch in "AB":  # a sub-batch never has two collectives in flight
+        mine = [e for e in fake.log if e[0] in ("issue", "wait") and e[1][0] == sub_batch]
+        assert [e[0] for e in mine] == ["issue", "wait"] * 3
 
 
 def test_results_are_waited_before_use(fake):
@@ -182,7 +184,7 @@ def test_unequal_and_empty_programs(fake):
     computes = [e[1] for e in fake.log if e[0] == "compute"]
     assert [c for c in computes if c[0] == "a"] == ["a0", "a1", "a2", "a3"]
     assert [c for c in computes if c[0] == "b"] == ["b0", "b1"]
-    assert fake.max_in_flight == 1 and fake.in_flight == []
+    assert fake.max_in_flight == 2 and fake.in_flight == []
     assert [e[1] for e in fake.log if e[0] == "done"] == ["A0", "B0", "A1", "A2"]
     fake.log.clear()
     run_programs([[], []])
@@ -190,7 +192,8 @@ def test_unequal_and_empty_programs(fake):
 
 
 def test_three_programs_run_every_op_once(fake):
-    """More than two programs: each op once, program order kept, still one channel."""
+    """More than two programs: each op once, program order kept, one collective in flight per
+    program at most."""
     g = FakeGroup(2)
     progs = [program(fake, n, 2, g)[0] for n in "abc"]
     run_programs(progs)
@@ -198,7 +201,7 @@ def test_three_programs_run_every_op_once(fake):
     assert sorted(computes) == sorted(f"{n}{k}" for n in "abc" for k in range(3))
     for n in "abc":
         assert [c for c in computes if c[0] == n] == [f"{n}0", f"{n}1", f"{n}2"]
-    assert fake.max_in_flight == 1
+    assert fake.max_in_flight == 3
     assert sorted(w.name for w in fake.works) == sorted(f"{n}{k}" for n in "ABC" for k in range(2))
 
 

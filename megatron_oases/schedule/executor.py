@@ -3,11 +3,15 @@
 Each sub-batch has a *program*: a list of :class:`Compute` and :class:`Comm` ops with data
 dependencies only inside the program. The executor runs sub-batch x's computes until its next
 communication, starts that collective (all-reduce; all-gather or reduce-scatter under sequence
-parallelism) asynchronously, and switches to the other sub-batch, whose
-compute then hides x's transfer ("whenever meeting a communication operator, start it
-asynchronously and switch the sub-batch"). Before issuing a new collective it waits for the one in
-flight (one communication channel, as NCCL serialises collectives on a communicator), and before
-running x's computes it waits for x's own pending collective (data dependence).
+parallelism) asynchronously, and switches to the other sub-batch, whose compute then hides x's
+transfer ("whenever meeting a communication operator, start it asynchronously and switch the
+sub-batch"). Collectives are *queued*: issuing one never waits for the one before it; the link
+runs them one at a time in issue order (NCCL serialises collectives on a communicator's stream;
+the link emulator books one channel per group), and the host blocks only when a sub-batch needs
+its own pending result (before its next compute or its next collective). With one collective per
+block this is the paper's rule exactly; under sequence parallelism a block has two, separated by a
+short compute (bias-dropout-add and layernorm), and a queue lets the second wait on the link while
+the other sub-batch's long compute runs, instead of holding the host.
 
 Ordering assumption for GPUs: collectives are issued on the TP group's NCCL stream and computes on
 the default stream in program order; the overlap needs them on different streams, which is what
@@ -108,25 +112,22 @@ def run_programs(programs, labels=None, tracer=None):
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
     n = len(programs)
     pos = [0] * n
-    in_flight = None
+    pending = {}  # sub-batch -> its collective in flight (at most one each), in issue order
     x = 0
     with outer:
         while True:
-            if in_flight is not None and in_flight.sub_batch == x:
-                in_flight.finish()
-                in_flight = None
+            if x in pending:  # data dependence: x's result before x goes on
+                pending.pop(x).finish()
             prog = programs[x]
             while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
                 _run_compute(x, prog[pos[x]], tracer)
                 pos[x] += 1
-            if pos[x] < len(prog):  # a Comm: one channel, so retire the one in flight first
-                if in_flight is not None:
-                    in_flight.finish()
-                in_flight = _issue(x, prog[pos[x]], tracer)
+            if pos[x] < len(prog):  # a Comm: queue it and switch
+                pending[x] = _issue(x, prog[pos[x]], tracer)
                 pos[x] += 1
             remaining = [i for i in range(n) if pos[i] < len(programs[i])]
             if not remaining:
                 break
             x = next((i for i in remaining if i > x), remaining[0])  # round-robin
-        if in_flight is not None:
-            in_flight.finish()
+        for op in list(pending.values()):
+            op.finish()
