@@ -159,6 +159,13 @@ def summary(plan):
         )
     if uni:
         lines.append("uniform: " + "; ".join(uni))
+    if plan.get("sequence_parallel"):
+        T = plan["tensor_model_parallel_size"]
+        lines.append(
+            f"sequence parallelism: every layer at T={T} (the runtime runs SP with uniform TMP "
+            f"only); this is the prediction for --tensor-model-parallel-size {T} "
+            f"--sequence-parallel --oases-schedule {plan['schedule']}, without --oases-plan"
+        )
     if plan.get("speedup"):
         lines.append(
             "speedup: "
