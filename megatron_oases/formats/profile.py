@@ -301,6 +301,8 @@ def check_profile_types(d, where="profile"):
     for key in ("tensor_model_parallel_size", "data_parallel_size", "dtype_bytes"):
         if key in d and not _positive_int(d[key]):
             fail(key, d[key], "a positive integer")
+    if not isinstance(d.get("sequence_parallel", False), bool):
+        fail("sequence_parallel", d["sequence_parallel"], "true or false")
     degrees = d["degrees"]
     if not isinstance(degrees, list) or not degrees or not all(map(_positive_int, degrees)):
         fail("degrees", degrees, "a non-empty list of positive integers")

@@ -166,7 +166,8 @@ def _evaluate(args):
         micro_batch=args.micro_batch_size or plan.get("micro_batch_size"),
         **common,
     )
-    print(f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule})")
+    sp = ", sequence parallel" if common["sequence_parallel"] else ""
+    print(f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule}{sp})")
     print(
         f"predicted iteration {res['iteration_time_s'] * 1e3:.2f} ms (forward "
         f"{res['forward_s'] * 1e3:.2f}, backward {res['backward_s'] * 1e3:.2f}, re-shard "
