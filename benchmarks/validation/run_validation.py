@@ -1,4 +1,4 @@
-"""Cost-model validation (issues 5 and 6): the planner's predictions against measured runs.
+"""Cost-model validation (issues 5, 6 and 12): the planner's predictions against measured runs.
 
 On the CPU testbed (2 gloo ranks, TMP domain T=2, links emulated as rtx3090-pcie) this script
 
@@ -7,7 +7,9 @@ On the CPU testbed (2 gloo ranks, TMP domain T=2, links emulated as rtx3090-pcie
 2. builds the plan set: *uniform* plans [1]*L and [2]*L under every schedule (with full recompute,
    plus ``off``/``overlap`` without recompute) — issue 5 — and *per-layer* plans under schedule
    ``oases`` with full recompute: both uniform plans, the planner's choices at three memory limits and
-   random plans — issue 6;
+   random plans — issue 6; with ``--sequence-parallel`` also [T]*L under Megatron's
+   ``--sequence-parallel`` for every schedule (as for issue 5) — issue 12 (the runtime runs SP with
+   uniform TMP only: these runs take ``--sequence-parallel`` instead of ``--oases-plan``);
 3. runs every plan with ``oases train --oases-plan … --emulate-link`` (torchrun, 2 ranks) and takes the
    median of the timed iterations' ``iteration-time``;
 4. measures activation memory per plan in-process with ``LiveTensorMeter`` (the forward+backward of
@@ -20,6 +22,7 @@ Usage::
 
     python benchmarks/validation/run_validation.py --out benchmarks/results/validation
     python benchmarks/validation/run_validation.py --out DIR --analyze-only   # re-tabulate
+    python benchmarks/validation/run_validation.py --out DIR --sequence-parallel  # + SP plans
 
 Measurements are only as good as the host: run it when no other benchmark is running.
 """
@@ -48,15 +51,28 @@ TRAIN = (
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 RECOMPUTE += ["--recompute-num-layers", "1"]
 PLANNER_MEMORY_GB = (24, 0.26, 0.24)  # 24 GB: the 3090; the small limits make memory bind
+SCHEDULES = ("off", "overlap", "cross-pass", "oases")
+ISSUES = {
+    "5": "issue 5: uniform plans × schedules",
+    "6": "issue 6: per-layer plans, oases",
+    "12": "issue 12: sequence parallelism, [T]*L × schedules",
+}
 
 
 def plan_set():
-    """[(name, degrees, schedule, recompute, issue)]."""
+    """[(name, degrees, schedule, recompute, issue, sequence_parallel)]."""
     out = []
     for d in (1, 2):
-        for sched in ("off", "overlap", "cross-pass", "oases"):
-            out.append((f"u{d}-{sched}", [d] * LAYERS, sched, True, "5"))
-        out.append((f"u{d}-off-norecompute", [d] * LAYERS, "off", False, "5"))
+        for sched in SCHEDULES:
+            out.append((f"u{d}-{sched}", [d] * LAYERS, sched, True, "5", False))
+        out.append((f"u{d}-off-norecompute", [d] * LAYERS, "off", False, "5", False))
+    return out
+
+
+def sp_set():
+    """SP plans: every layer at T (what the runtime supports), each schedule, as :func:`plan_set`."""
+    out = [(f"sp-u{T}-{sched}", [T] * LAYERS, sched, True, "12", True) for sched in SCHEDULES]
+    out += [(f"sp-u{T}-{s}-norecompute", [T] * LAYERS, s, False, "12", True) for s in SCHEDULES[:2]]
     return out
 
 
@@ -85,11 +101,13 @@ def hetero_set(profile_path, n_random=8, seed=0):
     while len(plans) < 4 + n_random and len(plans) < 2**LAYERS:
         key = tuple(rng.choice((1, 2)) for _ in range(LAYERS))
         plans.setdefault(key, "random-" + "".join(map(str, key)))
-    return [(name, list(k), "oases", True, "6") for k, name in plans.items()], chosen
+    return [(name, list(k), "oases", True, "6", False) for k, name in plans.items()], chosen
 
 
-def flags(degrees, schedule, recompute, plan_path):
-    f = shlex.split(TRAIN) + ["--oases-schedule", schedule, "--oases-plan", plan_path]
+def flags(degrees, schedule, recompute, plan_path, sequence_parallel=False):
+    """``oases train`` flags of a plan; SP runs are uniform at T and take no --oases-plan."""
+    f = shlex.split(TRAIN) + ["--oases-schedule", schedule]
+    f += ["--sequence-parallel"] if sequence_parallel else ["--oases-plan", plan_path]
     if recompute:
         f += RECOMPUTE
     return f
@@ -113,7 +131,7 @@ def write_plan(out, name, degrees, schedule):
     return path
 
 
-def predict_one(profile, degrees, schedule, recompute):
+def predict_one(profile, degrees, schedule, recompute, sequence_parallel=False):
     from megatron_oases.planner.prediction import predict
 
     r = predict(
@@ -124,6 +142,7 @@ def predict_one(profile, degrees, schedule, recompute):
         micro_batch=MICRO_BATCH,
         recompute=recompute,
         memory_gb=24,
+        sequence_parallel=sequence_parallel,
     )
     mb = r["memory_breakdown_bytes"]
     act = mb.get("fixed_activations", 0.0) + mb.get("saved_activations", 0.0)
@@ -215,7 +234,7 @@ def analyze(report, out):
         r["predicted"].pop("iteration_time_with_sync_s", None)
     rows = [r for r in report["rows"] if r.get("median_s")]
     stats = {}
-    for issue in ("5", "6"):
+    for issue in [i for i in ISSUES if i != "12" or any("12" in r["issues"] for r in rows)]:
         sub = [r for r in rows if issue in r["issues"]]
         pred = [r["predicted"]["iteration_time_s"] for r in sub]
         meas = [r["median_s"] for r in sub]
@@ -287,9 +306,8 @@ def _markdown(report):
         "|---|---|---|---|---|---|---|",
     ]
     for issue, s in report["stats"].items():
-        name = {"5": "issue 5: uniform plans × schedules", "6": "issue 6: per-layer plans, oases"}
         lines.append(
-            f"| {name[issue]} | {s['n']} | {s['spearman_time']:.3f} | {s['mape_time_pct']:.1f} | "
+            f"| {ISSUES[issue]} | {s['n']} | {s['spearman_time']:.3f} | {s['mape_time_pct']:.1f} | "
             f"{s.get('spearman_memory', float('nan')):.3f} | "
             f"{s.get('mape_memory_pct', float('nan')):.1f} | "
             f"{s.get('worst_memory_error_pct', float('nan')):+.1f} |"
@@ -383,6 +401,12 @@ def main(argv=None):
         "< --min-share) of a finished DIR, then re-analyze",
     )
     p.add_argument("--min-share", type=float, default=0.85)
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="also run [T]*L under --sequence-parallel for every schedule (issue 12); profiles "
+        "with --sequence-parallel (profile-sp.json)",
+    )
     a = p.parse_args(argv)
     out = os.path.abspath(a.out)
     os.makedirs(out, exist_ok=True)
@@ -411,23 +435,25 @@ def main(argv=None):
             )
         analyze(report, out)
         return 0
-    profile = os.path.join(out, "profile.json")
+    # an SP profile also holds everything the non-SP plans need
+    sp_flag = ["--sequence-parallel"] if a.sequence_parallel else []
+    profile = os.path.join(out, "profile-sp.json" if sp_flag else "profile.json")
     if not os.path.exists(profile):
         subprocess.run([sys.executable, "-m", "megatron_oases", "profile", "--model", MODEL,
-                        "--emulate-link", LINK, "--no-cache", "--out", profile], check=True, cwd=REPO,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
+                        "--emulate-link", LINK, "--no-cache", "--out", profile, *sp_flag],
+                       check=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
     hetero, chosen = hetero_set(profile, a.n_random)
     rows = {}
-    for name, degrees, sched, rc, issue in plan_set() + hetero:
-        key = (tuple(degrees), sched, rc)
+    for name, degrees, sched, rc, issue, sp in plan_set() + hetero + (sp_set() if sp_flag else []):
+        key = (tuple(degrees), sched, rc, sp)
         if key in rows:
             rows[key]["issues"].append(issue)
             continue
         path = write_plan(out, name, degrees, sched)
         rows[key] = {"name": name, "degrees": degrees, "schedule": sched, "recompute": rc,
-                     "issues": [issue], "plan": os.path.relpath(path, out),
-                     "argv": shlex.join(flags(degrees, sched, rc, path)),
-                     "predicted": predict_one(profile, degrees, sched, rc)}  # fmt: skip
+                     "sequence_parallel": sp, "issues": [issue], "plan": os.path.relpath(path, out),
+                     "argv": shlex.join(flags(degrees, sched, rc, path, sp)),
+                     "predicted": predict_one(profile, degrees, sched, rc, sp)}  # fmt: skip
     rows = list(rows.values())
     uptime = []
     for i, r in enumerate(rows, 1):
@@ -455,7 +481,7 @@ def main(argv=None):
         "command": shlex.join([sys.argv[0], *(argv or sys.argv[1:])]),
         "host": {"cpus": os.cpu_count(), "load_avg_1min_before_each_run": uptime,
                  "load_avg_at_end": open("/proc/loadavg").read().split()[:3]},
-        "model": TRAIN, "link": LINK, "profile": "profile.json",
+        "model": TRAIN, "link": LINK, "profile": os.path.basename(profile),
         "warmup": a.warmup, "iters": a.iters, "planner": chosen, "rows": rows,
     }  # fmt: skip
     analyze(report, out)

@@ -15,7 +15,8 @@ TMP degree ``d`` (powers of two up to the TMP domain ``T``)::
       "grad_sync": {"bytes_per_layer": {"4": b}, "all_reduce": {"4": {α, β}}},  # DP, optional
       "comm": {                         # ring α–β fits, keyed by the group's ranks inside the domain
         "all_reduce": {"0,1,2,3": {"alpha_s": a, "beta_s_per_byte": b, "points": [[bytes, t]]}},
-        "all_gather": {"0,2": {...}}},  # all-gather: bytes = gathered output per rank
+        "all_gather": {"0,2": {...}},   # all-gather: bytes = gathered output per rank
+        "reduce_scatter": {"0,1": {...}}},  # SP only: bytes = the full (unscattered) input
       "memory": {
         "state_bytes_per_layer": {"4": bytes},   # params + grads + optimizer state, per rank
         "params_per_layer": {"4": n}, "fixed_params": n,  # parameters per rank
@@ -25,8 +26,18 @@ TMP degree ``d`` (powers of two up to the TMP domain ``T``)::
         "checkpoint_bytes_per_sample": {"layer_input": b, "block_inputs": b},
         "backward_transient_bytes_per_sample": {"4": bytes},
         "fixed_activation_bytes_per_sample": bytes,  # logits/loss at T, per sample of the micro-batch
-        "overhead_bytes": bytes}                 # framework/context constant
+        "overhead_bytes": bytes,                 # framework/context constant
+        "sequence_parallel": {                   # SP only, per degree > 1, bytes per sample
+          "activation_saving_bytes_per_sample": {"4": b},  # saved activations SP removes
+          "transient_saving_bytes_per_sample": {"4": b},   # backward working set SP removes
+          "gathered_input_bytes_per_sample": {"4": b}}},   # one block's gathered input − its shard
+      "sequence_parallel": true | false   # made with --sequence-parallel (absent: false)
     }
+
+Sequence-parallel data (``--sequence-parallel``) is an optional extension of version 1: a profile
+without it still loads, and :meth:`Profile.require_sequence_parallel` names the fix when SP is
+planned with it. Under SP the all-gather and reduce-scatter of a TMP group are keyed by its ranks
+``0..d-1``, like its all-reduce.
 
 Degree ``d`` groups are the contiguous ranks ``[0, d)`` of the domain; a re-shard from degree ``d1``
 to ``d2 > d1`` all-gathers over ranks ``0, d1, 2·d1, …`` (``d2/d1`` of them).
@@ -159,6 +170,35 @@ class Profile:
     def all_gather_time(self, ranks, nbytes_out):
         return self._comm("all_gather", ranks, nbytes_out)
 
+    def reduce_scatter_time(self, ranks, nbytes_in):
+        return self._comm("reduce_scatter", ranks, nbytes_in)
+
+    @property
+    def sequence_parallel(self):
+        return bool(self.data.get("sequence_parallel")) and "sequence_parallel" in self.data.get(
+            "memory", {}
+        )
+
+    def require_sequence_parallel(self):
+        """One line naming the fix when a profile lacks SP data (older or made without SP)."""
+        if not self.sequence_parallel:
+            raise OasesConfigError(
+                f"{self.path or 'profile'} has no sequence-parallel data (all-gather/"
+                "reduce-scatter timings, SP memory); re-create it with `oases profile ... "
+                "--sequence-parallel`"
+            )
+
+    def sp_memory(self, key, degree):
+        """Bytes per sample of ``memory.sequence_parallel[key]`` at ``degree`` (0 at degree 1)."""
+        if degree == 1:
+            return 0.0
+        value = self.data["memory"]["sequence_parallel"][key].get(str(degree))
+        if value is None:
+            raise OasesConfigError(
+                f"profile has no sequence-parallel memory entry {key!r} for TMP degree {degree}"
+            )
+        return float(value)
+
     def fixed_compute(self, phase):
         """Seconds per sample outside the layers (output layer), 0 when the profile lacks it."""
         return float(self.data.get("fixed_compute", {}).get(f"{phase}_s_per_sample", 0.0))
@@ -261,6 +301,8 @@ def check_profile_types(d, where="profile"):
     for key in ("tensor_model_parallel_size", "data_parallel_size", "dtype_bytes"):
         if key in d and not _positive_int(d[key]):
             fail(key, d[key], "a positive integer")
+    if not isinstance(d.get("sequence_parallel", False), bool):
+        fail("sequence_parallel", d["sequence_parallel"], "true or false")
     degrees = d["degrees"]
     if not isinstance(degrees, list) or not degrees or not all(map(_positive_int, degrees)):
         fail("degrees", degrees, "a non-empty list of positive integers")

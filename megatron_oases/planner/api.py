@@ -187,8 +187,10 @@ def make_plan(
     grad_sync=False,
     allow_unsplit=False,
     distributed_optimizer=False,
+    sequence_parallel=False,
 ):
-    """Returns (plan dict, problem, solution)."""
+    """Returns (plan dict, problem, solution). With ``sequence_parallel`` every layer runs at T
+    (:func:`~.build.build_problem`): the plan is uniform and its ``predicted`` is the point."""
     if not isinstance(profile, Profile):
         profile_path = profile_path or profile
         profile = load_profile(profile)
@@ -214,6 +216,7 @@ def make_plan(
         grad_sync=grad_sync,
         allow_unsplit=allow_unsplit,
         distributed_optimizer=distributed_optimizer,
+        sequence_parallel=sequence_parallel,
     )
     build_s = time.perf_counter() - t_build
     pp = problem.meta["pipeline_model_parallel_size"]
@@ -244,6 +247,7 @@ def make_plan(
         "grad_sync": bool(grad_sync),
         "allow_unsplit": bool(allow_unsplit),
         "distributed_optimizer": bool(distributed_optimizer),
+        "sequence_parallel": bool(sequence_parallel),
     }
     plan = {
         "version": PLAN_VERSION,
@@ -256,6 +260,7 @@ def make_plan(
         "pipeline_model_parallel_size": pp,
         "schedule": schedule,
         "recompute": problem.meta["recompute"],
+        "sequence_parallel": bool(sequence_parallel),
         "allow_unsplit": bool(allow_unsplit),
         "unsplit_degrees": problem.meta["unsplit_degrees"],
         "distributed_optimizer": bool(distributed_optimizer),

@@ -17,7 +17,11 @@ Between adjacent layers with different degrees the batch is re-split (an all-gat
 grows; :mod:`.time_model`). The embedding and output layer run at ``T``, so a first/last layer below
 ``T`` adds one all-gather each (backward at the embedding, forward at the output). The output
 layer's GEMMs and the embedding/output all-reduces over ``T`` are a degree-independent constant per
-micro-batch. The iteration time is ``(num_microbatches + P − 1) × (forward + backward + edges)``
+micro-batch. Under sequence parallelism (``sequence_parallel``) a block's all-reduce becomes
+all-gathers and reduce-scatters (counts per pass and schedule in :mod:`.block_comm`), the embedding
+reduce-scatters and the output layer all-gathers instead of their all-reduces, and every layer runs
+at ``T`` (the runtime supports SP with uniform TMP only), so the plan is a prediction. The
+iteration time is ``(num_microbatches + P − 1) × (forward + backward + edges)``
 (1F1B over P pipeline stages; P = 1 without PP), plus, once per iteration, the all-reduce of each
 degree-d < T layer's gradients over its T/d replicas (the per-layer runtime's replica sync; not in
 the paper's eq. 5) — or, with ``grad_sync=True``, each layer's whole data-parallel gradient
@@ -35,6 +39,7 @@ import numpy as np
 from ..errors import OasesConfigError
 from ..formats.profile import gather_ranks, tp_ranks
 from ..validation import SPLIT_SCHEDULES, check_schedule, check_schedule_recompute
+from .block_comm import block_comm
 from .memory_model import memory_parts
 from .problem import DEFAULT_GRANULE, DEFAULT_MARGIN, Block, ChainProblem
 
@@ -63,6 +68,7 @@ def build_problem(
     allow_unsplit=False,
     distributed_optimizer=False,
     stage=0,
+    sequence_parallel=False,
 ):
     """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.formats.profile.Profile`).
 
@@ -71,7 +77,8 @@ def build_problem(
     profile's), costed for Megatron's 1F1B schedule: the iteration takes ``(M + P − 1)`` stage
     micro-batch times (pipeline bubble, M micro-batches), and pipeline ``stage`` s holds the saved
     activations of ``min(P − s, M)`` micro-batches at its peak (stage 0, the default, holds the
-    most). Stage-to-stage p2p transfers are not modelled."""
+    most). Stage-to-stage p2p transfers are not modelled. ``sequence_parallel``: Megatron's
+    ``--sequence-parallel``; every layer at degree ``T`` (:func:`_sequence_parallel_degrees`)."""
     check_schedule(schedule, source="--schedule")
     if recompute is None:
         recompute = True
@@ -108,6 +115,8 @@ def build_problem(
     in_flight = min(pp - stage, microbatches)
     split = schedule in SPLIT_SCHEDULES
     available = profile.degrees
+    if sequence_parallel:
+        degrees = _sequence_parallel_degrees(profile, degrees)
     cand = sorted(int(d) for d in (degrees or available))
     for d in cand:
         if d not in available:
@@ -149,9 +158,7 @@ def build_problem(
             tab[block, phase] = np.array(
                 [[comp(block, phase, d, sizes[d])[s] for d in degs] for s in range(S)]
             )
-    ar = np.array(
-        [[profile.all_reduce_time(tp_ranks(d), sizes[d][s] * hid) for d in degs] for s in range(S)]
-    )
+    comm = block_comm(profile, degs, sizes, hid, schedule, sequence_parallel)
 
     def blk(layer, name, comp_arr, comm_arr):
         return Block(layer, name, comp_arr, comm_arr)
@@ -160,34 +167,35 @@ def build_problem(
     R = {b: tab[b, "recompute_s"] for b in ("attention", "mlp")}
     B = {b: tab[b, "backward_s"] for b in ("attention", "mlp")}
 
+    fc, rc, bc = comm["forward"], comm["recompute"], comm["backward"]
     forward = [[]]
     for l in range(L):
-        forward[0].append(blk(l, "attention.F", F["attention"], ar))
-        forward[0].append(blk(l, "mlp.F", F["mlp"], ar))
+        forward[0].append(blk(l, "attention.F", F["attention"], fc))
+        forward[0].append(blk(l, "mlp.F", F["mlp"], fc))
 
     backward = []
     if schedule == "oases":
         seg = []
         for l in reversed(range(L)):
-            seg.append(blk(l, "mlp.R+B", R["mlp"] + B["mlp"], ar))
-            seg.append(blk(l, "attention.R+B", R["attention"] + B["attention"], ar))
+            seg.append(blk(l, "mlp.R+B", R["mlp"] + B["mlp"], rc + bc))
+            seg.append(blk(l, "attention.R+B", R["attention"] + B["attention"], rc + bc))
         backward = [seg]
     elif schedule in ("cross-pass", "off") or not recompute:
         seg = []
         for l in reversed(range(L)):
             if recompute:
-                seg.append(blk(l, "attention.R", R["attention"], ar))
-                seg.append(blk(l, "mlp.R", R["mlp"], ar))
-            seg.append(blk(l, "mlp.B", B["mlp"], ar))
-            seg.append(blk(l, "attention.B", B["attention"], ar))
+                seg.append(blk(l, "attention.R", R["attention"], rc))
+                seg.append(blk(l, "mlp.R", R["mlp"], rc))
+            seg.append(blk(l, "mlp.B", B["mlp"], bc))
+            seg.append(blk(l, "attention.B", B["attention"], bc))
         backward = [seg]
     else:  # overlap with recompute: recompute pass and backward pass per layer, barriers between
         for l in reversed(range(L)):
             backward.append(
-                [blk(l, "attention.R", R["attention"], ar), blk(l, "mlp.R", R["mlp"], ar)]
+                [blk(l, "attention.R", R["attention"], rc), blk(l, "mlp.R", R["mlp"], rc)]
             )
             backward.append(
-                [blk(l, "mlp.B", B["mlp"], ar), blk(l, "attention.B", B["attention"], ar)]
+                [blk(l, "mlp.B", B["mlp"], bc), blk(l, "attention.B", B["attention"], bc)]
             )
 
     # re-shard all-gathers between adjacent layers (same for every boundary: layers are alike)
@@ -219,6 +227,7 @@ def build_problem(
         recompute=recompute,
         in_flight=in_flight,
         distributed_optimizer=distributed_optimizer,
+        sequence_parallel=sequence_parallel,
     )
     mem_add = parts["state"] + parts["saved"]
     mem_rt = parts["runtime"]
@@ -238,7 +247,13 @@ def build_problem(
 
     # degree-independent work outside the layers, per micro-batch: the output layer's GEMMs; the
     # vocab-parallel embedding's forward all-reduce and the output layer's dgrad all-reduce over T
-    edge_ar = profile.all_reduce_time(tp_ranks(T), m * hid)
+    # (under SP: the embedding's reduce-scatter and the output layer's all-gather, each pass)
+    if sequence_parallel:
+        edge_ar = profile.reduce_scatter_time(tp_ranks(T), m * hid) + profile.all_gather_time(
+            tp_ranks(T), m * hid
+        )
+    else:
+        edge_ar = profile.all_reduce_time(tp_ranks(T), m * hid)
     fixed_fwd = profile.fixed_compute("forward") * m + edge_ar
     fixed_bwd = profile.fixed_compute("backward") * m + edge_ar
 
@@ -290,6 +305,7 @@ def build_problem(
         meta={
             "schedule": schedule,
             "recompute": bool(recompute),
+            "sequence_parallel": bool(sequence_parallel),
             "tensor_model_parallel_size": T,
             "data_parallel_size": D,
             "global_batch_size": int(global_batch_size),
@@ -306,3 +322,24 @@ def build_problem(
             "fixed_memory_parts": fixed_parts,
         },
     )
+
+
+def _sequence_parallel_degrees(profile, degrees):
+    """``[T]``: under ``--sequence-parallel`` the runtime runs uniform TMP only (no per-layer
+    degrees), so the search is restricted to ``T`` and the result is its prediction."""
+    profile.require_sequence_parallel()
+    T = profile.tp
+    if T == 1:
+        raise OasesConfigError("--sequence-parallel needs a TMP domain T > 1")
+    if degrees and sorted(set(int(d) for d in degrees)) != [T]:
+        raise OasesConfigError(
+            f"--sequence-parallel plans every layer at T={T} (per-layer degrees are not supported "
+            "with sequence parallelism); drop --degrees or pass --degrees "
+            f"{T}"
+        )
+    if profile.shape["seq_length"] % T:
+        raise OasesConfigError(
+            f"--sequence-parallel: seq_length {profile.shape['seq_length']} is not a multiple of "
+            f"T={T}"
+        )
+    return [T]

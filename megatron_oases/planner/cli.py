@@ -3,6 +3,7 @@
 oases plan --profile profile.json --global-batch-size 128 --memory 24 --out plan.json
 oases plan ... --degrees 2,4 --pin 0-3=4 --max-switches 1 --verify
 oases plan --profile profile.json --evaluate plan.json     # re-predict an (edited) plan
+oases plan --profile sp-profile.json --global-batch-size 128 --sequence-parallel  # uniform T
 """
 
 import argparse
@@ -64,6 +65,14 @@ def build_parser():
         action="store_true",
         help="memory model: Adam state sharded over each layer's data-parallel replicas "
         "(Megatron --use-distributed-optimizer)",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron's --sequence-parallel: all-gathers/reduce-scatters instead of all-reduces "
+        "and s/T activations. The runtime supports it with uniform TMP only, so every layer is "
+        "planned at T and the result is that plan's prediction (time, memory, fits); needs a "
+        "profile made with `oases profile --sequence-parallel`",
     )
     p.add_argument(
         "--allow-unsplit",
@@ -151,6 +160,7 @@ def _evaluate(args):
         margin=args.margin,
         num_layers=len(plan["degrees"]),
         grad_sync=args.grad_sync,
+        sequence_parallel=plan.get("sequence_parallel", args.sequence_parallel),
     )
     problem = build_problem(profile, global_batch_size=gbs, **common)  # pipeline stage 0
     ks = problem.index(plan["degrees"][: problem.num_layers])
@@ -163,7 +173,8 @@ def _evaluate(args):
         micro_batch=args.micro_batch_size or plan.get("micro_batch_size"),
         **common,
     )
-    print(f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule})")
+    sp = ", sequence parallel" if common["sequence_parallel"] else ""
+    print(f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule}{sp})")
     print(
         f"predicted iteration {res['iteration_time_s'] * 1e3:.2f} ms (forward "
         f"{res['forward_s'] * 1e3:.2f}, backward {res['backward_s'] * 1e3:.2f}, re-shard "
@@ -222,6 +233,7 @@ def main(argv):
             grad_sync=args.grad_sync,
             allow_unsplit=args.allow_unsplit,
             distributed_optimizer=args.distributed_optimizer,
+            sequence_parallel=args.sequence_parallel,
         )
     except PlannerVerificationError as exc:
         print(f"oases plan: error: {exc}", file=sys.stderr)

@@ -94,7 +94,10 @@ def explanation_table(problem, ks, result=None, decomposition=None, max_rows=Non
         pl = result["per_layer"][l]
         up = ups[l]
         if up is None:
-            tail = f"{'—':>9} {'':>8}  only one candidate degree"
+            why = "only one candidate degree"
+            if problem.meta.get("sequence_parallel"):
+                why = "--sequence-parallel: every layer at T (the runtime's SP is uniform TMP)"
+            tail = f"{'—':>9} {'':>8}  {why}"
         else:
             tail = f"{up['degree']:>9} {up['delta_s'] * 1e3:>+8.2f}  {up['why']}"
         lines.append(
@@ -159,6 +162,13 @@ def summary(plan):
         )
     if uni:
         lines.append("uniform: " + "; ".join(uni))
+    if plan.get("sequence_parallel"):
+        T = plan["tensor_model_parallel_size"]
+        lines.append(
+            f"sequence parallelism: every layer at T={T} (the runtime runs SP with uniform TMP "
+            f"only); this is the prediction for --tensor-model-parallel-size {T} "
+            f"--sequence-parallel --oases-schedule {plan['schedule']}, without --oases-plan"
+        )
     if plan.get("speedup"):
         lines.append(
             "speedup: "

@@ -10,6 +10,14 @@ batch). Split schedules with recomputation add one sub-batch's backward working 
 activations at ``⌈n_l/2⌉``): the two sub-batches' backward passes interleave. The constraint is
 ``peak × (1 + margin) ≤ memory`` (:class:`~.problem.ChainProblem`).
 
+Under sequence parallelism (SP) checkpoints are ``s/d`` (layer input, block inputs ÷ d) and the
+profile's ``memory.sequence_parallel`` savings (the sequence-long tensors outside the column→row
+span, now ``s/d``) come off the activations and the backward working set. The overlapped schedules
+keep a block's all-gathered column input for its weight gradient instead of re-gathering it (stock
+does): ``g = hidden·(1 − 1/d)`` per sample more, for every block without recompute (saved), for
+the recomputed layer's two blocks (cross-pass/overlap) or the one recomputed block (``oases``) in
+the runtime term.
+
 Separate from :mod:`.build` (which also costs time) because these terms read only the profile's
 memory section, and :func:`memory_breakdown` explains a plan's peak from them.
 """
@@ -21,12 +29,22 @@ from ..validation import SPLIT_SCHEDULES
 
 
 def memory_parts(
-    profile, degs, *, num_layers, micro_batch, schedule, recompute, in_flight, distributed_optimizer
+    profile,
+    degs,
+    *,
+    num_layers,
+    micro_batch,
+    schedule,
+    recompute,
+    in_flight,
+    distributed_optimizer,
+    sequence_parallel=False,
 ):
     """Eq. (6)'s terms in bytes per rank for candidate degrees ``degs``: ``(parts, fixed_parts)``
     with ``parts[name]`` an (L, K) array for ``state`` and ``saved`` (additive over layers) and
     ``runtime`` (max over layers), and ``fixed_parts`` the degree-independent bytes. ``in_flight``
-    micro-batches keep their saved activations alive (1F1B)."""
+    micro-batches keep their saved activations alive (1F1B); ``sequence_parallel``: SP-sized
+    terms (module docstring)."""
     T, D = profile.tp, profile.dp
     L, K, m = num_layers, len(degs), micro_batch
     split = schedule in SPLIT_SCHEDULES
@@ -50,26 +68,26 @@ def memory_parts(
     parts = {k: np.zeros((L, K)) for k in ("state", "saved", "runtime")}
     for k, d in enumerate(degs):
         n = m * d // T
-        act = profile.layer_memory("activation", d, n)
-        peak = max(act, profile.layer_memory("runtime_peak", d, n))
+        sp = _SequenceParallel(profile, d, sequence_parallel)
+        act = sp.activation(n)
+        peak = max(act, sp.runtime_peak(n))
         if not recompute:
-            saved, runtime = act, peak - act
+            # the overlapped schedules' per-block graphs hold each gathered column input
+            saved, runtime = act + (2 * sp.gathered * n if split else 0.0), peak - act
         elif schedule == "oases":
             # block-wise recomputation, one sub-batch at a time (R_j+B_j of sub-batch 0, then of
             # sub-batch 1): one block's activations of one sub-batch are live at a time
-            saved = float(ckpt["block_inputs"]) * n
-            runtime = profile.block_runtime_peak(d, -(-n // 2)) or peak
+            saved = float(ckpt["block_inputs"]) / sp.divisor * n
+            runtime = sp.block_runtime_peak(-(-n // 2)) or peak
+            runtime += sp.gathered * n
         else:
-            saved, runtime = float(ckpt["layer_input"]) * n, peak
+            saved, runtime = float(ckpt["layer_input"]) / sp.divisor * n, peak
+            runtime += 2 * sp.gathered * n if split else 0.0
         if split and recompute:
             # the two sub-batches' backward passes interleave: one sub-batch's backward working
             # set (gradients in flight, weight-gradient temporaries) is live on top
             h = -(-n // 2)
-            runtime += max(
-                0.0,
-                profile.layer_memory("runtime_peak", d, h)
-                - profile.layer_memory("activation", d, h),
-            )
+            runtime += max(0.0, sp.runtime_peak(h) - sp.activation(h))
         parts["state"][:, k] = state_bytes(d)
         parts["saved"][:, k] = saved * in_flight
         parts["runtime"][:, k] = runtime
@@ -83,6 +101,31 @@ def memory_parts(
         "overhead": profile.mem("overhead_bytes"),
     }
     return parts, fixed_parts
+
+
+class _SequenceParallel:
+    """A layer's memory at degree ``d``, with SP's savings applied when ``enabled`` (all zero
+    and ``divisor`` 1 without SP)."""
+
+    def __init__(self, profile, d, enabled):
+        def per_sample(key):
+            return profile.sp_memory(key, d) if enabled else 0.0
+
+        self.profile, self.d, self.divisor = profile, d, d if enabled else 1
+        self.act_saving = per_sample("activation_saving_bytes_per_sample")
+        self.peak_saving = self.act_saving + per_sample("transient_saving_bytes_per_sample")
+        self.gathered = per_sample("gathered_input_bytes_per_sample")
+
+    def activation(self, n):
+        return max(0.0, self.profile.layer_memory("activation", self.d, n) - self.act_saving * n)
+
+    def runtime_peak(self, n):
+        return max(0.0, self.profile.layer_memory("runtime_peak", self.d, n) - self.peak_saving * n)
+
+    def block_runtime_peak(self, n):
+        """The larger block's peak (measured profiles), with half the layer's SP saving."""
+        peak = self.profile.block_runtime_peak(self.d, n)
+        return None if peak is None else max(0.0, peak - self.peak_saving * n / 2)
 
 
 def memory_breakdown(problem, ks):

@@ -2,7 +2,8 @@
 
 Compute: block FLOPs (``layer_math``) at the cluster's sustained TFLOP/s; recompute = forward,
 backward = 2 × forward. Communication: the cluster's ring α–β model for each group (placement rules
-of :mod:`megatron_oases.testbed.clusters`). Memory: ``layer_math`` counts. Nothing is measured, so
+of :mod:`megatron_oases.testbed.clusters`); with sequence parallelism also the all-gather and
+reduce-scatter on every TMP group. Memory: ``layer_math`` counts. Nothing is measured, so
 paper-scale clusters can be planned on a laptop.
 """
 
@@ -47,10 +48,28 @@ def state_bytes_per_param(dtype_bytes):
     return sum(param_bytes(dtype_bytes))
 
 
-def memory_section(shape, tp, degrees, dtype_bytes, overhead_bytes):
+def sequence_parallel_memory(shape, degrees, dtype_bytes):
+    """The profile's ``memory.sequence_parallel``: per degree > 1, what SP removes from a layer's
+    saved activations and backward working set (bytes per sample; subtracted from the non-SP
+    values, measured or counted) and one block's all-gathered column input beyond its shard."""
+    degs = [d for d in degrees if d > 1]
+
+    def saving(fn):
+        return {str(d): fn(shape, d, dtype_bytes) - fn(shape, d, dtype_bytes, True) for d in degs}
+
+    return {
+        "activation_saving_bytes_per_sample": saving(layer_math.layer_activation_bytes),
+        "transient_saving_bytes_per_sample": saving(layer_math.backward_transient_bytes),
+        "gathered_input_bytes_per_sample": {
+            str(d): layer_math.gathered_input_bytes(shape, d, dtype_bytes) for d in degs
+        },
+    }
+
+
+def memory_section(shape, tp, degrees, dtype_bytes, overhead_bytes, sequence_parallel=False):
     per_param = state_bytes_per_param(dtype_bytes)
     wg, opt = param_bytes(dtype_bytes)
-    return {
+    out = {
         "params_per_layer": {str(d): layer_math.layer_params(shape, d) for d in degrees},
         "fixed_params": layer_math.fixed_params(shape, tp),
         "bytes_per_param": {"weights_and_grads": wg, "optimizer": opt},
@@ -72,12 +91,16 @@ def memory_section(shape, tp, degrees, dtype_bytes, overhead_bytes):
         + 2 * layer_math.hidden_bytes(shape, dtype_bytes),
         "overhead_bytes": overhead_bytes,
     }
+    if sequence_parallel:
+        out["sequence_parallel"] = sequence_parallel_memory(shape, degrees, dtype_bytes)
+    return out
 
 
-def comm_groups(degrees):
-    """{"all_reduce": [ranks...], "all_gather": [ranks...]} every plan over ``degrees`` may use."""
+def comm_groups(degrees, sequence_parallel=False):
+    """{"all_reduce": [ranks...], "all_gather": [ranks...]} every plan over ``degrees`` may use;
+    with ``sequence_parallel`` also each TMP group's all-gather and "reduce_scatter"."""
     reduce = [tp_ranks(d) for d in degrees if d > 1]
-    gather = []
+    gather = list(reduce) if sequence_parallel else []
     for i, d1 in enumerate(degrees):
         for d2 in degrees[i + 1 :]:
             gather.append(gather_ranks(d1, d2))
@@ -88,7 +111,10 @@ def comm_groups(degrees):
     uniq = {}
     for g in gather:
         uniq[ranks_key(g)] = g
-    return {"all_reduce": reduce, "all_gather": list(uniq.values())}
+    groups = {"all_reduce": reduce, "all_gather": list(uniq.values())}
+    if sequence_parallel:
+        groups["reduce_scatter"] = reduce
+    return groups
 
 
 def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHEAD_BYTES):
@@ -111,12 +137,11 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
                 "backward_s": [[n, 2 * fwd * n] for n in SAMPLE_POINTS],
             }
 
-    comm = {"all_reduce": {}, "all_gather": {}}
-    groups = comm_groups(degrees + ([tp] if tp not in degrees else []))
-    for kind, fn in (
-        ("all_reduce", cluster.all_reduce_time),
-        ("all_gather", cluster.all_gather_time),
-    ):
+    sp = bool(getattr(args, "sequence_parallel", False))
+    groups = comm_groups(degrees + ([tp] if tp not in degrees else []), sequence_parallel=sp)
+    comm = {kind: {} for kind in groups}
+    for kind in groups:
+        fn = getattr(cluster, f"{kind}_time")
         for ranks in groups[kind]:
             pts = [[n, fn(n, ranks)] for n in COMM_POINTS]
             # The ring model is exactly α + β·n: read α and β off two points.
@@ -141,6 +166,7 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
         "data_parallel_size": args.data_parallel_size,
         "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
         "degrees": degrees,
+        "sequence_parallel": sp,
         "dtype_bytes": p,
         "state_bytes_per_param": state_bytes_per_param(p),
         "cluster": cluster.name,
@@ -154,7 +180,7 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
         "fixed_compute": fixed_compute,
         "comm": comm,
         "grad_sync": grad_sync,
-        "memory": memory_section(shape, tp, degrees, p, overhead_bytes),
+        "memory": memory_section(shape, tp, degrees, p, overhead_bytes, sequence_parallel=sp),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 

@@ -3,8 +3,9 @@
 Compute times become per-degree ``[samples, seconds]`` points; communication points are fitted
 ``t = α + β·bytes``; memory is parameters per rank (× optimizer-state bytes per parameter) and the
 measured saved activations and runtime peaks, on top of :mod:`.analytic`'s memory section (backward
-working set, embedding/logits memory from :mod:`.layer_math` where not measured); the output layer's
-time is its FLOPs at the measured MLP rate.
+working set, embedding/logits memory from :mod:`.layer_math` where not measured; under sequence
+parallelism the SP savings, counted, applied to the measured non-SP values by the planner); the
+output layer's time is its FLOPs at the measured MLP rate.
 
 Pure data: no torch, no ranks; kept apart from the worker so that the file layout is read in one
 place.
@@ -30,12 +31,13 @@ def assemble(margs, shape, T, degrees, result, fingerprint, cache_key, emulate_l
                 ph: [[n, per[n][block][ph]] for n in sorted(per)]
                 for ph in ("forward_s", "recompute_s", "backward_s")
             }
-    comm = {"all_reduce": {}, "all_gather": {}}
+    comm = {kind: {} for kind in result["comm"]}
     for kind in comm:
         for key, pts in result["comm"][kind].items():
             alpha, beta = fit_alpha_beta(pts)
             comm[kind][key] = {"alpha_s": alpha, "beta_s_per_byte": beta, "points": pts}
-    mem = memory_section(shape, T, degrees, p, overhead_bytes=0)
+    sp = bool(getattr(margs, "sequence_parallel", False))
+    mem = memory_section(shape, T, degrees, p, overhead_bytes=0, sequence_parallel=sp)
     mem["state_bytes_per_layer"] = {
         str(d): result["params"][d] * FP32_STATE_BYTES_PER_PARAM for d in degrees
     }
@@ -83,6 +85,7 @@ def assemble(margs, shape, T, degrees, result, fingerprint, cache_key, emulate_l
         "data_parallel_size": margs.data_parallel_size,
         "pipeline_model_parallel_size": margs.pipeline_model_parallel_size,
         "degrees": degrees,
+        "sequence_parallel": sp,
         "dtype_bytes": p,
         "state_bytes_per_param": FP32_STATE_BYTES_PER_PARAM,
         "cluster": None,

@@ -3,6 +3,7 @@
     oases profile --model X.yaml --out profile.json                             # measured (gloo)
     oases profile --model X.yaml --emulate-link rtx3090-pcie --out profile.json  # measured, emulated
     oases profile --model X.yaml --analytic --cluster rtx3090-nvlink --out profile.json
+    oases profile ... --sequence-parallel   # also SP all-gather/reduce-scatter and SP memory
 
 Measured profiles time one Megatron TransformerLayer per degree on real process groups (spawning
 ``--nproc`` gloo ranks unless already launched by torchrun) and are cached by hardware fingerprint
@@ -49,6 +50,13 @@ def build_parser():
         help="samples per TMP domain per micro-batch whose sub-batches are measured",
     )
     p.add_argument("--degrees", default=None, help="candidate degrees (default: powers of two ≤ T)")
+    p.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron's --sequence-parallel (also honoured from the model file): add the TMP "
+        "groups' all-gather/reduce-scatter costs and SP activation memory, for `oases plan "
+        "--sequence-parallel`",
+    )
     p.add_argument("--analytic", action="store_true", help="from FLOP counts and --cluster")
     p.add_argument(
         "--cluster",
@@ -118,6 +126,8 @@ def main(argv):
         flat.pop("world_size", None)
     if args.micro_batch_size:
         flat["micro_batch_size"] = args.micro_batch_size
+    if args.sequence_parallel:
+        flat["sequence_parallel"] = True
     margs = model_args(flat)
     degrees = parse_degrees(args.degrees)
     T = margs.tensor_model_parallel_size

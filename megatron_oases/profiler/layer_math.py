@@ -1,4 +1,4 @@
-"""Closed-form counts for one Megatron GPT transformer layer (local spec, no sequence parallelism).
+"""Closed-form counts for one Megatron GPT transformer layer (local spec).
 
 All counts are *per rank* of a TMP group of degree ``d`` and per sample (one sequence of
 ``seq_length`` tokens); callers multiply by the samples a group processes. A layer is two blocks:
@@ -11,7 +11,9 @@ All counts are *per rank* of a TMP group of degree ``d`` and per sample (one seq
 Activation bytes follow Korthikanti et al. ("Reducing activation recomputation", §4.1), generalised
 to GQA, any FFN width, SwiGLU and any dtype, with Megatron's TP division: tensors inside the
 column→row span are divided by ``d``; LayerNorm inputs, the QKV/fc1 inputs and the dropout masks after
-the row-parallel all-reduce are replicated (not divided).
+the row-parallel all-reduce are replicated (not divided). Under sequence parallelism (SP) those
+replicated tensors hold ``s/d`` of the sequence, so they are divided by ``d`` too (Korthikanti et al.
+eq. for SP+TP: ``sbh·(34/t + 5as/(ht))`` in fp16).
 """
 
 BLOCKS = ("attention", "mlp")
@@ -74,8 +76,9 @@ def fixed_params(shape, tp):
     return n
 
 
-def block_activation_bytes(shape, block, degree, dtype_bytes):
-    """Bytes a block's forward saves for backward (no recompute), per rank per sample."""
+def block_activation_bytes(shape, block, degree, dtype_bytes, sequence_parallel=False):
+    """Bytes a block's forward saves for backward (no recompute), per rank per sample; under
+    ``sequence_parallel`` the sequence-long tensors outside the column→row span are ``s/d``."""
     h, a, g, kv, ffn, fc1 = _dims(shape)
     s, p = shape["seq_length"], dtype_bytes
     drop_mask = 1 if shape.get("hidden_dropout", 0.0) > 0 else 0
@@ -94,19 +97,33 @@ def block_activation_bytes(shape, block, degree, dtype_bytes):
         split = p * s * fc1 + p * s * ffn  # activation input, fc2 input
     else:
         raise ValueError(block)
-    return split / degree + replicated
+    return split / degree + replicated / (degree if sequence_parallel else 1)
 
 
-def layer_activation_bytes(shape, degree, dtype_bytes):
-    return sum(block_activation_bytes(shape, b, degree, dtype_bytes) for b in BLOCKS)
+def layer_activation_bytes(shape, degree, dtype_bytes, sequence_parallel=False):
+    return sum(
+        block_activation_bytes(shape, b, degree, dtype_bytes, sequence_parallel) for b in BLOCKS
+    )
 
 
-def backward_transient_bytes(shape, degree, dtype_bytes):
+def backward_transient_bytes(shape, degree, dtype_bytes, sequence_parallel=False):
     """Working set of a layer's backward beyond its saved activations, per rank per sample:
-    the attention-score gradient (two s×s tensors per local head) and four hidden-sized grads."""
+    the attention-score gradient (two s×s tensors per local head), the fc1-sized gradient and four
+    hidden-sized gradients. Under SP two of those are full-length (the all-gathered output gradient,
+    the column dgrad before its reduce-scatter), two are ``s/d`` (the residual stream), and the
+    column input is all-gathered again for the weight gradient (one full hidden tensor)."""
     h, a, g, kv, ffn, fc1 = _dims(shape)
     s, p = shape["seq_length"], dtype_bytes
-    return 2 * p * a * s * s / degree + 4 * p * s * h + p * s * fc1 / degree
+    hidden = 4 * p * s * h
+    if sequence_parallel:
+        hidden = 2 * p * s * h + 2 * p * s * h / degree + p * s * h
+    return 2 * p * a * s * s / degree + hidden + p * s * fc1 / degree
+
+
+def gathered_input_bytes(shape, degree, dtype_bytes):
+    """Under SP: one block's all-gathered column input beyond its ``s/d`` shard, per rank per
+    sample — what the overlapped schedules keep for the weight gradient instead of re-gathering."""
+    return hidden_bytes(shape, dtype_bytes) * (1 - 1 / degree)
 
 
 def hidden_bytes(shape, dtype_bytes):

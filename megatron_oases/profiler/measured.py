@@ -140,6 +140,9 @@ def measured_profile(
         "data_parallel_size": margs.data_parallel_size,
         "method": MEASUREMENT_REVISION,
     }
+    sp = bool(getattr(margs, "sequence_parallel", False))
+    if sp:  # only then, so that caches of profiles without SP stay valid
+        settings["sequence_parallel"] = True
     cache_key = sha256_of({"hardware": fp, "settings": settings})
     cache_dir = cache_dir or default_cache_dir()
     cache_path = os.path.join(cache_dir, f"profile-{cache_key[:20]}.json")
@@ -159,6 +162,7 @@ def measured_profile(
         "sizes": {str(d): v for d, v in sizes.items()},
         "messages": msgs,
         "gathers": gathers,
+        "sequence_parallel": sp,
         "emulate_link": emulate_link,
         "t0": time.time(),
     }

@@ -8,8 +8,10 @@ we time, with the TP all-reduces switched off so that only computation is measur
 
 and take the median over ``repeats`` (after a warm-up). Memory: the bytes each half saves for
 backward, counted with ``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters
-excluded), and the live-tensor peak of a forward + backward. Communication: the median time of one
-``all_reduce`` or ``all_gather_into_tensor`` of a given size on a given group.
+excluded), and the live-tensor peak of a forward + backward. The layer is built without sequence
+parallelism (same GEMMs; SP's collectives are timed on their own). Communication: the median time
+of one ``all_reduce``, ``all_gather_into_tensor`` or ``reduce_scatter_tensor`` of a given size (the
+full, gathered tensor) on a given group.
 
 These probes run on the calling rank only and know nothing about groups, sizes in play or profile
 files: :mod:`.worker` decides what to probe on which group, :mod:`.measured` drives the ranks.
@@ -86,6 +88,7 @@ def build_layer(margs, degree, tp_group, single_group):
     a.pipeline_model_parallel_size = 1
     a.num_layers = 1
     a.recompute_granularity = a.recompute_method = a.recompute_num_layers = None
+    a.sequence_parallel = False  # compute only: SP's collectives are probed by comm_time
     if not torch.cuda.is_available():
         for key, value in CPU_LAYER_SETTINGS.items():
             setattr(a, key, value)
@@ -208,12 +211,19 @@ def comm_time(op, group, nbytes, repeats):
         def run():
             dist.all_reduce(buf, group=group)
 
-    else:
+    elif op == "all_gather":
         per = max(1, numel // size)
         inp, out = torch.zeros(per), torch.zeros(per * size)
 
         def run():
             dist.all_gather_into_tensor(out, inp, group=group)
+
+    else:  # reduce_scatter
+        per = max(1, numel // size)
+        inp, out = torch.zeros(per * size), torch.zeros(per)
+
+        def run():
+            dist.reduce_scatter_tensor(out, inp, group=group)
 
     dist.barrier()
     return _median_time(run, repeats)

@@ -5,7 +5,8 @@ For every candidate degree ``d`` the ranks are partitioned into groups of ``d``
 group, so all ranks work at once as in training; each sub-batch size in play is probed
 (:mod:`.probes`) and the maximum over ranks kept. Communication is timed on its own: ``all_reduce``
 on every TMP group size and ``all_gather_into_tensor`` on every re-shard group (strided ranks), at
-the message sizes in play plus a spread.
+the message sizes in play plus a spread; with sequence parallelism also the all-gather and
+``reduce_scatter_tensor`` on every TMP group.
 
 Under ``--emulate-link PROFILE`` the testbed's link emulator is installed first, so communication is
 timed as emulated (and compute in host time): the profile then predicts the emulated testbed.
@@ -104,21 +105,23 @@ def profile_worker(payload):
             del layer
 
         mark("compute")
+
+        def timed(op, group):
+            return [
+                [n, _max_over_ranks([comm_time(op, group, n, repeats)])[0]]
+                for n in payload["messages"]
+            ]
+
         comm = {"all_reduce": {}, "all_gather": {}}
+        tp_ops = ["all_reduce"]
+        if payload.get("sequence_parallel"):
+            comm["reduce_scatter"] = {}
+            tp_ops += ["all_gather", "reduce_scatter"]
         for d in degrees:
-            if d == 1:
-                continue
-            pts = []
-            for nbytes in payload["messages"]:
-                t = comm_time("all_reduce", tp_groups[d], nbytes, repeats)
-                pts.append([nbytes, _max_over_ranks([t])[0]])
-            comm["all_reduce"][ranks_key(tp_ranks(d))] = pts
+            for op in tp_ops if d > 1 else ():
+                comm[op][ranks_key(tp_ranks(d))] = timed(op, tp_groups[d])
         for key, (lo, hi) in payload["gathers"].items():
-            pts = []
-            for nbytes in payload["messages"]:
-                t = comm_time("all_gather", gather_groups[key], nbytes, repeats)
-                pts.append([nbytes, _max_over_ranks([t])[0]])
-            comm["all_gather"][key] = pts
+            comm["all_gather"][key] = timed("all_gather", gather_groups[key])
         mark("comm")
         dilation = getattr(getattr(patch, "emulator", None), "dilation", None)
         return {
