@@ -2,8 +2,9 @@
 
 Replaced symbols: ``torch.distributed.all_reduce``, ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor`` and Megatron's tensor-parallel aliases of the latter two
-(``dist_all_gather_func``/``dist_reduce_scatter_func``, sequence parallelism) — each records issue /
-wait / completion, async ops return a work wrapper —, ``TransformerLayer.forward`` (labels stock Megatron's forward and
+(``dist_all_gather_func``/``dist_reduce_scatter_func``, sequence parallelism) — each records
+issue / wait / completion, async ops return a work wrapper —, ``TransformerLayer.forward``
+(labels stock Megatron's forward and
 recompute communication with the layer, and its backward communication via gradient hooks on the
 layer output/input), and Megatron-LM's ``train_step`` (an iteration starts and ends there). The
 schedule engine labels its own ops explicitly. The trace of the last iteration is written when the
