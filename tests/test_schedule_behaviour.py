@@ -5,7 +5,13 @@ import pytest
 import torch
 from helpers import DROP, GPT, RECOMPUTE, variants_worker
 from helpers.runs import max_rel_diff
-from helpers.traces import block_comms, traced_runs, unhidden_inner_comms
+from helpers.traces import (
+    block_comms,
+    end_comms,
+    overlapped_by_other,
+    traced_runs,
+    unhidden_inner_comms,
+)
 
 from megatron_oases.launch import run_distributed
 
@@ -50,11 +56,13 @@ def test_dropout_training_run_tracks_stock():
     stock, oases = res["stock"]["losses"], res["oases"]["losses"]
     assert stock != oases  # different masks (per sub-batch) …
     # … but the same training trajectory within dropout noise. Megatron's mock data is random
-    # tokens, so a 2-sample iteration's loss moves by ~2 % with the dropout masks alone: compare
-    # the run's mean tightly and each iteration loosely.
+    # tokens, so a 2-sample iteration's loss moves by ~2-3 % with the dropout masks alone (the
+    # largest of 8 iterations measured 2.8 % and, with the embedding's masks drawn per sub-batch
+    # too, 3.3 %): compare the run's mean tightly and each iteration loosely. Exactness of the
+    # masks is checked above and in test_stage_ends.py.
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert abs(mean(stock) - mean(oases)) < 0.01 * stock[0], (stock, oases)
-    assert max(abs(a - b) for a, b in zip(stock, oases)) < 0.03 * stock[0], (stock, oases)
+    assert max(abs(a - b) for a, b in zip(stock, oases)) < 0.05 * stock[0], (stock, oases)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +120,26 @@ def test_every_inner_all_reduce_is_overlapped(traces, schedule):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["oases", "cross-pass", "overlap", "overlap-recompute"])
+def test_embedding_and_output_collectives_are_overlapped(traces, schedule):
+    """The embedding's forward all-reduce and the output layer's input-gradient all-reduce run
+    per sub-batch, asynchronously, inside the programs: the second sub-batch's embedding
+    all-reduce behind the first's compute, the first's output all-reduce behind the second's."""
+    computes = lambda t: [e for e in t["traceEvents"] if e["cat"] == "compute"]  # noqa: E731
+    for trace in traces[schedule]:
+        emb = end_comms(trace, "embedding", "forward")
+        out = end_comms(trace, "output", "backward")
+        for comms, hidden_sub_batch in ((emb, 1), (out, 0)):
+            assert sorted(e["args"]["sub_batch"] for e in comms) == [0, 0, 1, 1]  # 2 micro-b.
+            assert all(e["args"]["async"] for e in comms)
+            for e in comms:
+                if e["args"]["sub_batch"] == hidden_sub_batch:
+                    assert overlapped_by_other(e, computes(trace)), e
+    for trace in traces["stock"]:  # stock: one synchronous embedding all-reduce per micro-batch
+        assert not end_comms(trace, "embedding", "forward")
+
+
+@pytest.mark.timeout(300)
 def test_oases_activation_memory_close_to_stock_full_recompute():
     base = (
         GPT.replace("--hidden-size 64", "--hidden-size 128").format(layers=4)
@@ -140,24 +168,30 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
 
 def _uninstall_worker(base):
     from helpers.runs import pretrain_and_capture
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel import layers
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     from megatron_oases.schedule import transformer_block as sched_patch
 
-    orig = (
-        TransformerBlock.forward,
-        layers.reduce_from_tensor_model_parallel_region,
-        layers.ColumnParallelLinear.forward,
-    )
+    def symbols():
+        return (
+            TransformerBlock.forward,
+            layers.reduce_from_tensor_model_parallel_region,
+            layers.ColumnParallelLinear.forward,
+            GPTModel.forward,
+            GPTModel._postprocess,
+            LanguageModelEmbedding.forward,
+        )
+
+    orig = symbols()
     before = pretrain_and_capture(base + " --oases-schedule off", grads=True)
     pretrain_and_capture(base + " --oases-schedule oases", grads=True)
     after = pretrain_and_capture(base + " --oases-schedule off", grads=True)
-    now = (
-        TransformerBlock.forward,
-        layers.reduce_from_tensor_model_parallel_region,
-        layers.ColumnParallelLinear.forward,
-    )
+    now = symbols()
     return {
         "same_objects": all(a is b for a, b in zip(orig, now)),
         "before": before,

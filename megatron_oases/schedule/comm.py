@@ -17,6 +17,11 @@ tensor-parallel linears skip their own all-reduces:
   reduce-scatters the gradient. The linear then keeps the gathered input for its weight gradient
   instead of re-gathering it in backward (see :mod:`.engine` for what that costs in memory).
 
+The stage ends (:mod:`.stage`) run the vocab-parallel embedding in two steps around the schedule's
+all-reduce: its lookup while deferring (the partial sum), then Megatron's whole embedding forward
+with :func:`supplied_reduction` giving the all-reduced sum to the embedding's reduction, so every
+op after it (positions, dropout, ...) is Megatron's own.
+
 Outside the context both behave exactly as stock. The flag is thread-local: autograd on CPU runs
 re-entrant backward on the calling thread, and the engine never hands work to other threads.
 """
@@ -41,13 +46,38 @@ def deferred_tmp_comm(enabled=True):
         _local.defer = prev
 
 
+@contextlib.contextmanager
+def supplied_reduction(reduced):
+    """The next deferred reduction returns ``reduced`` (its result, computed by the schedule)
+    instead of its input; used once."""
+    prev = getattr(_local, "supply", None)
+    _local.supply = reduced
+    try:
+        yield
+    finally:
+        unused = getattr(_local, "supply", None) is not None
+        _local.supply = prev
+        if unused:
+            raise RuntimeError("oases: a supplied reduction was not consumed (Megatron changed?)")
+
+
 def make_deferred_reduction(original):
     """Replacement for ``layers.reduce_from_tensor_model_parallel_region`` or
-    ``layers.reduce_scatter_to_sequence_parallel_region``: the identity while deferring."""
+    ``layers.reduce_scatter_to_sequence_parallel_region``: the identity while deferring (or the
+    result :func:`supplied_reduction` gives)."""
 
     def reduction(input_, *args, **kwargs):
         if deferring():
-            return input_
+            supplied = getattr(_local, "supply", None)
+            if supplied is None:
+                return input_
+            _local.supply = None
+            if supplied.shape != input_.shape:
+                raise RuntimeError(
+                    f"oases: supplied reduction of shape {tuple(supplied.shape)} for an input "
+                    f"of shape {tuple(input_.shape)}"
+                )
+            return supplied
         return original(input_, *args, **kwargs)
 
     reduction.__name__ = reduction.__qualname__ = original.__name__

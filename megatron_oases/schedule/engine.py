@@ -33,34 +33,15 @@ before it runs in forward, and recomputation restores exactly that snapshot — 
 dropout masks in recompute equal those of the forward.
 """
 
-import contextlib
-
 import torch
 from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
-from megatron.core.tensor_parallel.random import _get_all_rng_states, _set_all_rng_states
 
 from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
 from .blocks import split_mask, split_sizes
 from .executor import Comm, Compute, run_programs
 from .regather import GradSink, shard_saved
-
-
-def _snapshot():
-    cpu, dev, tracker = _get_all_rng_states()
-    return cpu, dev, dict(tracker)
-
-
-@contextlib.contextmanager
-def _rng(snapshot):
-    """Run with a saved RNG snapshot, then return to the current RNG state."""
-    current = _snapshot()
-    cpu, dev, tracker = snapshot
-    _set_all_rng_states(cpu, dev, dict(tracker))
-    try:
-        yield
-    finally:
-        cpu, dev, tracker = current
-        _set_all_rng_states(cpu, dev, dict(tracker))
+from .rng import replay as _rng
+from .rng import snapshot as _snapshot
 
 
 def _leaf(t):
@@ -79,16 +60,31 @@ class SubBatch:
         self.H, self.Lout, self.P, self.B, self.R, self.hout = ({} for _ in range(6))
         self.G = {}  # sequence parallelism: the all-gathered ln output of block j
         self.buf, self.rng, self.gR, self.gL, self.gH = ({} for _ in range(5))
-        self.output = None
+        self.end = {}  # the stage ends' working tensors (:mod:`.stage`)
+        self.output = self.loss = None
 
 
 class ScheduledLayers:
     """One micro-batch through a stage's blocks under ``mode``; owns no global state."""
 
-    def __init__(self, blocks, mode, microbatch=-1, recompute=True, tracer=None, parts=SUB_BATCHES):
+    def __init__(
+        self,
+        blocks,
+        mode,
+        microbatch=-1,
+        recompute=True,
+        tracer=None,
+        parts=SUB_BATCHES,
+        embedding=None,
+        output=None,
+    ):
         assert mode in SPLIT_SCHEDULES, mode
         self.blocks, self.mode, self.microbatch, self.tracer = blocks, mode, microbatch, tracer
         self.parts = parts  # sub-batches per micro-batch
+        # The stage's ends run in the programs too (:mod:`.stage`): the embedding before the
+        # first block (the input is then a placeholder), the output layer and loss after the last.
+        self.embedding, self.output = embedding, output
+        self.sizes = None
         # What forward keeps: autograd graphs (overlap without recompute), each layer's input
         # (Megatron's full/uniform recompute: overlap with recompute, cross-pass) or each
         # block's input (oases' fine-grained recompute).
@@ -152,26 +148,42 @@ class ScheduledLayers:
     # ------------------------------------------------------------------ forward
     def forward(self, hidden):
         s, b, h = hidden.shape
-        sizes = split_sizes(b, self.parts)
+        sizes = self.sizes = split_sizes(b, self.parts)
         masks = split_mask(self.blocks.attention_mask, sizes, b)
         grad_ctx = torch.enable_grad() if self.keep_graph else torch.no_grad()
         self.anchor = torch.zeros((), device=hidden.device, requires_grad=True)
+        for end in (self.embedding, self.output):
+            if end is not None:
+                end.split(sizes)
         with grad_ctx:
-            pieces = torch.split(hidden.detach(), sizes, dim=1)
-            self.sbs = [
-                SubBatch(i, _leaf(p) if self.keep_graph else p, m)
-                for i, (p, m) in enumerate(zip(pieces, masks))
-            ]
+            if self.embedding is None:
+                pieces = [self._as_input(p) for p in torch.split(hidden.detach(), sizes, dim=1)]
+            else:  # a placeholder: the embedding ops deliver each sub-batch's input
+                pieces = [None] * len(sizes)
+            self.sbs = [SubBatch(i, p, m) for i, (p, m) in enumerate(zip(pieces, masks))]
             run_programs(
                 [self._forward_program(sb) for sb in self.sbs],
                 labels=dict(microbatch=self.microbatch),
                 tracer=self.tracer,
             )
+        if self.output is not None:  # per-token loss [b, s]
+            return torch.cat([sb.loss.detach() for sb in self.sbs], dim=0)
         return torch.cat([sb.output.detach() for sb in self.sbs], dim=1)
+
+    def _as_input(self, h):
+        return _leaf(h) if self.keep_graph else h
+
+    def _deliver(self, sb):
+        def deliver(h):
+            sb.input = self._as_input(h)
+
+        return deliver
 
     def _forward_program(self, sb):
         J = self.blocks.num_blocks
         ops = []
+        if self.embedding is not None:
+            ops += self.embedding.forward_ops(sb, self._deliver(sb))
         for j in range(J):
             ops += self._to_main(
                 sb,
@@ -184,6 +196,10 @@ class ScheduledLayers:
                 self._collective(self.reduction, lambda j=j: sb.buf.pop(j), sb.R, j, "forward")
             )
         ops.append(self._compute(lambda: self._fwd_tail(sb), J - 1, "forward"))
+        if self.output is not None:
+            ops += self.output.forward_ops(
+                sb, lambda: self.anchor, lambda g: sb.gH.__setitem__(J, g)
+            )
         return ops
 
     def _bda_forward(self, sb, j):
@@ -232,41 +248,55 @@ class ScheduledLayers:
 
     # ------------------------------------------------------------------ backward
     def backward(self, grad_output):
-        sizes = [sb.input.size(1) for sb in self.sbs]
-        grads = torch.split(grad_output.contiguous(), sizes, dim=1)
         J = self.blocks.num_blocks
         labels = dict(microbatch=self.microbatch)
-        with torch.enable_grad():
-            for sb, g in zip(self.sbs, grads):
+        if self.output is not None:  # the per-token loss's gradient, [b, s]
+            for sb, g in zip(self.sbs, torch.split(grad_output.contiguous(), self.sizes, dim=0)):
+                sb.end["gloss"] = g
+        else:
+            for sb, g in zip(self.sbs, torch.split(grad_output.contiguous(), self.sizes, dim=1)):
                 sb.gH[J] = g
+
+        def run(programs):
+            run_programs(programs, labels=labels, tracer=self.tracer)
+
+        with torch.enable_grad():
             if self.checkpoint == "none":
-                run_programs(
-                    [self._overlap_backward(sb) for sb in self.sbs],
-                    labels=labels,
-                    tracer=self.tracer,
-                )
+                run([self._ends(sb, self._overlap_backward(sb)) for sb in self.sbs])
             elif self.checkpoint == "block":
-                run_programs(
-                    [self._oases_backward(sb) for sb in self.sbs], labels=labels, tracer=self.tracer
-                )
+                run([self._ends(sb, self._oases_backward(sb)) for sb in self.sbs])
             elif self.mode == "cross-pass":  # one op sequence per sub-batch, no pass barrier
-                run_programs(
-                    [self._crosspass_backward(sb) for sb in self.sbs],
-                    labels=labels,
-                    tracer=self.tracer,
-                )
+                run([self._ends(sb, self._crosspass_backward(sb)) for sb in self.sbs])
             else:  # overlap with recompute (paper Fig. 3b): a barrier around every pass
                 for layer in reversed(range(J // 2)):
                     phases = [self._layer_phases(sb, layer) for sb in self.sbs]
-                    run_programs(
-                        [p[0] for p in phases], labels=labels, tracer=self.tracer
-                    )  # recompute pass
-                    run_programs(
-                        [p[1] for p in phases], labels=labels, tracer=self.tracer
-                    )  # backward pass
-        out = torch.cat([sb.gH.pop(0) for sb in self.sbs], dim=1)
+                    last = layer == J // 2 - 1
+                    # the output end opens the first recompute pass, the embedding closes the
+                    # last backward pass
+                    run(
+                        [
+                            self._ends(sb, p[0], out=last, emb=False)
+                            for sb, p in zip(self.sbs, phases)
+                        ]
+                    )
+                    run(
+                        [
+                            self._ends(sb, p[1], out=False, emb=layer == 0)
+                            for sb, p in zip(self.sbs, phases)
+                        ]
+                    )
+        if self.embedding is not None:  # the gradient went into the embedding's parameters
+            out = None
+        else:
+            out = torch.cat([sb.gH.pop(0) for sb in self.sbs], dim=1)
         self.sbs, self.anchor = [], None
         return out
+
+    def _ends(self, sb, program, out=True, emb=True):
+        """A backward program with the output end's ops before it and the embedding's after."""
+        before = self.output.backward_ops(sb) if (out and self.output is not None) else []
+        after = self.embedding.backward_ops(sb) if (emb and self.embedding is not None) else []
+        return before + program + after
 
     def _main_backward(self, sb, j):
         """Block j's main backward between its collectives: under SP the all-gather of R_j's

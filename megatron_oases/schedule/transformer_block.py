@@ -34,13 +34,16 @@ from ..validation import SUB_BATCHES, sub_batches
 from .blocks import LayerBlocks
 from .comm import make_column_forward, make_deferred_reduction
 from .engine import ScheduledLayers, ScheduledLayersFunction
+from .stage import StageEnds
 
 logger = logging.getLogger(__name__)
 
 
-def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES):
+def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None):
     """``TransformerBlock.forward`` running the layers as degree runs (plan) through ``mode``;
-    ``tracer`` (the ``oases-trace`` patch's, optional) records the schedule's ops."""
+    ``tracer`` (the ``oases-trace`` patch's, optional) records the schedule's ops; ``ends`` (a
+    :class:`.stage.StageEnds`, optional) brings the embedding and the output layer + loss into
+    the programs."""
     counter = {"microbatch": 0}
 
     def forward(
@@ -63,6 +66,8 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES):
         # Eval/inference: stock code. (A degree-d layer fed the whole micro-batch is still
         # correct — each d-group computes the same result — so plans need no special case.)
         if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0:
+            if ends is not None:  # a placeholder from the embedding becomes real data
+                hidden_states = ends.resolve(hidden_states)
             return original(
                 self,
                 hidden_states,
@@ -85,9 +90,13 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES):
                 "--oases-schedule supports decoder-only training without packed "
                 "sequences or cross-attention; use --oases-schedule off"
             )
+        embedding, output = ends.take(self, hidden_states) if ends is not None else (None, None)
         if not self.pre_process:
             hidden_states = self.input_tensor
-        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        if embedding is None:
+            hidden_states = make_viewless_tensor(
+                inp=hidden_states, requires_grad=True, keep_graph=True
+            )
         mb = tracer.next_microbatch() if tracer else counter["microbatch"]
         counter["microbatch"] += 1
         hetero = stage_of(self)
@@ -117,8 +126,13 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES):
                         recompute=self.config.recompute_granularity == "full",
                         tracer=tracer,
                         parts=parts,
+                        embedding=embedding,
+                        output=output,
                     )
                     hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
+        if output is not None:  # the per-token loss; GPTModel._postprocess passes it through
+            ends.delivered(hidden_states)
+            return hidden_states
         if hetero is not None:
             hidden_states = reshard(hidden_states, degree, T, hetero.groups)
         if self.final_layernorm is not None:
@@ -170,6 +184,49 @@ def _stock_layers(block, layers, hidden, attention_mask, rotary_pos_emb, attenti
     return hidden
 
 
+def _stage_end_replacements(ends):
+    """``GPTModel.forward``/``_postprocess`` and ``LanguageModelEmbedding.forward``, each checked
+    to be what Megatron calls (a change of Megatron's GPTModel fails at install time)."""
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    require_symbol(GPTModel, "_postprocess", called_by=[GPTModel.forward])
+    require_symbol(GPTModel, "_preprocess", called_by=[GPTModel.forward])
+    _calls(GPTModel._preprocess, "self.embedding(")
+    # what OutputEnd calls in place of _postprocess's output layer and loss
+    for name in ("self.output_layer(", "self.compute_language_model_loss("):
+        _calls(GPTModel._postprocess, name)
+    if hasattr(GPTModel, "_scale_logits"):
+        _calls(GPTModel._postprocess, "self._scale_logits(")
+    require_symbol(LanguageModelEmbedding, "forward", parameters=("input_ids", "position_ids"))
+    _calls(LanguageModelEmbedding.forward, "self.word_embeddings(input_ids)")
+    return [
+        (GPTModel, "forward", ends.model_forward(GPTModel.forward)),
+        (GPTModel, "_postprocess", ends.postprocess(GPTModel._postprocess)),
+        (LanguageModelEmbedding, "forward", ends.embedding_forward(LanguageModelEmbedding.forward)),
+    ]
+
+
+def _source(fn):
+    import inspect
+
+    return inspect.getsource(getattr(fn, "__wrapped__", fn))
+
+
+def _calls(fn, name):
+    """Fail (one line) unless ``fn``'s source mentions ``name``."""
+    from ..compat import SUPPORTED_SPEC, megatron_core_version
+
+    if name not in _source(fn):
+        raise OasesConfigError(
+            f"this megatron-core ({megatron_core_version()}) no longer calls {name} from "
+            f"{fn.__qualname__}; megatron-oases supports megatron-core {SUPPORTED_SPEC}"
+        )
+    return True
+
+
 def make_patch(args, built=None):
     """``oases-schedule`` when a schedule or a per-layer plan is requested, else None.
     ``built``: the patches built before this one (by name); the tracer of ``oases-trace``."""
@@ -184,13 +241,20 @@ def make_patch(args, built=None):
     from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    # The stage's ends (embedding, output layer + loss) join the programs of a uniform-TP
+    # schedule without sequence parallelism (:mod:`.stage`).
+    ends = None
+    if mode != "off" and not plan and not getattr(args, "sequence_parallel", False):
+        ends = StageEnds()
     replacements = [
         (
             TransformerBlock,
             "forward",
-            make_block_forward(TransformerBlock.forward, mode, tracer, sub_batches(args)),
+            make_block_forward(TransformerBlock.forward, mode, tracer, sub_batches(args), ends),
         ),
     ]
+    if ends is not None:
+        replacements += _stage_end_replacements(ends)
     for name in (
         "reduce_from_tensor_model_parallel_region",
         "reduce_scatter_to_sequence_parallel_region",

@@ -29,7 +29,20 @@ def block_comms(trace):
     return [e for e in trace["traceEvents"] if e["cat"] == "comm" and e["args"]["layer"] >= 0]
 
 
-def _overlapped_by_other(comm, computes):
+def end_comms(trace, block, pass_):
+    """The collectives the schedule issues for a stage end (``block``: embedding or output)."""
+    return [
+        e
+        for e in trace["traceEvents"]
+        if e["cat"] == "comm"
+        and e["args"].get("block") == block
+        and e["args"]["pass"] == pass_
+        and e["args"].get("async")
+    ]
+
+
+def overlapped_by_other(comm, computes):
+    """Whether a compute of another sub-batch ran inside ``comm``'s issue-to-wait window."""
     sb = comm["args"]["sub_batch"]
     start, end = comm["ts"], comm["args"]["wait_us"]
     return any(
@@ -54,8 +67,6 @@ def unhidden_inner_comms(trace):
                 key=lambda e: e["ts"],
             )
             missing += [
-                e["name"] + str(e["args"])
-                for e in seq[:-1]
-                if not _overlapped_by_other(e, computes)
+                e["name"] + str(e["args"]) for e in seq[:-1] if not overlapped_by_other(e, computes)
             ]
     return missing

@@ -1,0 +1,334 @@
+"""The stage's ends inside the overlapped schedule: the embedding, and the output layer + loss.
+
+Stock Megatron leaves two full-size TMP all-reduces per micro-batch outside the transformer layers
+with little or nothing to hide them: the vocab-parallel embedding's forward all-reduce (nothing runs
+before the first layer) and the output layer's input-gradient all-reduce (behind the output layer's
+weight gradient only, which is small unless the vocabulary is large). A split micro-batch also ends
+each pass on its last sub-batch's all-reduce. With the ends inside each sub-batch's programs::
+
+    forward:  lookup_i ══all-reduce══▶ embedding_i → layers … ══all-reduce══▶ final ln → output → loss_i
+    backward: loss_i, output backward ══all-reduce══▶ final ln backward → layers … ══▶ embedding bwd_i
+
+the second sub-batch's embedding all-reduce runs behind the first sub-batch's first block, the
+first sub-batch's output-layer all-reduce behind the second's output-layer backward, and each pass's
+tail all-reduce behind the first sub-batch's output layer and loss (forward) or embedding backward.
+
+Wiring, without rewriting Megatron's ``GPTModel`` (replacements of the ``oases-schedule`` patch):
+``GPTModel.forward`` opens a :class:`StageCall` for a training call that qualifies
+(:meth:`StageEnds.qualifies`); ``LanguageModelEmbedding.forward`` then returns a placeholder of its
+output's shape whose data is never read (Megatron reads only its shape, for RoPE); the schedule
+(``TransformerBlock.forward``) takes the call's ends into its programs (:meth:`StageEnds.take`) and
+returns the per-token loss; ``GPTModel._postprocess`` passes that loss through. Every other call
+runs stock code; a placeholder that reaches anything but the schedule is an error, never data.
+
+Numerics: the embedding runs Megatron's own forward per sub-batch with the all-reduced lookup
+supplied to its reduction (:func:`.comm.supplied_reduction`); its backward re-runs that forward with
+the forward's RNG snapshot while deferring. The forward is affine in the lookup (add positions, scale,
+dropout), so the gradients are exact although the re-run's value is not reduced — the all-reduce's
+backward is the identity, as in Megatron. The output layer runs with its input-gradient all-reduce
+deferred (:mod:`.comm`), which the program issues; the loss is Megatron's
+``compute_language_model_loss`` per sub-batch. The output layer's graph is kept from forward to
+backward, as stock Megatron keeps it (no recomputation of the output layer).
+"""
+
+import contextlib
+import threading
+
+import torch
+
+from .comm import supplied_reduction
+from .executor import Comm, Compute
+from .regather import GradSink
+from .rng import replay, snapshot
+
+
+def _backward(outputs, grads):
+    torch.autograd.backward(outputs, grads)
+
+
+def _split(t, sizes):
+    """``t`` [b, ...] cut into sub-batches along dim 0; shared when it is not per-sample."""
+    if t is None or t.dim() < 2 or t.size(0) != sum(sizes) or len(sizes) == 1:
+        return [t] * len(sizes)
+    return list(torch.split(t, sizes, dim=0))
+
+
+class EmbeddingEnd:
+    """The first stage's embedding as the first ops of each sub-batch's programs."""
+
+    LABELS = dict(layer=-1, block="embedding")
+
+    def __init__(self, module, forward, input_ids, position_ids):
+        self.module, self.forward = module, forward  # Megatron's LanguageModelEmbedding.forward
+        self.input_ids, self.position_ids = input_ids, position_ids
+        self.ids = self.pos = None
+
+    def stock(self):
+        """The embedding as Megatron computes it (for a schedule that cannot take it)."""
+        return self.forward(self.module, self.input_ids, self.position_ids)
+
+    def split(self, sizes):
+        self.ids = _split(self.input_ids, sizes)
+        self.pos = _split(self.position_ids, sizes)
+
+    @property
+    def group(self):
+        return self.module.word_embeddings.tp_group
+
+    def forward_ops(self, sb, deliver):
+        """Lookup (partial sum), its all-reduce, then the rest of Megatron's embedding forward;
+        ``deliver(h)`` hands the sub-batch's [s, b_i, h] embedding to the layers."""
+        return [
+            Compute(lambda: self._lookup(sb), **{"pass": "forward"}, **self.LABELS),
+            Comm(
+                get=lambda: sb.end.pop("emb"),
+                done=lambda t: sb.end.__setitem__("emb", t),
+                group=self.group,
+                kind="all_reduce",
+                **{"pass": "forward"},
+                **self.LABELS,
+            ),
+            Compute(lambda: deliver(self._finish(sb)), **{"pass": "forward"}, **self.LABELS),
+        ]
+
+    def _lookup(self, sb):
+        with torch.no_grad():  # deferring: the vocab shard's partial sum, [b_i, s, h]
+            sb.end["emb"] = self.module.word_embeddings(self.ids[sb.index]).contiguous()
+
+    def _finish(self, sb):
+        reduced = sb.end.pop("emb")
+        sb.rng["embedding"] = snapshot()
+        supply = supplied_reduction(reduced) if self.group.size() > 1 else contextlib.nullcontext()
+        with torch.no_grad(), supply:
+            return self.forward(self.module, self.ids[sb.index], self.pos[sb.index])
+
+    def backward_ops(self, sb):
+        return [Compute(lambda: self._backward(sb), **{"pass": "backward"}, **self.LABELS)]
+
+    def _backward(self, sb):
+        grad = sb.gH.pop(0)
+        with replay(sb.rng.pop("embedding")):  # deferring: affine in the unreduced lookup
+            out = self.forward(self.module, self.ids[sb.index], self.pos[sb.index])
+        _backward(out, grad)
+
+
+class OutputEnd:
+    """The last stage's final layernorm, output layer and loss as the last ops of each
+    sub-batch's forward program and the first of its backward program."""
+
+    LABELS = dict(layer=-1, block="output")
+
+    def __init__(self, model, final_layernorm, labels, runtime_gather_output):
+        self.model, self.final_layernorm = model, final_layernorm
+        self.labels, self.runtime_gather_output = labels, runtime_gather_output
+        self.labels_of = None
+
+    def split(self, sizes):
+        self.labels_of = _split(self.labels, sizes)
+
+    @property
+    def group(self):
+        return self.model.output_layer.tp_group
+
+    def forward_ops(self, sb, anchor, grad_slot):
+        """``anchor``: the schedule's grad anchor (:class:`.regather.GradSink`); the gradient of
+        the layers' output lands in ``grad_slot(g)``."""
+        return [
+            Compute(
+                lambda: self._forward(sb, anchor(), grad_slot), **{"pass": "forward"}, **self.LABELS
+            )
+        ]
+
+    def _forward(self, sb, anchor, grad_slot):
+        model = self.model
+        with torch.enable_grad():
+            hidden = GradSink.apply(anchor, sb.output.detach(), grad_slot)
+            ln = hidden if self.final_layernorm is None else self.final_layernorm(hidden)
+            x = GradSink.apply(anchor, ln.detach(), lambda g: sb.end.__setitem__("gout", g))
+            weight = None
+            if model.share_embeddings_and_output_weights:
+                weight = model.shared_embedding_or_output_weight()
+            logits, _ = model.output_layer(
+                x, weight=weight, runtime_gather_output=self.runtime_gather_output
+            )
+            scale = getattr(model, "_scale_logits", None)  # 0.19; checked at install time
+            if scale is not None:
+                logits = scale(logits)
+            loss = model.compute_language_model_loss(self.labels_of[sb.index], logits)
+        sb.end["ln"], sb.end["loss"] = ln, loss
+        sb.output, sb.loss = None, loss.detach()
+
+    def backward_ops(self, sb):
+        """Loss and output-layer backward (input gradient unreduced), its all-reduce, then the
+        final layernorm's backward, which delivers the layers' output gradient."""
+        labels = dict(**{"pass": "backward"}, **self.LABELS)
+        return [
+            Compute(lambda: _backward(sb.end.pop("loss"), sb.end.pop("gloss")), **labels),
+            Comm(
+                get=lambda: sb.end.pop("gout"),
+                done=lambda t: sb.end.__setitem__("gout", t),
+                group=self.group,
+                kind="all_reduce",
+                **labels,
+            ),
+            Compute(lambda: _backward(sb.end.pop("ln"), sb.end.pop("gout")), **labels),
+        ]
+
+
+class StageCall:
+    """One ``GPTModel.forward`` call's ends: the embedding leaves its part, the schedule takes it."""
+
+    def __init__(self, model, labels, runtime_gather_output):
+        self.model, self.labels, self.runtime_gather_output = model, labels, runtime_gather_output
+        self.placeholder = None  # what the embedding returned instead of its output
+        self.embedding = None  # its EmbeddingEnd, until the schedule takes it
+        self.loss = None  # the schedule's per-token loss, for _postprocess
+
+
+class StageEnds:
+    """The replacements' shared state: the ``GPTModel.forward`` calls open on this thread (a stack,
+    owned by the patch; no module globals)."""
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def _stack(self):
+        if not hasattr(self._local, "calls"):
+            self._local.calls = []
+        return self._local.calls
+
+    def current(self):
+        stack = self._stack()
+        return stack[-1] if stack else None
+
+    @contextlib.contextmanager
+    def open(self, call):
+        stack = self._stack()
+        stack.append(call)
+        try:
+            yield call
+        finally:
+            stack.pop()
+            if call.placeholder is not None:  # nothing took the embedding: a Megatron change
+                raise RuntimeError(
+                    "oases: the embedding's output never reached the schedule (Megatron's GPTModel "
+                    "changed?); run with --oases-schedule off and report it"
+                )
+
+    @staticmethod
+    def qualifies(model, a):
+        """Whether a ``GPTModel.forward`` call (bound arguments ``a``) runs its ends in the
+        schedule: training, plain decoder-only language modelling without SP, MTP or hooks."""
+        from megatron.core.config_logger import has_config_logger_enabled
+        from megatron.core.transformer.transformer_block import TransformerBlock
+
+        config = model.config
+        return (
+            model.training
+            and torch.is_grad_enabled()
+            and isinstance(getattr(model, "decoder", None), TransformerBlock)
+            and not config.sequence_parallel
+            and not getattr(model, "mtp_process", False)
+            and not getattr(config, "mtp_num_layers", None)
+            and not has_config_logger_enabled(config)
+            and all(
+                a.get(k) is None
+                for k in (
+                    "decoder_input",
+                    "inference_context",
+                    "inference_params",
+                    "packed_seq_params",
+                    "output_processor",
+                )
+            )
+            and not a.get("extra_block_kwargs")
+        )
+
+    def model_forward(self, original):
+        """Replacement for ``GPTModel.forward``: opens a call when it qualifies."""
+        import inspect
+
+        sig = inspect.signature(original)
+
+        def forward(model, *args, **kwargs):
+            a = sig.bind(model, *args, **kwargs).arguments
+            if not self.qualifies(model, a):
+                return original(model, *args, **kwargs)
+            labels = a.get("labels") if model.post_process else None
+            with self.open(StageCall(model, labels, a.get("runtime_gather_output"))):
+                return original(model, *args, **kwargs)
+
+        forward.__wrapped__ = original
+        return forward
+
+    def embedding_forward(self, original):
+        """Replacement for ``LanguageModelEmbedding.forward``: a placeholder inside a call."""
+
+        def forward(module, input_ids, position_ids, tokentype_ids=None):
+            call = self.current()
+            if (
+                call is None
+                or call.placeholder is not None
+                or module is not getattr(call.model, "embedding", None)
+                or tokentype_ids is not None
+                or getattr(module, "reduce_scatter_embeddings", False)
+            ):
+                return original(module, input_ids, position_ids, tokentype_ids)
+            config = module.config
+            dtype = torch.float32 if config.fp32_residual_connection else None
+            dtype = dtype or module.word_embeddings.weight.dtype
+            anchor = torch.zeros((), dtype=dtype, device=input_ids.device, requires_grad=True)
+            b, s = input_ids.shape
+            call.placeholder = anchor.expand(s, b, config.hidden_size)
+            call.embedding = EmbeddingEnd(module, original, input_ids, position_ids)
+            return call.placeholder
+
+        forward.__wrapped__ = original
+        return forward
+
+    def postprocess(self, original):
+        """Replacement for ``GPTModel._postprocess``: the schedule's loss passes through."""
+
+        def postprocess(model, *args, **kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            call = self.current()
+            if call is not None and call.loss is not None and hidden is call.loss:
+                return hidden
+            return original(model, *args, **kwargs)
+
+        postprocess.__wrapped__ = original
+        return postprocess
+
+    def take(self, block, hidden):
+        """The ends the schedule of ``block`` runs for input ``hidden``: (embedding, output),
+        each None when it stays stock."""
+        call = self.current()
+        if call is None:
+            return None, None
+        embedding = None
+        if call.placeholder is not None:
+            if hidden is not call.placeholder:
+                raise RuntimeError(
+                    "oases: the embedding's output was changed before the transformer layers "
+                    "(Megatron's GPTModel changed?); run with --oases-schedule off and report it"
+                )
+            embedding, call.placeholder, call.embedding = call.embedding, None, None
+        output = None
+        if call.labels is not None and block is call.model.decoder and block.post_process:
+            output = OutputEnd(
+                call.model, block.final_layernorm, call.labels, call.runtime_gather_output
+            )
+        return embedding, output
+
+    def resolve(self, hidden):
+        """``hidden`` as real data for a block that runs stock code: a placeholder is replaced by
+        the embedding computed as Megatron does."""
+        call = self.current()
+        if call is None or call.placeholder is None or hidden is not call.placeholder:
+            return hidden
+        embedding, call.placeholder, call.embedding = call.embedding, None, None
+        return embedding.stock()
+
+    def delivered(self, loss):
+        """The schedule computed the call's loss (``_postprocess`` returns it)."""
+        self.current().loss = loss

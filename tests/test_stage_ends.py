@@ -1,0 +1,98 @@
+"""The stage ends in the schedule (:mod:`megatron_oases.schedule.stage`), op by op on one rank.
+
+The embedding's backward re-runs Megatron's embedding forward from the forward's RNG snapshot
+instead of keeping its graph: with dropout on, its value and every gradient must equal autograd
+through the stock module drawing the same masks, per sub-batch and in the programs' order.
+The end-to-end checks (parity with stock Megatron, overlap in the trace) are in
+test_schedule_parity.py and test_schedule_behaviour.py.
+"""
+
+import types
+
+import pytest
+import torch
+from helpers.runs import max_rel_diff
+
+B, S, H, V = 3, 8, 16, 50
+
+
+def _embedding(dropout):
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=H,
+        num_attention_heads=2,
+        hidden_dropout=dropout,
+        use_cpu_initialization=True,
+    )
+    return LanguageModelEmbedding(config, vocab_size=V, max_sequence_length=S)
+
+
+def _run(program):
+    """Run one sub-batch's ops in order (TP=1: a collective's result is its input)."""
+    from megatron_oases.schedule.executor import Comm
+
+    for op in program:
+        if isinstance(op, Comm):
+            op.done(op.get())
+        else:
+            op.fn()
+
+
+def _grads(module):
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("sizes", [[3], [2, 1]])
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_embedding_end_matches_autograd(model_parallel_1, sizes, dropout):
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+
+    from megatron_oases.schedule.rng import replay, snapshot
+    from megatron_oases.schedule.stage import EmbeddingEnd
+
+    torch.manual_seed(0)
+    emb = _embedding(dropout)
+    ids = torch.randint(0, V, (B, S))
+    pos = torch.arange(S).unsqueeze(0).expand(B, S)
+    grads_out = [torch.randn(S, n, H) for n in sizes]
+    start = snapshot()
+
+    # reference: autograd through the stock module, sub-batch after sub-batch
+    outs, lo = [], 0
+    for n, g in zip(sizes, grads_out):
+        out = emb(ids[lo : lo + n], pos[lo : lo + n])
+        out.backward(g)
+        outs.append(out.detach())
+        lo += n
+    ref = _grads(emb)
+
+    # the end's ops: all forward programs first (as the executor interleaves them), then backward
+    end = EmbeddingEnd(emb, LanguageModelEmbedding.forward, ids, pos)
+    end.split(sizes)
+    sbs = [types.SimpleNamespace(index=i, end={}, rng={}, gH={}, input=None) for i in sizes]
+    with replay(start):
+        for i, sb in enumerate(sbs):
+            sb.index = i
+            _run(end.forward_ops(sb, lambda h, sb=sb: setattr(sb, "input", h)))
+        for sb, out in zip(sbs, outs):
+            assert torch.equal(sb.input, out)  # same masks, same values
+        for sb, g in zip(sbs, grads_out):
+            sb.gH[0] = g
+            _run(end.backward_ops(sb))
+    got = _grads(emb)
+    assert set(got) == set(ref) and ref
+    for name, g in ref.items():
+        assert max_rel_diff(got[name], g) < 1e-6, name
+    if dropout:  # the masks really dropped something
+        clean = _embedding(0.0)
+        clean.load_state_dict(emb.state_dict())
+        assert not torch.equal(clean(ids, pos), torch.cat(outs, dim=1))
