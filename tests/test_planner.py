@@ -225,10 +225,11 @@ def test_build_problem_rejects_bad_inputs(h2048):
         build_problem(h2048, global_batch_size=128, micro_batch_size=3)
     with pytest.raises(OasesConfigError, match="needs ≥ 2 to split"):
         build_problem(h2048, global_batch_size=128, micro_batch_size=4, degrees=[1, 4])
-    with pytest.raises(
-        OasesConfigError, match="merges recompute with backward; drop --no-recompute"
-    ):
-        build_problem(h2048, global_batch_size=128, schedule="oases", recompute=False)
+    for recompute in (False, "none"):  # the older bool, and the setting's name
+        with pytest.raises(
+            OasesConfigError, match="merges recompute with backward; use --recompute full"
+        ):
+            build_problem(h2048, global_batch_size=128, schedule="oases", recompute=recompute)
     with pytest.raises(OasesConfigError, match="out of range"):
         build_problem(h2048, global_batch_size=128, pins=[([30], 4)])
 

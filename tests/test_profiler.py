@@ -174,6 +174,54 @@ def test_measured_profile_contents(measured):
     a1 = data["memory"]["layer_activation_bytes_per_sample"]["1"]
     a2 = data["memory"]["layer_activation_bytes_per_sample"]["2"]
     assert a2 < a1  # TP divides the attention/MLP intermediates
+    # core attention's intermediates (what Megatron's selective recompute does not keep),
+    # measured with the layer's own checkpoint switched on, vs the 5·a·s²/t-style count (fp32)
+    for d in (1, 2):
+        core = dict(data["memory"]["core_attention_activation_bytes"][str(d)])
+        act = dict(data["memory"]["layer_activation_bytes"][str(d)])
+        formula = layer_math.core_attention_activation_bytes(shape, d, 4)
+        assert set(core) == set(act)
+        for n, nbytes in core.items():
+            assert 0.8 * formula * n < nbytes < 2.0 * formula * n, (d, n, nbytes, formula)
+            assert nbytes < 0.5 * act[n]
+        times = data["compute"]["attention"][str(d)]["core_attention_forward_s"]
+        assert {n for n, _ in times} == set(core) and all(t > 0 for _, t in times)
+
+
+def test_measured_profile_without_core_attention_fields(measured):
+    """A measured profile from before the core-attention probes still loads and plans selective
+    recompute: the bytes counted from the shape, the time the core's FLOP share of the measured
+    attention forward."""
+    import copy
+
+    from megatron_oases.formats.profile import attention_flops_forward
+    from megatron_oases.planner.prediction import predict
+
+    data = copy.deepcopy(measured["profile"].data)
+    del data["memory"]["core_attention_activation_bytes"]
+    del data["memory"]["core_attention_activation_bytes_per_sample"]
+    for per_degree in data["compute"]["attention"].values():
+        del per_degree["core_attention_forward_s"]
+    old, new = Profile(data), measured["profile"]
+    shape = data["model"]
+    for d in (1, 2):
+        formula = layer_math.core_attention_activation_bytes(shape, d, 4)
+        assert old.core_attention_activation(d, 2) == pytest.approx(2 * formula)
+        f = attention_flops_forward(shape, d)
+        share = (f["core"] + f["softmax"]) / sum(f.values())
+        assert 0.1 < share < 0.9
+        fwd = old.compute_time("attention", "forward_s", d, 2)
+        assert old.core_attention_time(d, 2) == pytest.approx(share * fwd)
+        measured_core = dict(new.data["compute"]["attention"][str(d)]["core_attention_forward_s"])
+        assert new.core_attention_time(d, 2) == pytest.approx(measured_core[2])
+    for profile in (old, new):
+        res = {
+            mode: predict(profile, [2] * 4, "off", global_batch=8, micro_batch=4, recompute=mode)
+            for mode in ("none", "selective", "full")
+        }
+        peak = {mode: r["peak_memory_bytes"] for mode, r in res.items()}
+        assert peak["full"] < peak["selective"] < peak["none"]
+        assert res["selective"]["backward_s"] > res["none"]["backward_s"]
 
 
 def test_measured_profile_is_cached_and_plannable(measured, capsys):
@@ -238,17 +286,21 @@ def test_project_model_configs_are_read():
 
 
 MEMORY_PLANS = [
-    ([1, 1, 1, 1], "off", True),
-    ([2, 2, 2, 2], "off", True),
-    ([2, 2, 2, 2], "off", False),
-    ([1, 2, 2, 1], "off", False),
-    ([2, 2, 2, 2], "overlap", True),
-    ([2, 1, 1, 2], "overlap", True),
-    ([2, 2, 2, 2], "cross-pass", True),
-    ([1, 1, 2, 2], "cross-pass", True),
-    ([2, 2, 2, 2], "oases", True),
-    ([1, 1, 1, 1], "oases", True),
-    ([2, 1, 1, 2], "oases", True),
+    ([1, 1, 1, 1], "off", "full"),
+    ([2, 2, 2, 2], "off", "full"),
+    ([2, 2, 2, 2], "off", "none"),
+    ([1, 2, 2, 1], "off", "none"),
+    ([2, 2, 2, 2], "off", "selective"),
+    ([1, 2, 2, 1], "off", "selective"),
+    ([2, 2, 2, 2], "overlap", "full"),
+    ([2, 1, 1, 2], "overlap", "full"),
+    ([2, 2, 2, 2], "overlap", "selective"),
+    ([2, 1, 1, 2], "overlap", "selective"),
+    ([2, 2, 2, 2], "cross-pass", "full"),
+    ([1, 1, 2, 2], "cross-pass", "full"),
+    ([2, 2, 2, 2], "oases", "full"),
+    ([1, 1, 1, 1], "oases", "full"),
+    ([2, 1, 1, 2], "oases", "full"),
 ]
 
 
@@ -259,6 +311,7 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     schedule (state excluded on both sides: it is counted exactly from parameter counts)."""
     from megatron_oases.formats.plan import save_plan, uniform_plan
     from megatron_oases.launch import run_distributed
+    from megatron_oases.planner.choose import RECOMPUTE_FLAGS
     from megatron_oases.planner.prediction import predict
     from megatron_oases.training.measure import activation_peaks
 
@@ -273,9 +326,9 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
         plan["degrees"] = degrees
         path = str(tmp_path / f"plan{i}.json")
         save_plan(plan, path)
-        name = f"{''.join(map(str, degrees))}-{schedule}{'' if recompute else '-norecompute'}"
+        name = f"{''.join(map(str, degrees))}-{schedule}-{recompute}"
         argv = f"{flags} --oases-plan {path} --oases-schedule {schedule}"
-        configs.append((name, argv + (f" {RECOMPUTE}" if recompute else "")))
+        configs.append((name, f"{argv} {RECOMPUTE_FLAGS[recompute]}"))
         bd = predict(
             measured["profile"], degrees, schedule, global_batch=8, micro_batch=4,
             recompute=recompute,
@@ -289,6 +342,11 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
         rows.append((name, predicted[name] / meas - 1))
     print("\n".join(f"{n}: predicted {100 * e:+.1f} % vs measured" for n, e in rows))
     assert all(e >= -0.05 for _, e in rows), rows
+    # selective recompute lies between keeping everything and full recompute, measured and
+    # predicted alike
+    peak = {name: max(p[name] for p in per_rank) for name, _ in configs}
+    for table in (peak, predicted):
+        assert table["2222-off-full"] < table["2222-off-selective"] < table["2222-off-none"]
     # and not uselessly pessimistic either
     assert all(e <= 1.0 for _, e in rows), rows
 

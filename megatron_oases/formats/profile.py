@@ -9,7 +9,8 @@ TMP degree ``d`` (powers of two up to the TMP domain ``T``)::
       "degrees": [1, 2, 4], "dtype_bytes": 2, "state_bytes_per_param": 18,
       "cluster": "rtx3090-pcie" | null, "hardware": {fingerprint}, "cache_key": "...",
       "compute": {                      # seconds per rank, keyed by samples per (sub-)batch
-        "attention": {"4": {"forward_s": [[n, t], ...], "recompute_s": [...], "backward_s": [...]}},
+        "attention": {"4": {"forward_s": [[n, t], ...], "recompute_s": [...], "backward_s": [...],
+                            "core_attention_forward_s": [...]}},  # optional (measured)
         "mlp": {...}},
       "fixed_compute": {"forward_s_per_sample": t, "backward_s_per_sample": t},  # output layer
       "grad_sync": {"bytes_per_layer": {"4": b}, "all_reduce": {"4": {α, β}}},  # DP, optional
@@ -25,6 +26,8 @@ TMP degree ``d`` (powers of two up to the TMP domain ``T``)::
         "layer_activation_bytes_per_sample": {"4": bytes},  # saved by a layer forward, no recompute
         "checkpoint_bytes_per_sample": {"layer_input": b, "block_inputs": b},
         "backward_transient_bytes_per_sample": {"4": bytes},
+        "core_attention_activation_bytes_per_sample": {"4": bytes},  # optional, see below
+        "core_attention_activation_bytes": {"4": [[n, bytes], ...]},  # optional (measured)
         "fixed_activation_bytes_per_sample": bytes,  # logits/loss at T, per sample of the micro-batch
         "overhead_bytes": bytes,                 # framework/context constant
         "sequence_parallel": {                   # SP only, per degree > 1, bytes per sample
@@ -38,6 +41,14 @@ Sequence-parallel data (``--sequence-parallel``) is an optional extension of ver
 without it still loads, and :meth:`Profile.require_sequence_parallel` names the fix when SP is
 planned with it. Under SP the all-gather and reduce-scatter of a TMP group are keyed by its ranks
 ``0..d-1``, like its all-reduce.
+
+Core attention (QKᵀ, softmax, attention dropout, ·V) is what Megatron's selective recomputation
+(``--recompute-granularity selective --recompute-modules core_attn``) recomputes in backward:
+``core_attention_activation_bytes*`` is the part of a layer's saved activations it no longer keeps
+and ``core_attention_forward_s`` the forward it runs again. Both are optional extensions of
+version 1 (profiles made before them still load): :meth:`Profile.core_attention_activation` and
+:meth:`Profile.core_attention_time` then count them from the model shape
+(:func:`core_attention_activation_bytes`, :func:`attention_flops_forward`).
 
 Degree ``d`` groups are the contiguous ranks ``[0, d)`` of the domain; a re-shard from degree ``d1``
 to ``d2 > d1`` all-gathers over ranks ``0, d1, 2·d1, …`` (``d2/d1`` of them).
@@ -89,6 +100,43 @@ def canonical_json(obj):
 
 def sha256_of(obj):
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------- core attention, by shape
+#: FLOPs per attention score of the softmax (scale, subtract the max, exp, sum, divide).
+SOFTMAX_FLOPS_PER_SCORE = 5
+
+
+def _attention_dims(shape):
+    """(s, h, a, g, kv): sequence, hidden, heads, query groups, channels per head."""
+    h, a = shape["hidden_size"], shape["num_attention_heads"]
+    g = shape.get("num_query_groups") or a
+    kv = shape.get("kv_channels") or h // a
+    return shape["seq_length"], h, a, g, kv
+
+
+def attention_flops_forward(shape, degree):
+    """Forward FLOPs of one attention block per rank per sample at TMP ``degree``, by part:
+    ``qkv`` and ``proj`` (the GEMMs), ``core`` (QKᵀ and ·V, the full s×s square; ``4·s²·h/t``
+    with ``a·kv = h``) and ``softmax`` (:data:`SOFTMAX_FLOPS_PER_SCORE` per score). The profiler's
+    block FLOPs are ``qkv + core + proj`` (:mod:`megatron_oases.profiler.layer_math`)."""
+    s, h, a, g, kv = _attention_dims(shape)
+    return {
+        "qkv": 2 * s * h * kv * (a + 2 * g) / degree,
+        "core": 2 * 2 * s * s * kv * a / degree,
+        "softmax": SOFTMAX_FLOPS_PER_SCORE * a * s * s / degree,
+        "proj": 2 * s * kv * a * h / degree,
+    }
+
+
+def core_attention_activation_bytes(shape, degree, dtype_bytes):
+    """Bytes per rank per sample of core attention's intermediates kept for backward (no
+    recompute): the softmax output and, with attention dropout, its mask (1 byte) and output —
+    Korthikanti et al.'s ``5·a·s²·b/t`` at fp16 with dropout. Selective recomputation drops them;
+    its checkpoint keeps Q, K, V, which a layer saves either way."""
+    s, h, a, g, kv = _attention_dims(shape)
+    dropout = 1 if shape.get("attention_dropout", 0.0) > 0 else 0
+    return (dtype_bytes * a * s * s + dropout * (a * s * s + dtype_bytes * a * s * s)) / degree
 
 
 class Profile:
@@ -228,6 +276,34 @@ class Profile:
             self.mem("layer_activation_bytes_per_sample", degree)
             + self.mem("backward_transient_bytes_per_sample", degree)
         ) * samples
+
+    def core_attention_activation(self, degree, samples):
+        """Bytes of one layer's core-attention intermediates at ``degree`` for ``samples`` samples
+        per group (what selective recomputation does not keep): measured at the sample counts in
+        play, a per-sample count, or — profiles made before the field — counted from the shape
+        (:func:`core_attention_activation_bytes`)."""
+        mem = self.data["memory"]
+        points = mem.get("core_attention_activation_bytes", {}).get(str(degree))
+        if points:
+            return interpolate(points, samples)
+        per_sample = mem.get("core_attention_activation_bytes_per_sample", {}).get(str(degree))
+        if per_sample is None:
+            per_sample = core_attention_activation_bytes(self.shape, degree, self.dtype_bytes)
+        return float(per_sample) * samples
+
+    def core_attention_time(self, degree, samples):
+        """Seconds of one core-attention forward (what selective recomputation runs again in
+        backward) at ``degree`` for ``samples`` samples: measured (``core_attention_forward_s``)
+        or, when the profile lacks it (analytic profiles, profiles made before the field), the
+        attention block's forward time × core attention's share of the block's forward FLOPs
+        (QKᵀ, ·V and the softmax; :func:`attention_flops_forward`)."""
+        points = self.data["compute"].get("attention", {}).get(str(degree), {})
+        points = points.get("core_attention_forward_s")
+        if points:
+            return interpolate(points, samples)
+        f = attention_flops_forward(self.shape, degree)
+        share = (f["core"] + f["softmax"]) / sum(f.values())
+        return share * self.compute_time("attention", "forward_s", degree, samples)
 
     def block_runtime_peak(self, degree, samples):
         """The larger block's forward+backward peak (what block-wise recomputation holds), or None

@@ -13,6 +13,13 @@ schedules). Backward chains per schedule (layers in reverse):
 * ``oases``: split; fine-grained recompute drops the recompute all-reduce: ``(R_m+B_m, C)
   (R_a+B_a, C)`` in one segment.
 
+The recompute setting (:data:`RECOMPUTE_MODES`) is Megatron's: ``full`` recomputes each layer
+as above; ``none`` keeps every activation (no recompute blocks, one backward segment;
+``off``/``overlap`` only); ``selective`` (``--recompute-granularity selective --recompute-modules
+core_attn``, ``off``/``overlap`` only) has the chains of ``none`` with each attention backward
+block longer by one core-attention forward (QKᵀ, softmax, dropout, ·V; no TP communication in it,
+so no extra collective): :meth:`~megatron_oases.formats.profile.Profile.core_attention_time`.
+
 Between adjacent layers with different degrees the batch is re-split (an all-gather when the degree
 grows; :mod:`.time_model`). The embedding and output layer run at ``T``, so a first/last layer below
 ``T`` adds one all-gather each (backward at the embedding, forward at the output). The output
@@ -38,10 +45,41 @@ import numpy as np
 
 from ..errors import OasesConfigError
 from ..formats.profile import gather_ranks, tp_ranks
-from ..validation import SPLIT_SCHEDULES, check_schedule, check_schedule_recompute
+from ..validation import (
+    RECOMPUTE_SCHEDULES,
+    SPLIT_SCHEDULES,
+    check_schedule,
+    check_schedule_recompute,
+)
 from .block_comm import block_comm
 from .memory_model import memory_parts
 from .problem import DEFAULT_GRANULE, DEFAULT_MARGIN, Block, ChainProblem
+
+#: Megatron's recompute settings, most activation memory first: keep everything; recompute core
+#: attention (``--recompute-granularity selective --recompute-modules core_attn``); recompute
+#: every layer from its input (``--recompute-granularity full``).
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def recompute_mode(value, source="recompute"):
+    """``value`` as one of :data:`RECOMPUTE_MODES`. Booleans are the older form (plans written
+    before selective recomputation was planned, ``recompute=True`` callers): True is ``full``,
+    False ``none``; None is the default, ``full``."""
+    if value is None or value is True:
+        return "full"
+    if value is False:
+        return "none"
+    if value in RECOMPUTE_MODES:
+        return value
+    raise OasesConfigError(
+        f"{source}: unknown recompute setting {value!r}; choose one of {', '.join(RECOMPUTE_MODES)}"
+    )
+
+
+def recompute_label(value):
+    """``"no"``, ``"selective"`` or ``"full"``: the setting as text says it (``… recompute``)."""
+    mode = recompute_mode(value)
+    return "no" if mode == "none" else mode
 
 
 def _subs(n, split):
@@ -80,9 +118,15 @@ def build_problem(
     most). Stage-to-stage p2p transfers are not modelled. ``sequence_parallel``: Megatron's
     ``--sequence-parallel``; every layer at degree ``T`` (:func:`_sequence_parallel_degrees`)."""
     check_schedule(schedule, source="--schedule")
-    if recompute is None:
-        recompute = True
-    check_schedule_recompute(schedule, recompute, flag="--schedule", fix="drop --no-recompute")
+    recompute = recompute_mode(recompute, source="--recompute")
+    if recompute == "selective" and schedule in RECOMPUTE_SCHEDULES:
+        raise OasesConfigError(
+            f"--schedule {schedule} recomputes whole layers; use --recompute full, or --schedule "
+            "off or overlap with --recompute selective"
+        )
+    check_schedule_recompute(
+        schedule, recompute == "full", flag="--schedule", fix="use --recompute full"
+    )
     T, D = profile.tp, profile.dp
     pp = int(profile.data.get("pipeline_model_parallel_size", 1))
     total_layers = int(num_layers or profile.num_layers)
@@ -166,6 +210,13 @@ def build_problem(
     F = {b: tab[b, "forward_s"] for b in ("attention", "mlp")}
     R = {b: tab[b, "recompute_s"] for b in ("attention", "mlp")}
     B = {b: tab[b, "backward_s"] for b in ("attention", "mlp")}
+    if recompute == "selective":  # core attention's forward runs again inside its backward
+        B["attention"] = B["attention"] + np.array(
+            [
+                [profile.core_attention_time(d, sizes[d][s]) if sizes[d][s] else 0.0 for d in degs]
+                for s in range(S)
+            ]
+        )
 
     fc, rc, bc = comm["forward"], comm["recompute"], comm["backward"]
     forward = [[]]
@@ -180,10 +231,10 @@ def build_problem(
             seg.append(blk(l, "mlp.R+B", R["mlp"] + B["mlp"], rc + bc))
             seg.append(blk(l, "attention.R+B", R["attention"] + B["attention"], rc + bc))
         backward = [seg]
-    elif schedule in ("cross-pass", "off") or not recompute:
+    elif schedule in ("cross-pass", "off") or recompute != "full":
         seg = []
         for l in reversed(range(L)):
-            if recompute:
+            if recompute == "full":
                 seg.append(blk(l, "attention.R", R["attention"], rc))
                 seg.append(blk(l, "mlp.R", R["mlp"], rc))
             seg.append(blk(l, "mlp.B", B["mlp"], bc))
@@ -304,7 +355,7 @@ def build_problem(
         replica_sync=replica,
         meta={
             "schedule": schedule,
-            "recompute": bool(recompute),
+            "recompute": recompute,
             "sequence_parallel": bool(sequence_parallel),
             "tensor_model_parallel_size": T,
             "data_parallel_size": D,

@@ -1,31 +1,49 @@
 """``oases plan --schedule auto``: choose the schedule and the recompute setting with the degrees.
 
-The comparison a user makes is "the fastest thing that fits my memory": stock Megatron with or
-without full recomputation, or an overlapped schedule. Each (schedule, recompute) setting the cost
-model covers is planned in turn (its own per-layer degrees under the same memory limit); the
-fastest predicted plan that fits wins, and the plan records every setting tried (``alternatives``)
-and the Megatron flags that run the winner (``launch_flags``). Megatron's selective recomputation
-has no term in the memory model yet, so it is not among the candidates.
+The comparison a user makes is "the fastest thing that fits my memory": stock Megatron keeping
+every activation, with selective recomputation of core attention or with full recomputation, or
+an overlapped schedule. Each (schedule, recompute) setting of :data:`SETTINGS` is planned in turn
+(its own per-layer degrees under the same memory limit); the fastest predicted plan that fits
+wins, and the plan records every setting tried (``alternatives``) and the Megatron flags that run
+the winner (``launch_flags``). Recompute settings are :data:`~.build.RECOMPUTE_MODES`:
+``selective`` (Megatron's ``--recompute-granularity selective --recompute-modules core_attn``)
+is planned for ``off`` and ``overlap``, the schedules whose runtime supports it; ``cross-pass``
+and ``oases`` recompute whole layers (``full``) by construction.
 """
 
 from ..errors import OasesConfigError
 from .api import NoPlanFits, make_plan
+from .build import recompute_label, recompute_mode
 
-#: (schedule, full recompute) settings, cheapest memory last.
+#: (schedule, recompute) settings, cheapest memory last.
 SETTINGS = (
-    ("off", False),
-    ("overlap", False),
-    ("off", True),
-    ("overlap", True),
-    ("cross-pass", True),
-    ("oases", True),
+    ("off", "none"),
+    ("overlap", "none"),
+    ("off", "selective"),
+    ("overlap", "selective"),
+    ("off", "full"),
+    ("overlap", "full"),
+    ("cross-pass", "full"),
+    ("oases", "full"),
 )
-FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+#: Megatron's flags per recompute setting.
+RECOMPUTE_FLAGS = {
+    "none": "",
+    "selective": "--recompute-granularity selective --recompute-modules core_attn",
+    "full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+}
 
 
 def launch_flags(schedule, recompute):
-    """The flags that select ``schedule`` with or without Megatron's full recomputation."""
-    return f"--oases-schedule {schedule}" + (f" {FULL_RECOMPUTE}" if recompute else "")
+    """The flags that select ``schedule`` with Megatron's ``recompute`` setting (``"none"``,
+    ``"selective"``, ``"full"``; a bool is the older form: True full, False none)."""
+    flags = RECOMPUTE_FLAGS[recompute_mode(recompute)]
+    return f"--oases-schedule {schedule}" + (f" {flags}" if flags else "")
+
+
+def setting_name(schedule, recompute):
+    """``"overlap (selective recompute)"``: a setting as the table and messages name it."""
+    return f"{schedule} ({recompute_label(recompute)} recompute)"
 
 
 def choose_plan(profile, **kwargs):
@@ -70,20 +88,21 @@ def choose_plan(profile, **kwargs):
 
 
 def alternatives_table(plan):
-    """The settings tried, fastest first, as text lines."""
+    """The settings tried, fastest first, as text lines (``recompute`` of plans written before
+    selective recomputation was planned is a bool: read as full / none)."""
     rows = sorted(
         plan.get("alternatives", ()),
         key=lambda t: (not t["fits"], t.get("iteration_time_s", 0.0)),
     )
-    lines = ["setting                         iteration ms  peak GB/rank  degrees"]
+    lines = ["setting                          iteration ms  peak GB/rank  degrees"]
     for t in rows:
-        name = f"{t['schedule']} ({'full recompute' if t['recompute'] else 'no recompute'})"
+        name = setting_name(t["schedule"], t["recompute"])
         if t["fits"]:
             degrees = sorted(set(t["degrees"]))
             lines.append(
-                f"{name:<31} {t['iteration_time_s'] * 1e3:>12.2f}  "
+                f"{name:<32} {t['iteration_time_s'] * 1e3:>12.2f}  "
                 f"{t['peak_memory_bytes_per_rank'] / 1e9:>12.2f}  {degrees}"
             )
         else:
-            lines.append(f"{name:<31} {'does not fit':>12}")
+            lines.append(f"{name:<32} {'does not fit':>12}")
     return lines

@@ -2,6 +2,7 @@
 
 oases plan --profile profile.json --global-batch-size 128 --memory 24 --out plan.json
 oases plan ... --degrees 2,4 --pin 0-3=4 --max-switches 1 --verify
+oases plan ... --schedule overlap --recompute selective    # or --schedule auto: pick the setting
 oases plan --profile profile.json --evaluate plan.json     # re-predict an (edited) plan
 oases plan --profile sp-profile.json --global-batch-size 128 --sequence-parallel  # uniform T
 """
@@ -12,7 +13,7 @@ import sys
 
 from ..errors import OasesConfigError
 from ..validation import SCHEDULES
-from .build import build_problem
+from .build import RECOMPUTE_MODES, build_problem, recompute_label, recompute_mode
 from .ilp import DEFAULT_TIME_LIMIT_S
 from .prediction import predict
 from .problem import DEFAULT_MARGIN
@@ -45,14 +46,23 @@ def build_parser():
         "--schedule",
         choices=SCHEDULES + ("auto",),
         default="oases",
-        help="the schedule to plan for; auto: plan stock Megatron and every Oases schedule, with "
-        "and without full recompute, and keep the fastest that fits --memory (the plan's "
+        help="the schedule to plan for; auto: plan stock Megatron and every Oases schedule with "
+        "each recompute setting it supports (none, selective and full for off and overlap; full "
+        "for cross-pass and oases) and keep the fastest that fits --memory (the plan's "
         "launch_flags say how to run it)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        default=None,
+        help="Megatron's recompute setting (default full): none keeps every activation; "
+        "selective recomputes core attention (--recompute-granularity selective "
+        "--recompute-modules core_attn; off/overlap); full recomputes each layer",
     )
     p.add_argument(
         "--no-recompute",
         action="store_true",
-        help="off/overlap schedules without full recompute (more activation memory)",
+        help="the same as --recompute none",
     )
     p.add_argument(
         "--grad-sync",
@@ -150,7 +160,8 @@ def _evaluate(args):
     if gbs is None:
         raise OasesConfigError("pass --global-batch-size (the plan does not record one)")
     schedule = plan.get("schedule") or args.schedule
-    recompute = plan.get("recompute", not args.no_recompute)
+    # plans written before selective recomputation was planned hold a bool (True: full)
+    recompute = recompute_mode(plan.get("recompute", _recompute_arg(args)), f"{args.evaluate}")
     common = dict(
         schedule=schedule,
         micro_batch_size=args.micro_batch_size or plan.get("micro_batch_size"),
@@ -174,7 +185,10 @@ def _evaluate(args):
         **common,
     )
     sp = ", sequence parallel" if common["sequence_parallel"] else ""
-    print(f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule}{sp})")
+    print(
+        f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule}, "
+        f"{recompute_label(recompute)} recompute{sp})"
+    )
     print(
         f"predicted iteration {res['iteration_time_s'] * 1e3:.2f} ms (forward "
         f"{res['forward_s'] * 1e3:.2f}, backward {res['backward_s'] * 1e3:.2f}, re-shard "
@@ -193,6 +207,15 @@ def _evaluate(args):
     return 0
 
 
+def _recompute_arg(args):
+    """``--recompute`` / ``--no-recompute`` as one setting (None: not given)."""
+    if args.no_recompute and args.recompute not in (None, "none"):
+        raise OasesConfigError(
+            f"--no-recompute contradicts --recompute {args.recompute}; drop one of them"
+        )
+    return "none" if args.no_recompute else args.recompute
+
+
 def main(argv):
     args = build_parser().parse_args(argv)
     if args.evaluate:
@@ -208,13 +231,11 @@ def main(argv):
     from .choose import alternatives_table, choose_plan
     from .explain import explanation_table, summary
 
-    if args.schedule == "auto" and args.no_recompute:
-        raise OasesConfigError("--schedule auto chooses the recompute setting; drop --no-recompute")
-    setting = (
-        {}
-        if args.schedule == "auto"
-        else dict(schedule=args.schedule, recompute=not args.no_recompute)
-    )
+    recompute = _recompute_arg(args)
+    if args.schedule == "auto" and recompute is not None:
+        flag = "--no-recompute" if args.no_recompute else "--recompute"
+        raise OasesConfigError(f"--schedule auto chooses the recompute setting; drop {flag}")
+    setting = {} if args.schedule == "auto" else dict(schedule=args.schedule, recompute=recompute)
     try:
         plan, problem, sol = (choose_plan if args.schedule == "auto" else make_plan)(
             args.profile,

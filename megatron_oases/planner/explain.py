@@ -1,6 +1,7 @@
 """The explanation table ``oases plan`` prints: per layer, the degree chosen, its cost, the runner-up
 (the best other degree for that layer with every other layer kept) and why it lost."""
 
+from .build import recompute_label
 from .time_model import decompose, evaluate, objective
 
 
@@ -124,7 +125,8 @@ def summary(plan):
     p = plan["predicted"]
     lines = [
         f"plan: {compress_degrees(plan['degrees'])}  (T={plan['tensor_model_parallel_size']}, "
-        f"schedule {plan['schedule']}, global batch {plan['global_batch_size']}, micro-batch "
+        f"schedule {plan['schedule']}, {recompute_label(plan.get('recompute'))} recompute, "
+        f"global batch {plan['global_batch_size']}, micro-batch "
         f"{plan['micro_batch_size']} × {plan['num_microbatches']})",
         f"predicted iteration {p['iteration_time_s'] * 1e3:.2f} ms = forward "
         f"{p['forward_s'] * 1e3:.2f} + backward {p['backward_s'] * 1e3:.2f} + re-shard "

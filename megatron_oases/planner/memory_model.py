@@ -6,9 +6,16 @@ recompute), the two block inputs (``oases`` fine-grained recompute) or all activ
 recompute), and ``runtime`` is the forward+backward peak of what is recomputed at once — the whole
 layer, or for ``oases`` the larger block of one sub-batch — measured at the group's sample count
 ``n_l`` (not a per-sample value times ``n_l``: weight-gradient temporaries do not grow with the
-batch). Split schedules with recomputation add one sub-batch's backward working set (peak −
+batch). Split schedules with full recomputation add one sub-batch's backward working set (peak −
 activations at ``⌈n_l/2⌉``): the two sub-batches' backward passes interleave. The constraint is
 ``peak × (1 + margin) ≤ memory`` (:class:`~.problem.ChainProblem`).
+
+Selective recomputation of core attention (``recompute="selective"``; ``off``/``overlap``) saves
+what no recompute saves minus core attention's intermediates ``c(d_l, n_l)`` (softmax output,
+attention-dropout mask and output: Korthikanti et al.'s ``5·a·s²·b/t`` of ``34·s·b·h/t +
+5·a·s²·b/t``, measured or counted: the profile's ``core_attention_activation``), and the layer
+being back-propagated holds them again (recomputed): ``saved = act − c``, ``runtime = peak − act +
+c``. Core attention is inside the column→row span, so SP does not change ``c``.
 
 Under sequence parallelism (SP) checkpoints are ``s/d`` (layer input, block inputs ÷ d) and the
 profile's ``memory.sequence_parallel`` savings (the sequence-long tensors outside the column→row
@@ -43,8 +50,8 @@ def memory_parts(
     """Eq. (6)'s terms in bytes per rank for candidate degrees ``degs``: ``(parts, fixed_parts)``
     with ``parts[name]`` an (L, K) array for ``state`` and ``saved`` (additive over layers) and
     ``runtime`` (max over layers), and ``fixed_parts`` the degree-independent bytes. ``in_flight``
-    micro-batches keep their saved activations alive (1F1B); ``sequence_parallel``: SP-sized
-    terms (module docstring)."""
+    micro-batches keep their saved activations alive (1F1B); ``recompute``: ``"none"``,
+    ``"selective"`` or ``"full"``; ``sequence_parallel``: SP-sized terms (module docstring)."""
     T, D = profile.tp, profile.dp
     L, K, m = num_layers, len(degs), micro_batch
     split = schedule in SPLIT_SCHEDULES
@@ -71,9 +78,15 @@ def memory_parts(
         sp = _SequenceParallel(profile, d, sequence_parallel)
         act = sp.activation(n)
         peak = max(act, sp.runtime_peak(n))
-        if not recompute:
+        if recompute in ("none", "selective"):
+            # core attention's intermediates, recomputed in backward: off the saved activations,
+            # back in the working set of the layer being back-propagated
+            core = 0.0
+            if recompute == "selective":
+                core = min(act, profile.core_attention_activation(d, n))
             # the overlapped schedules' per-block graphs hold each gathered column input
-            saved, runtime = act + (2 * sp.gathered * n if split else 0.0), peak - act
+            saved = act - core + (2 * sp.gathered * n if split else 0.0)
+            runtime = peak - act + core
         elif schedule == "oases":
             # block-wise recomputation, one sub-batch at a time (R_j+B_j of sub-batch 0, then of
             # sub-batch 1): one block's activations of one sub-batch are live at a time
@@ -83,7 +96,7 @@ def memory_parts(
         else:
             saved, runtime = float(ckpt["layer_input"]) / sp.divisor * n, peak
             runtime += 2 * sp.gathered * n if split else 0.0
-        if split and recompute:
+        if split and recompute == "full":
             # the two sub-batches' backward passes interleave: one sub-batch's backward working
             # set (gradients in flight, weight-gradient temporaries) is live on top
             h = -(-n // 2)

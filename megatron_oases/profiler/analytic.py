@@ -1,10 +1,13 @@
 """``oases profile --analytic --cluster PROFILE``: a profile from FLOP counts and a cluster profile.
 
 Compute: block FLOPs (``layer_math``) at the cluster's sustained TFLOP/s; recompute = forward,
-backward = 2 × forward. Communication: the cluster's ring α–β model for each group (placement rules
-of :mod:`megatron_oases.testbed.clusters`); with sequence parallelism also the all-gather and
-reduce-scatter on every TMP group. Memory: ``layer_math`` counts. Nothing is measured, so
-paper-scale clusters can be planned on a laptop.
+backward = 2 × forward; core attention's forward (what selective recomputation runs again) is not
+written: the planner takes its FLOP share of the attention block's forward
+(``Profile.core_attention_time``). Communication: the cluster's ring α–β model for each group
+(placement rules of :mod:`megatron_oases.testbed.clusters`); with sequence parallelism also the
+all-gather and reduce-scatter on every TMP group. Memory: ``layer_math`` counts (with the
+core-attention bytes selective recomputation does not keep). Nothing is measured, so paper-scale
+clusters can be planned on a laptop.
 """
 
 import time
@@ -86,6 +89,11 @@ def memory_section(shape, tp, degrees, dtype_bytes, overhead_bytes, sequence_par
         },
         "backward_transient_bytes_per_sample": {
             str(d): layer_math.backward_transient_bytes(shape, d, dtype_bytes) for d in degrees
+        },
+        # what selective recomputation (core attention) does not keep; the same under SP
+        "core_attention_activation_bytes_per_sample": {
+            str(d): layer_math.core_attention_activation_bytes(shape, d, dtype_bytes)
+            for d in degrees
         },
         "fixed_activation_bytes_per_sample": layer_math.logits_bytes(shape, tp, dtype_bytes)
         + 2 * layer_math.hidden_bytes(shape, dtype_bytes),

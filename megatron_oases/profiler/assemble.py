@@ -2,7 +2,8 @@
 
 Compute times become per-degree ``[samples, seconds]`` points; communication points are fitted
 ``t = α + β·bytes``; memory is parameters per rank (× optimizer-state bytes per parameter) and the
-measured saved activations and runtime peaks, on top of :mod:`.analytic`'s memory section (backward
+measured saved activations and runtime peaks (and the core-attention part of them that selective
+recomputation does not keep), on top of :mod:`.analytic`'s memory section (backward
 working set, embedding/logits memory from :mod:`.layer_math` where not measured; under sequence
 parallelism the SP savings, counted, applied to the measured non-SP values by the planner); the
 output layer's time is its FLOPs at the measured MLP rate.
@@ -29,7 +30,7 @@ def assemble(margs, shape, T, degrees, result, fingerprint, cache_key, emulate_l
             per = result["compute"][d]
             compute[block][str(d)] = {
                 ph: [[n, per[n][block][ph]] for n in sorted(per)]
-                for ph in ("forward_s", "recompute_s", "backward_s")
+                for ph in sorted(per[min(per)][block])  # + core_attention_forward_s (attention)
             }
     comm = {kind: {} for kind in result["comm"]}
     for kind in comm:
@@ -58,6 +59,15 @@ def assemble(margs, shape, T, degrees, result, fingerprint, cache_key, emulate_l
     # the same as measured at each sample count in play: a per-sample maximum times n would count
     # n-independent parts (weight-gradient temporaries, masks) n times
     mem["layer_activation_bytes"] = act_points
+    # what selective recomputation of core attention does not keep: the attention half's saved
+    # bytes without it minus with it (measured at each sample count in play)
+    mem["core_attention_activation_bytes"] = {
+        str(d): [
+            [n, max(0.0, b["attention"] - b["attention_selective"])]
+            for n, b in sorted(result["saved"][d].items())
+        ]
+        for d in degrees
+    }
     source = "layer activations: saved_tensors_hooks; logits: layer_math"
     if len(peaks) == len(degrees):
         # backward working set beyond the saved activations, as measured (never below zero)

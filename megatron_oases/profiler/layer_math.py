@@ -16,6 +16,8 @@ replicated tensors hold ``s/d`` of the sequence, so they are divided by ``d`` to
 eq. for SP+TP: ``sbh·(34/t + 5as/(ht))`` in fp16).
 """
 
+from ..formats.profile import attention_flops_forward, core_attention_activation_bytes
+
 BLOCKS = ("attention", "mlp")
 
 
@@ -34,10 +36,8 @@ def block_flops_forward(shape, block, degree):
     h, a, g, kv, ffn, fc1 = _dims(shape)
     s = shape["seq_length"]
     if block == "attention":
-        qkv = 2 * s * h * kv * (a + 2 * g)
-        core = 2 * 2 * s * s * kv * a  # QK^T and AV; the local spec computes the full square
-        proj = 2 * s * kv * a * h
-        return (qkv + core + proj) / degree
+        f = attention_flops_forward(shape, degree)  # core: the local spec computes the full square
+        return f["qkv"] + f["core"] + f["proj"]
     if block == "mlp":
         return (2 * s * h * fc1 + 2 * s * ffn * h) / degree
     raise ValueError(block)
@@ -82,22 +82,17 @@ def block_activation_bytes(shape, block, degree, dtype_bytes, sequence_parallel=
     h, a, g, kv, ffn, fc1 = _dims(shape)
     s, p = shape["seq_length"], dtype_bytes
     drop_mask = 1 if shape.get("hidden_dropout", 0.0) > 0 else 0
-    attn_mask = 1 if shape.get("attention_dropout", 0.0) > 0 else 0
     if block == "attention":
         replicated = p * s * h * 2 + drop_mask * s * h  # LN input, QKV input; dropout mask
-        split = (
-            p * s * kv * (a + 2 * g)  # Q, K, V
-            + p * a * s * s  # softmax output
-            + attn_mask * a * s * s  # attention-dropout mask
-            + (p * a * s * s if attn_mask else 0)  # dropout output (input of AV)
-            + p * s * kv * a  # projection input
-        )
+        split = p * s * kv * (a + 2 * g) + p * s * kv * a  # Q, K, V; projection input
+        # + the softmax output, attention-dropout mask and output (what selective recompute drops)
+        core = core_attention_activation_bytes(shape, degree, p)
     elif block == "mlp":
         replicated = p * s * h * 2 + drop_mask * s * h  # LN input, fc1 input; dropout mask
-        split = p * s * fc1 + p * s * ffn  # activation input, fc2 input
+        split, core = p * s * fc1 + p * s * ffn, 0.0  # activation input, fc2 input
     else:
         raise ValueError(block)
-    return split / degree + replicated / (degree if sequence_parallel else 1)
+    return split / degree + core + replicated / (degree if sequence_parallel else 1)
 
 
 def layer_activation_bytes(shape, degree, dtype_bytes, sequence_parallel=False):

@@ -33,8 +33,9 @@ from .worker import profile_worker
 # Bumped whenever what is measured changes, so cached profiles measured the old way are not reused
 # (2: the runtime peak frees each weight gradient once accumulated, as DDP does, the meter no longer
 # counts views/in-place results of pre-existing tensors, per-block peaks, values per sample count;
-# 3: the layer's TransformerConfig from Megatron-LM's core_transformer_config_from_args).
-MEASUREMENT_REVISION = 3
+# 3: the layer's TransformerConfig from Megatron-LM's core_transformer_config_from_args;
+# 4: core attention's forward time and the attention half's saved bytes under selective recompute).
+MEASUREMENT_REVISION = 4
 
 
 def hardware_fingerprint(world_size, emulate_link=None):

@@ -6,9 +6,12 @@ we time, with the TP all-reduces switched off so that only computation is measur
 
 * forward (autograd recording on), recompute (= the same forward again), backward;
 
-and take the median over ``repeats`` (after a warm-up). Memory: the bytes each half saves for
+and take the median over ``repeats`` (after a warm-up), and the forward of the core attention alone
+(what selective recomputation runs again in backward). Memory: the bytes each half saves for
 backward, counted with ``torch.autograd.graph.saved_tensors_hooks`` (unique storages, parameters
-excluded), and the live-tensor peak of a forward + backward. The layer is built without sequence
+excluded), the attention half's again with Megatron's selective recomputation of core attention
+switched on (its checkpoint keeps Q, K, V instead of the softmax output and dropout tensors), and
+the live-tensor peak of a forward + backward. The layer is built without sequence
 parallelism (same GEMMs; SP's collectives are timed on their own). Communication: the median time
 of one ``all_reduce``, ``all_gather_into_tensor`` or ``reduce_scatter_tensor`` of a given size (the
 full, gathered tensor) on a given group.
@@ -145,6 +148,7 @@ def profile_block_times(layer, margs, n, repeats):
 
     times, saved = {}, {}
     with _NoComm():
+        core_s = _core_attention_time(layer, attn, repeats)
         for block, fn in (("attention", attn), ("mlp", mlp)):
             fwd = _median_time(fn, repeats)
             rec = _median_time(fn, repeats)
@@ -162,10 +166,44 @@ def profile_block_times(layer, margs, n, repeats):
             _, nbytes = _saved_bytes(fn, params)
             times[block] = {"forward_s": fwd, "recompute_s": rec, "backward_s": bwd}
             saved[block] = nbytes
+        times["attention"]["core_attention_forward_s"] = core_s
+        saved["attention_selective"] = _selective_saved_bytes(layer, attn, params)
         saved["runtime_peak"] = _runtime_peak(layer, x, grad)
         for block in ("attention", "mlp"):
             saved[f"runtime_peak_{block}"] = _runtime_peak(layer, x, grad, blocks=(block,))
     return times, saved
+
+
+def _core_attention_time(layer, attn, repeats):
+    """Median seconds of the layer's core attention forward (autograd recording on) on the
+    query, key and value one attention forward gives it."""
+    core = layer.self_attention.core_attention
+    calls = []
+
+    def capture(*args, **kwargs):
+        calls.append((args, kwargs))
+        return type(core).forward(core, *args, **kwargs)
+
+    core.forward = capture
+    try:
+        attn()
+    finally:
+        del core.forward
+    args, kwargs = calls[0]
+    return _median_time(lambda: core(*args, **kwargs), repeats)
+
+
+def _selective_saved_bytes(layer, attn, params):
+    """Bytes the attention half saves for backward under Megatron's selective recomputation of
+    core attention (``--recompute-granularity selective --recompute-modules core_attn``): the
+    layer's own switch, set for this measurement only."""
+    sa = layer.self_attention
+    before = sa.checkpoint_core_attention
+    sa.checkpoint_core_attention = True
+    try:
+        return _saved_bytes(attn, params)[1]
+    finally:
+        sa.checkpoint_core_attention = before
 
 
 def _runtime_peak(layer, x, grad, blocks=("attention", "mlp")):

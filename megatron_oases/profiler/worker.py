@@ -90,17 +90,11 @@ def profile_worker(payload):
             for n in payload["sizes"][str(d)]:
                 dist.barrier()
                 t, b = profile_block_times(layer, margs, n, repeats)
-                flat = [
-                    t[blk][ph]
-                    for blk in ("attention", "mlp")
-                    for ph in ("forward_s", "recompute_s", "backward_s")
-                ]
-                flat = _max_over_ranks(flat)
-                it = iter(flat)
-                compute[d][n] = {
-                    blk: {ph: next(it) for ph in ("forward_s", "recompute_s", "backward_s")}
-                    for blk in ("attention", "mlp")
-                }
+                keys = [(blk, ph) for blk in sorted(t) for ph in sorted(t[blk])]
+                flat = _max_over_ranks([t[blk][ph] for blk, ph in keys])
+                compute[d][n] = {blk: {} for blk in t}
+                for (blk, ph), v in zip(keys, flat):
+                    compute[d][n][blk][ph] = v
                 saved[d][n] = b
             del layer
 
