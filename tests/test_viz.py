@@ -1,6 +1,8 @@
-"""Trace analysis (exposed communication, comm union, efficiency) and the timeline PNG."""
+"""Trace analysis (exposed communication, comm union, efficiency, CPU time) and the timeline PNG."""
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -164,3 +166,125 @@ def test_channel_replay_uses_the_emulators_model():
 
     want = 100.0 * load_cluster("rtx3090-pcie").all_reduce_time(2000, [0, 1]) * 1e6
     assert model(e) == pytest.approx(want)
+
+
+def _cpu_comm(issue, wait, done, cpu_issue, cpu_wait, cpu_done, **kw):
+    e = _comm(issue, wait, done, **kw)
+    e["args"].update(issue_cpu_us=cpu_issue, wait_cpu_us=cpu_wait, done_cpu_us=cpu_done)
+    return e
+
+
+def _op(ts, dur, cpu, p="forward", layer=0, block="layer", sb=-1, runq=None):
+    return _ev(
+        "compute", ts, dur, layer=layer, block=block, sub_batch=sb, cpu_us=cpu, runq_us=runq,
+        **{"pass": p},
+    )  # fmt: skip
+
+
+def test_cpu_metrics_tell_extra_work_from_contention():
+    """Stock: one layer segment [0, 700] containing a synchronous all-reduce blocked [400, 600];
+    the split schedule: the same layer's work (500 µs CPU) in two sub-batch ops that took 800 µs of
+    wall, because the thread waited 300 µs for a CPU. Compute CPU is equal, compute wall is not."""
+    stock = _trace(
+        [_op(0, 700, 502, runq=0), _cpu_comm(400, 400, 600, 300, 300, 302)], 1000, schedule="off"
+    )
+    stock["metadata"].update(iteration_cpu_us=702, iteration_runq_us=0)
+    split = _trace(
+        [
+            _op(0, 400, 250, block="attention", sb=0, runq=150),
+            _cpu_comm(400, 900, 950, 250, 500, 500, sb=0),
+            _op(400, 400, 250, block="attention", sb=1, runq=150),
+            _cpu_comm(800, 950, 1000, 500, 500, 500, sb=1),
+        ],
+        1000,
+        schedule="oases",
+    )
+    split["metadata"].update(iteration_cpu_us=600, iteration_runq_us=300)
+    ops = analysis.compute_ops(stock)
+    assert ops[0]["wall_us"] == pytest.approx(500) and ops[0]["cpu_us"] == pytest.approx(500)
+    s, o = analysis.rank_metrics(stock), analysis.rank_metrics(split)
+    assert s["blocked_cpu_us"] == pytest.approx(2) and s["compute_cpu_us"] == pytest.approx(700)
+    assert s["compute_us"] == pytest.approx(800) and o["compute_us"] == pytest.approx(900)
+    assert o["compute_cpu_us"] == pytest.approx(600) and o["runq_us"] == 300
+    assert o["compute_cpu_share"] == pytest.approx(600 / 900)
+    assert s["layer_compute_cpu_us"] == pytest.approx(500) == o["layer_compute_cpu_us"]
+    assert o["layer_compute_us"] == pytest.approx(800)
+    by = analysis.op_breakdown([split])
+    assert by[("forward", 0)] == {"ops": 2, "wall_us": 800, "cpu_us": 500, "runq_us": 300}
+    table = analysis.format_ops({"stock": [stock], "oases": [split]})
+    assert "CPU oases/stock" in table.splitlines()[0]
+    last = table.splitlines()[-1].split()
+    assert last[:2] == ["all", "layers"] and last[-1] == "1.000"  # the same work
+    assert last[2:5] == ["0.5", "0.5", "0.0"] and last[5:8] == ["0.8", "0.5", "0.3"]
+
+
+def test_cpu_metrics_absent_from_old_traces():
+    op = _ev("compute", 0, 50, layer=0, sub_batch=0, **{"pass": "forward"})
+    old = _trace([op, _comm(50, 50, 90)], 100)
+    m = analysis.rank_metrics(old)
+    assert m["compute_us"] == 60 and m["compute_cpu_us"] is None and m["runq_us"] is None
+    assert m["layer_compute_us"] == 50 and m["layer_compute_cpu_us"] is None
+    assert analysis.op_breakdown(old)[("forward", 0)]["cpu_us"] is None
+    run = analysis.run_metrics([old, old])
+    assert run["compute_cpu_us"] is None and run["external_cpu_us"] is None
+    assert "-" in analysis.format_ops({"a": [old]})
+
+
+def test_host_load_of_other_processes():
+    traces = []
+    for rank in (0, 1):
+        t = _trace([], 1000, rank=rank)
+        t["metadata"].update(
+            iteration_cpu_us=700,
+            process_cpu_us=800,
+            host_cpu={"busy_us": 2000 - 2 * rank, "steal_us": 0, "cpus": 2},
+        )
+        traces.append(t)
+    m = analysis.run_metrics(traces)
+    assert m["other_threads_cpu_us"] == pytest.approx(100)
+    assert m["host_busy_cpu_us"] == pytest.approx(1999)
+    assert m["external_cpu_us"] == pytest.approx(399)  # 1999 - 2 x 800
+    assert m["external_cpu_share"] == pytest.approx(399 / 2000)
+
+
+def test_tracer_records_thread_cpu_time(tmp_path):
+    tr = Tracer(rank=0, world_size=1, schedule="off")
+    tr.start_iteration(1)
+    with tr.compute(**{"pass": "forward", "layer": 0, "block": "attention", "sub_batch": 0}):
+        time.sleep(0.05)  # waiting: wall, no CPU
+    with tr.compute(**{"pass": "forward", "layer": 0, "block": "mlp", "sub_batch": 0}):
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:  # working: CPU ~ wall (unless descheduled)
+            pass
+    tr.open_compute("bwd", **{"pass": "backward", "layer": 0, "block": "layer"})
+    rec = tr.comm_issue("all_reduce", 1024, 2, True)
+    tr.comm_wait(rec)
+    time.sleep(0.02)
+    tr.comm_done(rec)
+    tr.close_compute("bwd")
+    tr.close_compute("never-opened")
+    tr.end_iteration()
+    trace = tr.to_json()
+    sleep_op, spin_op, bwd = [e for e in trace["traceEvents"] if e["cat"] == "compute"]
+    assert sleep_op["dur"] >= 50e3 and sleep_op["args"]["cpu_us"] < 10e3
+    a = spin_op["args"]
+    assert spin_op["dur"] >= 50e3 and a["cpu_us"] > 0 and a["cpu_us"] <= spin_op["dur"] + 1e3
+    if a["runq_us"] is not None:  # Linux: CPU + waiting for a CPU accounts for the wall time
+        assert a["cpu_us"] + a["runq_us"] == pytest.approx(spin_op["dur"], rel=0.2)
+    assert bwd["args"]["pass"] == "backward" and bwd["dur"] >= 20e3
+    (comm,) = [e for e in trace["traceEvents"] if e["cat"] == "comm"]
+    c = comm["args"]
+    assert c["issue_cpu_us"] <= c["wait_cpu_us"] <= c["done_cpu_us"] < c["wait_cpu_us"] + 10e3
+    md = trace["metadata"]
+    assert md["iteration_cpu_us"] >= a["cpu_us"] and md["process_cpu_us"] >= a["cpu_us"] * 0.9
+    m = analysis.rank_metrics(trace)
+    assert m["blocked_cpu_us"] < 10e3 and m["compute_cpu_us"] >= a["cpu_us"] * 0.9
+    if "threads_cpu_us" in md:
+        assert set(md["threads_cpu_us"]) >= {"compute"} and md["host_cpu"]["cpus"] >= 1
+
+    # Another thread's calls record no CPU time (thread_time is per thread).
+    got = {}
+    worker = threading.Thread(target=lambda: got.setdefault("cpu", tr.cpu_now()))
+    worker.start()
+    worker.join()
+    assert got == {"cpu": None}

@@ -6,7 +6,9 @@ Replaced symbols: ``torch.distributed.all_reduce``, ``all_gather_into_tensor`` a
 issue / wait / completion, async ops return a work wrapper —, ``TransformerLayer.forward``
 (labels stock Megatron's forward and
 recompute communication with the layer, and its backward communication via gradient hooks on the
-layer output/input), and Megatron-LM's ``train_step`` (an iteration starts and ends there). The
+layer output/input; for stock Megatron it also records each layer's forward, recompute and backward
+as one compute segment, block ``layer``, whose blocked communication the analysis subtracts), and
+Megatron-LM's ``train_step`` (an iteration starts and ends there). The
 schedule engine labels its own ops explicitly. The trace of the last iteration is written when the
 patch is uninstalled (end of training).
 
@@ -129,11 +131,16 @@ class TracePatch(Patch):
                 return orig_layer_forward(self_layer, *args, **kwargs)
             number = self_layer.layer_number - 1
             hidden = kwargs.get("hidden_states", args[0] if args else None)
-            with tracer.context(layer=number, block="layer"):
+            if tracer.current["sub_batch"] < 0:  # stock: the layer's forward is one segment
+                p = "forward" if torch._C._current_graph_task_id() == -1 else "recompute"
+                span = tracer.compute(**{"layer": number, "block": "layer", "pass": p})
+            else:
+                span = tracer.context(layer=number, block="layer")
+            with span:
                 out = orig_layer_forward(self_layer, *args, **kwargs)
             if torch.is_grad_enabled():
                 patch._hook(out[0] if isinstance(out, tuple) else out, number)
-                patch._hook(hidden, -1)
+                patch._hook(hidden, -1, ends=number)
             return out
 
         from megatron.training import training
@@ -160,11 +167,25 @@ class TracePatch(Patch):
             on_uninstall=self._finish,
         )
 
-    def _hook(self, tensor, layer):
+    def _hook(self, tensor, layer, ends=None):
+        """On ``tensor``'s gradient: backward communication belongs to ``layer`` from now on.
+        For stock Megatron it also brackets the layer's backward as a compute segment: the
+        gradient of its output starts it (``layer`` ≥ 0), that of its input (``ends``) ends it."""
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
 
             def set_layer(grad):
-                self._bwd_layer = layer
+                # The input of layer l+1 is the output of layer l, whose hook ran first (hooks run
+                # in registration order): the input's hook ends layer l+1 only, and must not undo
+                # the layer l just set.
+                if ends is None or self._bwd_layer == ends:
+                    self._bwd_layer = layer
+                tracer = self.tracer
+                if tracer is not None and tracer.current["sub_batch"] < 0:
+                    if ends is not None:
+                        tracer.close_compute(("backward", ends))
+                    if layer >= 0:
+                        labels = {"pass": "backward", "layer": layer, "block": "layer"}
+                        tracer.open_compute(("backward", layer), **labels)
 
             tensor.register_hook(set_layer)
 

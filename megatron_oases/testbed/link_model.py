@@ -31,6 +31,7 @@ import threading
 import time
 
 from ..errors import OasesConfigError
+from .hostcpu import runqueue_us
 
 
 class EmulatedWork:
@@ -44,7 +45,7 @@ class EmulatedWork:
         self._waited = False
 
     def wait(self, timeout=None):
-        t_wait = self._emu.clock()
+        t_wait, c_wait = self._emu.clock(), time.thread_time()
         if self._record is not None and self._record["wait"] is None:
             self._record["wait"] = t_wait
         if self._work is not None:
@@ -57,6 +58,7 @@ class EmulatedWork:
         if self._record is not None and self._record["returned"] is None:
             self._record["returned"] = t_done
         self._emu.blocked_s += t_done - t_wait
+        self._emu.blocked_cpu_s += time.thread_time() - c_wait
         self._waited = True
         return True
 
@@ -107,13 +109,14 @@ class LinkEmulator:
         self.records = collections.deque(maxlen=max_records)
         self.originals = {}
         self.blocked_s = 0.0  # time this rank spent blocked in emulated ops
+        self.blocked_cpu_s = 0.0  # CPU time the blocked threads used meanwhile (~0: they sleep)
         self.ops = 0
         self._t0 = None
 
     # -- host usage --------------------------------------------------------------------------
     def start_usage(self):
-        self.blocked_s, self.ops = 0.0, 0
-        self._t0 = (time.perf_counter(), time.thread_time())
+        self.blocked_s, self.blocked_cpu_s, self.ops = 0.0, 0.0, 0
+        self._t0 = (time.perf_counter(), time.thread_time(), time.process_time(), runqueue_us())
 
     def usage(self):
         """Wall and CPU time of this thread since install, time blocked, and the CPU share.
@@ -121,16 +124,25 @@ class LinkEmulator:
         ``cpu_share`` = thread CPU time ÷ wall time spent *not* blocked in an emulated op: 1.0 when
         the compute ran on a free core, lower when other processes competed for it (the emulation
         then under-states the target's communication share, since only compute slows down).
+        ``runq_s``: time this thread waited for a core (Linux; None elsewhere), the contention
+        itself. ``blocked_cpu_s``: CPU the blocked threads used while waiting (near 0: waits
+        sleep). ``other_threads_cpu_s``: CPU of this process's other threads, mostly gloo doing the
+        real transfers and reductions — with a schedule that overlaps, at the same time as compute.
         """
         if self._t0 is None:
             return None
         wall = time.perf_counter() - self._t0[0]
         cpu = time.thread_time() - self._t0[1]
+        proc = time.process_time() - self._t0[2]
+        runq = runqueue_us()
         busy = max(wall - self.blocked_s, 1e-9)
         return {
             "wall_s": wall,
             "cpu_s": cpu,
             "blocked_s": self.blocked_s,
+            "blocked_cpu_s": self.blocked_cpu_s,
+            "other_threads_cpu_s": max(0.0, proc - cpu),
+            "runq_s": None if runq is None or self._t0[3] is None else (runq - self._t0[3]) / 1e6,
             "ops": self.ops,
             "cpu_share": min(cpu / busy, 1.0),
         }
@@ -213,9 +225,11 @@ class LinkEmulator:
     def finish_sync(self, result, done, info):
         """A synchronous op: record it and block until its modelled completion ``done``."""
         rec = self._record(*info, is_async=False)
+        c0 = time.thread_time()
         self.sleep_until(done)
         rec["returned"] = self.clock()
         self.blocked_s += rec["returned"] - rec["issue"]
+        self.blocked_cpu_s += time.thread_time() - c0
         return result
 
     def wrap_async(self, work, done, info):

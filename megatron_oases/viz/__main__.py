@@ -1,4 +1,9 @@
-"""``python -m megatron_oases.viz TRACE [TRACE...] -o timeline.png``: metrics and a timeline PNG."""
+"""``python -m megatron_oases.viz TRACE [TRACE...] -o timeline.png``: metrics and a timeline PNG.
+
+``--ops`` prints the compute per (pass, layer), wall and CPU time, net of blocked communication;
+``--against NAME=TRACES`` (repeatable) adds other runs to that table, matched op for op (e.g. stock
+Megatron against the ``oases`` schedule of one ``oases compare`` directory).
+"""
 
 import argparse
 import json
@@ -21,6 +26,22 @@ def main(argv=None):
         help="the run's --emulate-link profile and dilation: comm intervals end at "
         "the emulator's modelled completion instead of when they were waited on",
     )
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="print compute wall and CPU time per (pass, layer), net of blocked communication",
+    )
+    parser.add_argument(
+        "--name", default="run", help="with --ops: column group name of TRACES (default: run)"
+    )
+    parser.add_argument(
+        "--against",
+        action="append",
+        default=[],
+        metavar="NAME=TRACES",
+        help="with --ops: another run's traces (file, directory, glob or {rank} pattern) as a "
+        "column group NAME",
+    )
     args = parser.parse_args(argv)
     comm_model = None
     if args.emulated:
@@ -35,6 +56,18 @@ def main(argv=None):
         return 2
     m = run_metrics(traces, comm_model)
     print(json.dumps({k: v for k, v in m.items() if k != "ranks"}, indent=1))
+    if args.ops:
+        from .analysis import format_ops
+
+        runs = {args.name: traces}
+        for spec in args.against:
+            name, _, pattern = spec.rpartition("=")
+            other = load_traces(trace_files(pattern))
+            if not other:
+                print(f"no trace files found in {pattern}", file=sys.stderr)
+                return 2
+            runs[name or pattern] = other
+        print(format_ops(runs))
     if args.out:
         from .timeline import plot_timeline
 

@@ -5,7 +5,9 @@ Per rank, over the traced iteration (``T`` = ``metadata.iteration_time_us``):
 * ``compute_us``: the rank's busy time ``T − exposed_us``. A CPU rank runs one thread: whenever it is
   not blocked in a communication it is computing (layers, embedding, loss, optimizer, host overhead).
   This is the same for every variant, whatever its tracer labels. ``traced_compute_us`` is the length
-  of the union of labelled compute events (tid 0), for the timeline; it can be smaller.
+  of the union of labelled compute events (tid 0), for the timeline; it can be smaller, or for stock
+  Megatron larger (its layer segments include their synchronous collectives). On a shared host
+  ``compute_us`` also counts the time the thread waited for a core: see ``compute_cpu_us``.
 * ``comm_us``: length of the union of communication intervals ``[issue_us, end]`` (tid 1), where
   ``end`` is the modelled completion when known — the tracer's ``model_done_us``, or a replay of the
   emulator's channels (:func:`modelled_ends`, given the run's emulation parameters) — and ``done_us``
@@ -15,6 +17,31 @@ Per rank, over the traced iteration (``T`` = ``metadata.iteration_time_us``):
   a synchronous collective or in ``Work.wait()``); ``exposed_share`` = it ÷ T.
 * ``efficiency`` = overlap bound ÷ measured time = ``max(compute_us, comm_us) ÷ T`` (1.0: everything
   that could hide did hide; the paper's Table 2 reports SM efficiency, which this approximates).
+
+CPU time, from the tracer's ``time.thread_time`` stamps of the compute thread (absent in traces
+written before the tracer recorded them, then None):
+
+* ``compute_cpu_us``: the compute thread's CPU time while not blocked (``iteration_cpu_us`` minus
+  the CPU it spent inside the blocked intervals, ``blocked_cpu_us``). Unlike ``compute_us`` it does
+  not grow when the thread is descheduled, so it tells extra *work* (the same op costing more CPU)
+  from *contention* (``compute_us − compute_cpu_us``: other threads or processes held the core).
+  ``compute_cpu_share`` = ``compute_cpu_us ÷ compute_us``.
+* ``blocked_cpu_us``: CPU the compute thread burnt while blocked on communication; near 0 when
+  waiting sleeps (the link emulator's waits do), large if a wait spins.
+* ``runq_us``: time the compute thread was runnable but waited for a CPU (Linux schedstat): the
+  contention itself, measured rather than inferred.
+* ``process_cpu_us``: CPU time of all the rank's threads over the iteration;
+  ``other_threads_cpu_us`` = it minus the compute thread's (gloo's transfer and reduction threads,
+  ``threads_cpu_us`` per thread name): work that competes with compute for the host's cores.
+* Run level only (the ranks share one host): ``host_busy_cpu_us``, the host's busy CPU time over the
+  iteration (mean over ranks), and ``external_cpu_us`` = it minus the ranks' ``process_cpu_us``:
+  what other processes ran meanwhile; ``external_cpu_share`` = that ÷ (host CPUs × iteration).
+
+Per op (:func:`compute_ops`, :func:`op_breakdown`, :func:`format_ops`): each labelled compute event
+net of the blocked intervals inside it (stock Megatron's layer segments contain their synchronous
+all-reduces), wall and CPU, summed per (pass, layer) so that stock (one batch, sub-batch −1) and the
+Oases schedules (two half sub-batches, attention and MLP blocks) compare op for op.
+``layer_compute_us`` / ``layer_compute_cpu_us`` are those sums over all labelled layers.
 
 A run's value is the mean over ranks (per-rank values are kept).
 """
@@ -149,6 +176,153 @@ def blocked_interval(ev):
     return min(max(wait, issue), done), done
 
 
+def _get(a, key):
+    v = a.get(key)
+    return None if v is None else float(v)
+
+
+def blocked_spans(comms):
+    """Merged blocked intervals ``(start_us, end_us, cpu_us)`` of a rank's comm events; ``cpu_us``
+    is the compute thread's CPU time inside the interval, None when the trace has no CPU stamps."""
+    spans = []
+    for ev in comms:
+        a = ev.get("args", {})
+        s, e = blocked_interval(ev)
+        if e <= s:
+            continue
+        c0 = _get(a, "wait_cpu_us" if a.get("wait_us") is not None else "issue_cpu_us")
+        c1 = _get(a, "done_cpu_us")
+        spans.append([s, e, c0, c1])
+    spans.sort(key=lambda x: (x[0], x[1]))
+    merged = []
+    for s, e, c0, c1 in spans:
+        if merged and s <= merged[-1][1]:
+            m = merged[-1]
+            if e > m[1]:
+                m[1], m[3] = e, c1
+            elif e == m[1] and c1 is not None and (m[3] is None or c1 > m[3]):
+                m[3] = c1
+        else:
+            merged.append([s, e, c0, c1])
+    out = []
+    for s, e, c0, c1 in merged:
+        cpu = None if c0 is None or c1 is None else max(0.0, c1 - c0)
+        out.append((s, e, cpu))
+    return out
+
+
+def compute_ops(trace):
+    """Labelled compute events of one rank, each net of the blocked intervals inside it: a list of
+    ``{"pass", "layer", "block", "sub_batch", "wall_us", "cpu_us"}`` (``cpu_us`` None without CPU
+    stamps). Stock Megatron's layer segments contain synchronous collectives; those are taken out
+    here, so wall and CPU are the layer's compute alone."""
+    spans = blocked_spans(comm_events(trace))
+    out = []
+    for ev in compute_events(trace):
+        a = ev.get("args", {})
+        s, e = float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
+        wall, cpu, runq = e - s, _get(a, "cpu_us"), _get(a, "runq_us")
+        for bs, be, bcpu in spans:
+            if be <= s or bs >= e:
+                continue
+            wall -= min(e, be) - max(s, bs)
+            if cpu is not None:
+                # A blocked interval straddling the op's edge counts in proportion to its overlap.
+                frac = (min(e, be) - max(s, bs)) / (be - bs)
+                cpu = None if bcpu is None else cpu - frac * bcpu
+        out.append(
+            {
+                "pass": a.get("pass"),
+                "layer": a.get("layer"),
+                "block": a.get("block"),
+                "sub_batch": a.get("sub_batch", -1),
+                "wall_us": max(0.0, wall),
+                "cpu_us": None if cpu is None else max(0.0, cpu),
+                "runq_us": runq,
+            }
+        )
+    return out
+
+
+def op_breakdown(traces, keys=("pass", "layer")):
+    """Per label (``keys`` of each compute op) the net wall, CPU and run-queue µs summed over a
+    rank's ops and averaged over ranks: ``{(pass, layer): {"wall_us", "cpu_us", "runq_us", "ops"}}``
+    (``cpu_us``/``runq_us`` None when a trace lacks them). Summing over sub-batches and blocks makes
+    stock (sub-batch −1, block ``layer``) and the Oases schedules comparable per (pass, layer)."""
+    if isinstance(traces, dict):
+        traces = [traces]
+    fields = ("wall_us", "cpu_us", "runq_us")
+    per_rank = []
+    for t in traces:
+        acc = {}
+        for op in compute_ops(t):
+            if op["layer"] is None or op["layer"] < 0:
+                continue
+            d = acc.setdefault(tuple(op[key] for key in keys), dict.fromkeys(fields, 0.0))
+            d["ops"] = d.get("ops", 0) + 1
+            for f in fields:
+                d[f] = None if d[f] is None or op[f] is None else d[f] + op[f]
+        per_rank.append(acc)
+    out = {}
+    n = max(1, len(per_rank))
+    for k in sorted({k for acc in per_rank for k in acc}, key=lambda k: tuple(map(str, k))):
+        rows = [acc.get(k) or dict.fromkeys(fields, 0.0) for acc in per_rank]
+        out[k] = {"ops": sum(r.get("ops", 0) for r in rows) / n}
+        for f in fields:
+            vals = [r[f] for r in rows]
+            out[k][f] = None if any(v is None for v in vals) else sum(vals) / n
+    return out
+
+
+_PASS_ORDER = {"forward": 0, "recompute": 1, "backward": 2}
+
+
+def format_ops(runs):
+    """Text table of :func:`op_breakdown` per (pass, layer) for ``runs`` = ``{name: traces}``: per
+    run the wall, CPU and run-queue ms (wall ≈ CPU + run-queue wait: an op that costs more CPU did
+    more work, one that waited longer for a CPU was contended), then each run's CPU ÷ the first's.
+    """
+    names = list(runs)
+    tables = {name: op_breakdown(runs[name]) for name in names}
+    keys = sorted(
+        {k for t in tables.values() for k in t},
+        key=lambda k: (_PASS_ORDER.get(k[0], 9), k[1] if isinstance(k[1], int) else 0),
+    )
+    fields = ("wall_us", "cpu_us", "runq_us")
+    header = ["pass", "layer"]
+    for name in names:
+        header += [f"{name} wall ms", f"{name} CPU ms", f"{name} runq ms"]
+    header += [f"CPU {name}/{names[0]}" for name in names[1:]]
+
+    def ms(v):
+        return "-" if v is None else f"{v / 1e3:.1f}"
+
+    def row(label, vals):
+        out = list(label)
+        for v in vals:
+            out += [ms(v.get(f)) if v else "-" for f in fields]
+        base = vals[0]
+        for v in vals[1:]:
+            ok = v and base and v["cpu_us"] is not None and base["cpu_us"]
+            out.append(f"{v['cpu_us'] / base['cpu_us']:.3f}" if ok else "-")
+        return out
+
+    rows = [header]
+    for k in keys:
+        rows.append(row((str(k[0]), str(k[1])), [tables[name].get(k) for name in names]))
+    totals = []
+    for name in names:
+        t = list(tables[name].values())
+        tot = {}
+        for f in fields:
+            vals = [v[f] for v in t]
+            tot[f] = None if any(x is None for x in vals) else sum(vals)
+        totals.append(tot)
+    rows.append(row(("all", "layers"), totals))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
 def iteration_us(trace):
     md = trace.get("metadata", {})
     t = md.get("iteration_time_us")
@@ -172,6 +346,7 @@ def rank_metrics(trace, comm_model=None):
     compute = max(0.0, T - exposed)
     comm_us = length(comm)
     md = trace.get("metadata", {})
+    cpu = _cpu_metrics(trace, comms, compute)
     return {
         "rank": md.get("rank"),
         "schedule": md.get("schedule"),
@@ -184,7 +359,49 @@ def rank_metrics(trace, comm_model=None):
         "efficiency": max(compute, comm_us) / T if T else 0.0,
         "num_comm": len(comms),
         "comm_bytes": sum(int(e.get("args", {}).get("bytes", 0)) for e in comms),
+        **cpu,
     }
+
+
+def _cpu_metrics(trace, comms, compute_us):
+    """The CPU-time metrics of :func:`rank_metrics` (module docstring); None where not traced."""
+    md = trace.get("metadata", {})
+    it_cpu = _get(md, "iteration_cpu_us")
+    spans = blocked_spans(comms)
+    blocked_cpu = None if any(c is None for _, _, c in spans) else sum(c for _, _, c in spans)
+    compute_cpu = None if it_cpu is None or blocked_cpu is None else max(0.0, it_cpu - blocked_cpu)
+    proc = _get(md, "process_cpu_us")
+    ops = compute_ops(trace)
+    layer_ops = [o for o in ops if o["layer"] is not None and o["layer"] >= 0]
+    layer_cpu = [o["cpu_us"] for o in layer_ops]
+    return {
+        "runq_us": _get(md, "iteration_runq_us"),
+        "compute_cpu_us": compute_cpu,
+        "compute_cpu_share": compute_cpu / compute_us if compute_cpu and compute_us else None,
+        "blocked_cpu_us": blocked_cpu if it_cpu is not None else None,
+        "iteration_cpu_us": it_cpu,
+        "process_cpu_us": proc,
+        "other_threads_cpu_us": None if proc is None or it_cpu is None else max(0.0, proc - it_cpu),
+        "threads_cpu_us": md.get("threads_cpu_us"),
+        "layer_compute_us": sum(o["wall_us"] for o in layer_ops),
+        "layer_compute_cpu_us": (
+            None if not layer_ops or any(c is None for c in layer_cpu) else sum(layer_cpu)
+        ),
+    }
+
+
+#: CPU-time metrics averaged over ranks by :func:`run_metrics` (None unless every rank has them).
+CPU_KEYS = (
+    "runq_us",
+    "compute_cpu_us",
+    "compute_cpu_share",
+    "blocked_cpu_us",
+    "iteration_cpu_us",
+    "process_cpu_us",
+    "other_threads_cpu_us",
+    "layer_compute_us",
+    "layer_compute_cpu_us",
+)
 
 
 def run_metrics(traces, comm_model=None):
@@ -194,9 +411,29 @@ def run_metrics(traces, comm_model=None):
         return None
     keys = ("iteration_us", "compute_us", "comm_us", "exposed_us", "exposed_share", "efficiency")
     out = {k: sum(p[k] for p in per) / len(per) for k in keys}
+    for k in CPU_KEYS:  # only when every rank has it
+        vals = [p.get(k) for p in per]
+        out[k] = None if any(v is None for v in vals) else sum(vals) / len(vals)
+    out.update(_host_metrics(traces, per))
     out["ranks"] = per
     out["num_ranks"] = len(per)
     return out
+
+
+def _host_metrics(traces, per):
+    """Host-wide CPU over the iteration and the part other processes used (module docstring)."""
+    hosts = [t.get("metadata", {}).get("host_cpu") for t in traces]
+    procs = [p.get("process_cpu_us") for p in per]
+    if not hosts or any(h is None for h in hosts) or any(p is None for p in procs):
+        return {"host_busy_cpu_us": None, "external_cpu_us": None, "external_cpu_share": None}
+    busy = sum(h["busy_us"] for h in hosts) / len(hosts)
+    external = max(0.0, busy - sum(procs))
+    cap = hosts[0].get("cpus", 0) * sum(p["iteration_us"] for p in per) / len(per)
+    return {
+        "host_busy_cpu_us": busy,
+        "external_cpu_us": external,
+        "external_cpu_share": external / cap if cap else None,
+    }
 
 
 def trace_files(pattern):
