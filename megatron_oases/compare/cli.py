@@ -89,7 +89,7 @@ def build_parser():
         "--threads-per-rank",
         type=int,
         default=None,
-        help="OMP/torch threads per rank (default: CPUs ÷ nproc)",
+        help="OMP/torch threads per rank (default: the CPUs this process may use ÷ nproc)",
     )
     p.add_argument(
         "--repeats",
@@ -172,7 +172,9 @@ def main(argv):
     if rtol is None:
         any_dropout = any(a.hidden_dropout or a.attention_dropout for a in parsed.values())
         rtol = 5e-2 if any_dropout else 1e-3
-    threads = own.threads_per_rank or max(1, (os.cpu_count() or 1) // own.nproc)
+    from ..testbed.calibrate import host_cpus
+
+    threads = own.threads_per_rank or max(1, host_cpus() // own.nproc)
     env = {"OMP_NUM_THREADS": str(threads)}
     out = os.path.abspath(own.out)
     os.makedirs(out, exist_ok=True)

@@ -65,6 +65,8 @@ def table_rows(results):
                 _pct(t.get("exposed_share")),
                 _num(t.get("efficiency")),
                 _num(t.get("compute_us") and t["compute_us"] / 1e3, "{:.1f}"),
+                _num(t.get("compute_cpu_us") and t["compute_cpu_us"] / 1e3, "{:.1f}"),
+                _num(t.get("runq_us") and t["runq_us"] / 1e3, "{:.1f}"),
                 _num(t.get("comm_us") and t["comm_us"] / 1e3, "{:.1f}"),
                 _num(r.get("loss_max_rel_diff"), "{:.1e}"),
                 _num(r.get("host_cpu_share")),
@@ -82,6 +84,8 @@ HEADER = [
     "exposed comm",
     "efficiency",
     "compute ms",
+    "compute CPU ms",
+    "run-queue ms",
     "comm ms",
     "loss rel. diff",
     "host CPU share",
@@ -152,7 +156,10 @@ def write_markdown(report, path):
         "",
         "exposed comm = time blocked on communication ÷ iteration time; efficiency = "
         "max(compute, communication) ÷ iteration time (overlap bound ÷ measured), both from the "
-        "last iteration's trace, mean over ranks.",
+        "last iteration's trace, mean over ranks. compute ms = iteration time not blocked on "
+        "communication; compute CPU ms = the compute thread's CPU time in it (no contention); "
+        "run-queue ms = time the compute thread waited for a CPU (host contention, counted in "
+        "compute ms and in the iteration time).",
         "",
     ]
     if report.get("memory_budget") is not None:
