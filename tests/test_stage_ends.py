@@ -96,3 +96,22 @@ def test_embedding_end_matches_autograd(model_parallel_1, sizes, dropout):
         clean = _embedding(0.0)
         clean.load_state_dict(emb.state_dict())
         assert not torch.equal(clean(ids, pos), torch.cat(outs, dim=1))
+
+
+def test_a_placeholder_never_passes_as_data():
+    """The embedding's placeholder is data for nothing but the schedule: one changed on its way,
+    or never taken, is an error, never a silent wrong result."""
+    from megatron_oases.schedule.stage import StageCall, StageEnds
+
+    ends = StageEnds()
+    model = types.SimpleNamespace(decoder=None)
+    with pytest.raises(RuntimeError, match="never reached the schedule"):
+        with ends.open(StageCall(model, None, None)) as call:
+            call.placeholder = torch.zeros(2)
+    with ends.open(StageCall(model, None, None)) as call:
+        call.placeholder, call.embedding = torch.zeros(2), object()
+        with pytest.raises(RuntimeError, match="changed before the transformer layers"):
+            ends.take(block=None, hidden=call.placeholder + 0)
+        assert ends.resolve(torch.ones(2)).sum() == 2  # other tensors pass through
+        call.placeholder = None
+    assert ends.current() is None

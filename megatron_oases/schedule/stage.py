@@ -209,11 +209,11 @@ class StageEnds:
             yield call
         finally:
             stack.pop()
-            if call.placeholder is not None:  # nothing took the embedding: a Megatron change
-                raise RuntimeError(
-                    "oases: the embedding's output never reached the schedule (Megatron's GPTModel "
-                    "changed?); run with --oases-schedule off and report it"
-                )
+        if call.placeholder is not None:  # nothing took the embedding: a Megatron change
+            raise RuntimeError(
+                "oases: the embedding's output never reached the schedule (Megatron's GPTModel "
+                "changed?); run with --oases-schedule off and report it"
+            )
 
     @staticmethod
     def qualifies(model, a):
