@@ -67,7 +67,7 @@ MEMORY_VARIANTS = (
     "megatron-halfmb-norecompute,overlap,overlap-selective,overlap-norecompute,cross-pass,oases"
 )
 SHAPE_OPTIONS = {
-    "h2048": ["--variants", MEMORY_VARIANTS, "--memory-budget", "1.4,1.6,1.8,2.2"],
+    "h2048": ["--variants", MEMORY_VARIANTS, "--memory-budget", "1.2,1.3,1.4,1.6,1.8"],
     "h2048sp": ["--variants", SP_VARIANTS, "--memory-budget", "1,1.5,2"],
     "h2048tp4": [
         "--variants",

@@ -103,7 +103,8 @@ def build_parser():
         "--reanalyze",
         default=None,
         metavar="DIR",
-        help="recompute metrics, tables and charts of a finished run in DIR; runs nothing",
+        help="recompute metrics, tables and charts of a finished run in DIR; runs nothing (with "
+        "--memory-budget: compare at these budgets instead, from the peaks measured in DIR)",
     )
     return p
 
@@ -126,8 +127,13 @@ def _validate(variant, train_argv, nproc):
 def main(argv):
     argv = list(argv)
     own, train_argv = build_parser().parse_known_args(argv)
-    if own.reanalyze:
-        return reanalyze(own.reanalyze)
+    if own.reanalyze:  # budgets may be chosen anew: the measured peaks do not depend on them
+        budgets = None
+        if own.memory_budget is not None:
+            from .memory import parse_budgets
+
+            budgets = parse_budgets(own.memory_budget)
+        return reanalyze(own.reanalyze, budgets)
     if train_argv and train_argv[0] == "--":
         train_argv = train_argv[1:]
     for flag in RESERVED:

@@ -125,7 +125,8 @@ def write_markdown(report, path):
         f"- host: {report['host']['cpu']} ({report['host']['logical_cpus']} logical CPUs), "
         f"torch {report['host']['torch']}, {cfg['nproc']} ranks x {cfg['threads_per_rank']} "
         "thread(s)",
-        f"- command: `{report['command']}`",
+        f"- command: `{report['command']}`"
+        + (f" ({report['rebudgeted']})" if report.get("rebudgeted") else ""),
         f"- iterations: {cfg['warmup']} warm-up + {cfg['iters']} timed per variant"
         + (f", best of {cfg['repeats']} runs (rotated order)" if cfg.get("repeats", 1) > 1 else "")
         + "; tokens/s = global batch x seq / mean timed iteration time",

@@ -146,8 +146,9 @@ def _relative_report(report, rel):
             r["command"] = [os.path.basename(interpreter)] + _relative_argv(r["command"][1:], rel)
 
 
-def reanalyze(out):
-    """``--reanalyze DIR``: recompute metrics, timelines and charts of a finished run."""
+def reanalyze(out, budgets=None):
+    """``--reanalyze DIR``: recompute metrics, timelines and charts of a finished run; with
+    ``budgets`` (GB per rank) the memory comparison is made at those budgets instead."""
     import json
 
     path = os.path.join(out, "results.json")
@@ -156,4 +157,14 @@ def reanalyze(out):
             report = json.load(f)
     except (OSError, ValueError) as exc:
         raise OasesConfigError(f"--reanalyze {out}: cannot read {path}: {exc}") from exc
+    if budgets:
+        if not report["config"].get("memory_budget_gb"):
+            raise OasesConfigError(
+                f"--reanalyze {out} --memory-budget: that run measured no memory; run oases "
+                "compare with --memory-budget"
+            )
+        report["config"]["memory_budget_gb"] = budgets
+        report["rebudgeted"] = "budgets chosen after the run: --reanalyze . --memory-budget " + (
+            ",".join(f"{b:g}" for b in budgets)
+        )
     return finalize(report, os.path.abspath(out))
