@@ -190,7 +190,13 @@ def acceptance(reports):
     for cfg, rep in reports.items():
         fast_link = cfg.startswith("h100-nvlink")
         for b in rep.get("memory_budget") or []:
-            if not b.get("stock") or not b.get("oases"):
+            if not b.get("stock"):
+                continue
+            if not b.get("oases"):
+                lines.append(
+                    f"- {cfg}, {b['budget_gb']:g} GB/rank: {b['stock']} fits, no Oases setting "
+                    "does: **missed**"
+                )
                 continue
             recompute = "norecompute" not in b["stock"]
             target = 0.98 if fast_link or not recompute else 1.15
