@@ -9,6 +9,9 @@ Replaced symbols (all restored by ``uninstall``):
   stock. Eval/inference runs stock code.
 - with a plan, ``tensor_parallel.param_is_not_tensor_parallel_duplicate`` (and its by-name copy
   in ``optimizer.clip_grads``): grad-norm clipping counts each replica once.
+- ``GPTModel.forward``, ``GPTModel._postprocess`` and ``LanguageModelEmbedding.forward`` (a
+  schedule without sequence parallelism or a plan): the embedding and the output layer + loss
+  run inside the schedule's programs (:mod:`.stage`); any other call runs stock code.
 - ``tensor_parallel.layers.reduce_from_tensor_model_parallel_region``,
   ``tensor_parallel.layers.reduce_scatter_to_sequence_parallel_region`` and
   ``ColumnParallelLinear.forward``: honour the engine's deferral of TMP communication
