@@ -173,17 +173,11 @@ class ScheduledLayers:
     def _as_input(self, h):
         return _leaf(h) if self.keep_graph else h
 
-    def _deliver(self, sb):
-        def deliver(h):
-            sb.input = self._as_input(h)
-
-        return deliver
-
     def _forward_program(self, sb):
         J = self.blocks.num_blocks
         ops = []
         if self.embedding is not None:
-            ops += self.embedding.forward_ops(sb, self._deliver(sb))
+            ops += self.embedding.forward_ops(sb, lambda h: setattr(sb, "input", self._as_input(h)))
         for j in range(J):
             ops += self._to_main(
                 sb,
@@ -197,9 +191,7 @@ class ScheduledLayers:
             )
         ops.append(self._compute(lambda: self._fwd_tail(sb), J - 1, "forward"))
         if self.output is not None:
-            ops += self.output.forward_ops(
-                sb, lambda: self.anchor, lambda g: sb.gH.__setitem__(J, g)
-            )
+            ops += self.output.forward_ops(sb, self.anchor, lambda g: sb.gH.__setitem__(J, g))
         return ops
 
     def _bda_forward(self, sb, j):

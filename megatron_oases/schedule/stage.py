@@ -135,7 +135,7 @@ class OutputEnd:
         the layers' output lands in ``grad_slot(g)``."""
         return [
             Compute(
-                lambda: self._forward(sb, anchor(), grad_slot), **{"pass": "forward"}, **self.LABELS
+                lambda: self._forward(sb, anchor, grad_slot), **{"pass": "forward"}, **self.LABELS
             )
         ]
 
