@@ -1,0 +1,61 @@
+"""LiveTensorMeter: storages count while a tensor on them is alive, including after Megatron's
+``deallocate_output_tensor`` swaps a kept output's ``.data`` (no op reports that)."""
+
+import gc
+
+import torch
+
+from megatron_oases.instrument.memory import LiveTensorMeter
+
+N = 1 << 20  # floats: 4 MiB per tensor
+MB4 = 4 * N
+
+
+def _free_data(t):
+    """What Megatron's ``deallocate_output_tensor`` does to a pipeline/kept-graph output."""
+    t.data = torch.empty((1,), dtype=t.dtype)
+
+
+def test_counts_while_alive_and_releases_on_del():
+    with LiveTensorMeter() as meter:
+        a = torch.randn(N)
+        b = a * 2
+        assert meter.current_bytes == 2 * MB4
+        del a
+        gc.collect()
+        assert meter.current_bytes == MB4
+        del b
+        gc.collect()
+    assert meter.current_bytes == 0 and meter.peak_bytes == 2 * MB4
+
+
+def test_storage_freed_by_data_swap_stops_counting():
+    """The swapped tensor stays alive (its grad_fn is what backward needs); its old storage does
+    not. Later outputs of the same size must not add up in the peak."""
+    with LiveTensorMeter() as meter:
+        w = torch.randn(N, requires_grad=True)
+        outs = []
+        for _ in range(3):
+            out = w * 3
+            _free_data(out)
+            outs.append(out)  # kept, like the engine's P_j
+        torch.randn(N)  # may reuse a freed output's address
+    assert all(o.grad_fn is not None for o in outs)
+    assert meter.peak_bytes < 2 * MB4 + MB4 // 2, meter.peak_bytes  # w + one 4 MiB tensor
+
+
+def test_an_alias_keeps_a_swapped_storage_counted():
+    """The engine hands ``P.detach()`` to the all-reduce before freeing P's data: that storage
+    is in use until the reduced tensor dies, and free after."""
+    with LiveTensorMeter() as meter:
+        p = torch.randn(N) * 1.0
+        buf = p.detach()
+        _free_data(p)
+        q = torch.randn(N)
+        assert meter.peak_bytes >= 2 * MB4, meter.peak_bytes  # buf + q
+        del buf, q
+        gc.collect()
+        assert meter.current_bytes < MB4 // 2, meter.current_bytes
+        x, y = torch.randn(N), torch.randn(N)
+    assert meter.peak_bytes < 2 * MB4 + MB4 // 2, meter.peak_bytes
+    assert p.grad_fn is None and x.numel() == y.numel() == N
