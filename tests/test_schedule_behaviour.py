@@ -140,6 +140,31 @@ def test_embedding_and_output_collectives_are_overlapped(traces, schedule):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["oases", "cross-pass", "overlap", "overlap-recompute"])
+def test_input_gradient_all_reduce_starts_before_the_weight_gradient(traces, schedule):
+    """Each column-parallel linear's input-gradient all-reduce (every block's backward collective
+    and the output layer's) is started by Megatron's linear inside the backward op, before its
+    weight gradient, as in stock, and waited on by the schedule after the op."""
+    events = traces[schedule][0]["traceEvents"]
+    computes = [e for e in events if e["cat"] == "compute" and e["args"]["pass"] == "backward"]
+    comms = [
+        e
+        for e in events
+        if e["cat"] == "comm" and e["args"]["pass"] == "backward" and e["args"]["layer"] >= -1
+    ]
+    assert len(comms) == (2 * 2 + 1) * 2 * 2  # (4 blocks + output) x 2 sub-batches x 2 micro-b.
+    key = lambda e: tuple(e["args"][k] for k in ("sub_batch", "layer", "block"))  # noqa: E731
+    for c in comms:
+        assert c["args"]["async"]
+        inside = [
+            op for op in computes if key(op) == key(c) and op["ts"] < c["ts"] < op["ts"] + op["dur"]
+        ]
+        assert len(inside) == 1, c  # started within its own backward op …
+        op = inside[0]
+        assert c["args"]["wait_us"] >= op["ts"] + op["dur"] - 1e-3, c  # … waited on after it
+
+
+@pytest.mark.timeout(300)
 def test_oases_activation_memory_close_to_stock_full_recompute():
     base = (
         GPT.replace("--hidden-size 64", "--hidden-size 128").format(layers=4)

@@ -359,3 +359,32 @@ class TestDeferredTmpComm:
             False,
             True,
         )
+
+
+def test_early_compute_runs_right_after_its_collective_is_issued(fake):
+    """An ``early`` compute (a recomputation from a saved input) runs before the switch, ahead of
+    the ops that need the collective; each op still runs exactly once."""
+    g = FakeGroup(2)
+    a, state = program(fake, "a", 1, g)
+
+    def early():
+        fake.log.append(("compute", "a-early"))
+        state["early_saw"] = state.get(0)  # A0 still in flight: nothing delivered yet
+
+    a.insert(3, Compute(early, early=True, block="a-early"))  # a0 A0 a1 a-early
+    b, _ = program(fake, "b", 1, g)
+    run_programs([a, b])
+    assert fake.log == [
+        ("compute", "a0"),
+        ("issue", "A0"),
+        ("compute", "a-early"),  # before b0 and before A0 is waited for
+        ("compute", "b0"),
+        ("issue", "B0"),
+        ("wait", "A0"),
+        ("done", "A0"),
+        ("compute", "a1"),  # not run again after it
+        ("wait", "B0"),
+        ("done", "B0"),
+        ("compute", "b1"),
+    ]
+    assert state["early_saw"] is None and torch.equal(state["seen"][1], torch.full((2,), 2.0))

@@ -10,8 +10,14 @@ tensor-parallel linears skip their own all-reduces:
   (``layers.reduce_scatter_to_sequence_parallel_region``), whose backward (an all-gather of the
   output gradient) the engine then issues itself.
 - ``ColumnParallelLinear``: the backward all-reduce of the input gradient (``allreduce_dgrad``,
-  read at forward time and saved in the autograd context) is switched off for that call; the
-  engine all-reduces the input gradient asynchronously. Under sequence parallelism its input
+  read at forward time and saved in the autograd context) stays Megatron's own, issued async
+  *before* the linear's weight gradient, but on a :class:`ReducingGroup` standing in for the TP
+  group: the all-reduce it starts is handed to the schedule (:class:`EarlyReductions`), and
+  Megatron's ``handle.wait()`` returns at once; the engine waits where the sub-batch needs the
+  gradient. The transfer thus hides behind the weight gradient as well as the other sub-batch's
+  work (without it, the last block's gradient all-reduce of a pass has nothing to hide behind).
+  Where that cannot apply (no ``EarlyReductions`` given, ``gather_output``) the all-reduce is
+  switched off for the call and the engine issues it after the backward op. Under sequence parallelism its input
   all-gather (forward) and input-gradient reduce-scatter (backward) are switched off the same way
   (``sequence_parallel`` is read at forward time too): the engine passes the gathered input and
   reduce-scatters the gradient. The linear then keeps the gathered input for its weight gradient
@@ -29,6 +35,8 @@ re-entrant backward on the calling thread, and the engine never hands work to ot
 import contextlib
 import threading
 
+import torch.distributed as dist
+
 _local = threading.local()
 
 
@@ -37,13 +45,96 @@ def deferring():
 
 
 @contextlib.contextmanager
-def deferred_tmp_comm(enabled=True):
-    prev = deferring()
-    _local.defer = enabled
+def deferred_tmp_comm(enabled=True, early=None):
+    """``early``: the :class:`EarlyReductions` that column linears called now hand their
+    backward all-reduce to (None: the engine issues it after the backward op)."""
+    prev = deferring(), getattr(_local, "early", None)
+    _local.defer, _local.early = enabled, early
     try:
         yield
     finally:
-        _local.defer = prev
+        _local.defer, _local.early = prev
+
+
+class _Started:
+    """What Megatron's column linear gets back from its all-reduce: ``wait()`` returns at once;
+    the schedule waits on the real work when the gradient is needed."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return False
+
+
+class EarlyReductions:
+    """Input-gradient all-reduces that Megatron's column linears started in a backward op, by the
+    storage of the gradient they reduce in place, until the engine's collective for that gradient
+    adopts them (:meth:`take`). One per micro-batch's schedule; :meth:`check_empty` after the
+    backward proves every one was adopted (so waited on)."""
+
+    def __init__(self):
+        self._started = {}
+
+    def start(self, all_reduce, tensor, group, op):
+        work = all_reduce(tensor, op=op, group=group, async_op=True)
+        self._started[tensor.untyped_storage().data_ptr()] = (tensor, work)
+        return _Started()
+
+    def take(self, tensor):
+        """The work started on ``tensor``'s storage, or None (then nothing reduced it yet)."""
+        found = self._started.pop(tensor.untyped_storage().data_ptr(), None)
+        if found is None:
+            return None
+        started, work = found
+        if started.shape != tensor.shape or started.data_ptr() != tensor.data_ptr():
+            raise RuntimeError("oases: an input-gradient all-reduce covers another tensor")
+        return work
+
+    def check_empty(self):
+        if self._started:
+            for _, work in self._started.values():
+                work.wait()
+            self._started.clear()
+            raise RuntimeError(
+                "oases: a column-parallel linear's input-gradient all-reduce was started but no "
+                "collective of the schedule took it (Megatron changed?)"
+            )
+
+
+class ReducingGroup:
+    """Stands in for a column linear's TP group from its forward (saved in the autograd context)
+    to its backward, whose ``torch.distributed.all_reduce(grad_input, group=..., async_op=True)``
+    :func:`make_all_reduce` routes to ``early``. Only ``size()``/``rank()`` are delegated: any
+    other use of it fails loudly instead of talking to the wrong group."""
+
+    __slots__ = ("group", "early")
+
+    def __init__(self, group, early):
+        self.group, self.early = group, early
+
+    def size(self):
+        return self.group.size()
+
+    def rank(self):
+        return self.group.rank()
+
+
+def make_all_reduce(original):
+    """Replacement for ``torch.distributed.all_reduce`` (outermost, installed after the tracer
+    and the link emulator): a call on a :class:`ReducingGroup` starts the real all-reduce through
+    ``original`` and hands it to the schedule; every other call is ``original``'s."""
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if isinstance(group, ReducingGroup):
+            if not async_op:
+                raise RuntimeError("oases: a synchronous all-reduce on a column linear's group")
+            return group.early.start(original, tensor, group.group, op)
+        return original(tensor, op=op, group=group, async_op=async_op)
+
+    all_reduce.__name__ = all_reduce.__qualname__ = original.__name__
+    all_reduce.__wrapped__ = original
+    return all_reduce
 
 
 @contextlib.contextmanager
@@ -85,12 +176,27 @@ def make_deferred_reduction(original):
     return reduction
 
 
+def _gathers(linear, args, kwargs):
+    """Whether a ColumnParallelLinear call all-gathers its output (``runtime_gather_output``
+    overrides ``gather_output``)."""
+    runtime = kwargs.get("runtime_gather_output", args[1] if len(args) > 1 else None)
+    return linear.gather_output if runtime is None else runtime
+
+
 def make_column_forward(original):
     """Replacement for ``ColumnParallelLinear.forward`` honouring the deferral flag."""
 
     def forward(self, input_, *args, **kwargs):
         if not deferring():
             return original(self, input_, *args, **kwargs)
+        early = getattr(_local, "early", None)
+        if early is not None and self.allreduce_dgrad and not _gathers(self, args, kwargs):
+            group = self.tp_group
+            self.tp_group = ReducingGroup(group, early)
+            try:
+                return original(self, input_, *args, **kwargs)
+            finally:
+                self.tp_group = group
         saved = self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel
         self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel = False, True, False
         try:

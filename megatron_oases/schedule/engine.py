@@ -38,6 +38,7 @@ from megatron.core.pipeline_parallel.schedules import custom_backward, deallocat
 
 from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
 from .blocks import split_mask, split_sizes
+from .comm import EarlyReductions
 from .executor import Comm, Compute, run_programs
 from .regather import GradSink, shard_saved
 from .rng import replay as _rng
@@ -104,14 +105,16 @@ class ScheduledLayers:
         self.regather = self.sp and self.keep_graph
         self.anchor = None
         self.sbs = []
+        # the column linears' input-gradient all-reduces started inside backward ops (.comm)
+        self.early = EarlyReductions()
 
     # ------------------------------------------------------------------ helpers
     def _labels(self, j, pass_):
         """Tracer labels of block j's ops (``pass`` is a keyword, hence the dict)."""
         return {"pass": pass_, "layer": self.blocks.global_layer(j), "block": self.blocks.kind(j)}
 
-    def _compute(self, fn, j, pass_):
-        return Compute(fn, **self._labels(j, pass_))
+    def _compute(self, fn, j, pass_, early=False):
+        return Compute(fn, early=early, **self._labels(j, pass_))
 
     def _collective(self, kind, get, store, j, pass_):
         """``kind`` of ``get()`` on block j's TP group; the result lands in ``store[j]``."""
@@ -123,10 +126,11 @@ class ScheduledLayers:
             **self._labels(j, pass_),
         )
 
-    def _to_main(self, sb, j, pass_, first, main):
+    def _to_main(self, sb, j, pass_, first, main, early=False):
         """Ops from block j's input to its partial sum: ``first`` (ln; without sequence
-        parallelism also main), then under SP the all-gather of the ln output and ``main``."""
-        ops = [self._compute(first, j, pass_)]
+        parallelism also main), then under SP the all-gather of the ln output and ``main``.
+        ``early``: ``first`` needs only saved tensors (see :class:`.executor.Compute`)."""
+        ops = [self._compute(first, j, pass_, early=early)]
         if self.sp:
             ops.append(self._collective("all_gather", lambda: sb.buf.pop(j), sb.G, j, pass_))
             ops.append(self._compute(main, j, pass_))
@@ -165,6 +169,7 @@ class ScheduledLayers:
                 [self._forward_program(sb) for sb in self.sbs],
                 labels=dict(microbatch=self.microbatch),
                 tracer=self.tracer,
+                early=self.early,
             )
         if self.output is not None:  # per-token loss [b, s]
             return torch.cat([sb.loss.detach() for sb in self.sbs], dim=0)
@@ -250,7 +255,7 @@ class ScheduledLayers:
                 sb.gH[J] = g
 
         def run(programs):
-            run_programs(programs, labels=labels, tracer=self.tracer)
+            run_programs(programs, labels=labels, tracer=self.tracer, early=self.early)
 
         with torch.enable_grad():
             if self.checkpoint == "none":
@@ -277,6 +282,7 @@ class ScheduledLayers:
                             for sb, p in zip(self.sbs, phases)
                         ]
                     )
+        self.early.check_empty()
         if self.embedding is not None:  # the gradient went into the embedding's parameters
             out = None
         else:
@@ -348,7 +354,8 @@ class ScheduledLayers:
         J = self.blocks.num_blocks
         ops = [self._compute(lambda: self._probe_bda(sb, J - 1), J - 1, "backward")]
         for j in reversed(range(J)):
-            ops += self._recompute_to_main(sb, j, lambda j=j: self._rc_ln(sb, j))
+            # from the saved H_j only: runs as soon as the previous collective is issued
+            ops += self._recompute_to_main(sb, j, lambda j=j: self._rc_ln(sb, j), early=True)
             ops += self._main_backward(sb, j)
             ops.append(self._compute(lambda j=j: self._ln_backward(sb, j), j, "backward"))
             if j > 0:
@@ -366,12 +373,13 @@ class ScheduledLayers:
         sb.gR[j] = probe.grad
         sb.gH[j] = g  # residual path; the ln path is added by _ln_backward
 
-    def _recompute_to_main(self, sb, j, first):
+    def _recompute_to_main(self, sb, j, first, early=False):
         """Recompute block j from its saved input H_j up to its partial sum. Under sequence
         parallelism this re-gathers the ln output (an all-gather in recompute, overlapped like
         every collective) rather than keeping the gathered input from forward: that would hold
         t× the block input per block, undoing SP's activation saving."""
-        return self._to_main(sb, j, "recompute", first, lambda: self._rc_main(sb, j, sb.G.pop(j)))
+        main = lambda: self._rc_main(sb, j, sb.G.pop(j))  # noqa: E731
+        return self._to_main(sb, j, "recompute", first, main, early=early)
 
     def _rc_ln(self, sb, j):
         H = sb.H[j] = _leaf(sb.H[j])
@@ -398,7 +406,8 @@ class ScheduledLayers:
     def _layer_phases(self, sb, layer):
         """Recompute ops (with the layer's forward collectives) and backward ops of one layer."""
         a, m = 2 * layer, 2 * layer + 1
-        recompute = self._recompute_to_main(sb, a, lambda: self._rc_ln(sb, a))
+        # the layer's first block from its saved input only (block m needs the recomputed R_a)
+        recompute = self._recompute_to_main(sb, a, lambda: self._rc_ln(sb, a), early=True)
         recompute.append(self._rc_reduction(sb, a))
         recompute += self._recompute_to_main(sb, m, lambda: self._cp_mid(sb, a, m))
         recompute.append(self._rc_reduction(sb, m))

@@ -27,10 +27,15 @@ from .comm import deferred_tmp_comm
 
 
 class Compute:
-    __slots__ = ("fn", "labels")
+    """``early``: needs neither the sub-batch's collective before it nor the ops between them (a
+    recomputation from a saved input), so the executor runs it right after issuing that
+    collective, before switching: the transfer then also hides behind the sub-batch's own work,
+    which matters where the other sub-batch has little left (the first op after the loss)."""
 
-    def __init__(self, fn, **labels):
-        self.fn, self.labels = fn, labels
+    __slots__ = ("fn", "labels", "early")
+
+    def __init__(self, fn, early=False, **labels):
+        self.fn, self.labels, self.early = fn, labels, early
 
 
 #: The collectives a :class:`Comm` can run. The sequence-parallel ones work on dim 0 of [s, b, h].
@@ -87,18 +92,21 @@ def _start(kind, tensor, group):
     return dist.reduce_scatter_tensor(out, tensor, group=group, async_op=True), lambda: out
 
 
-def _issue(sub_batch, op, tracer):
+def _issue(sub_batch, op, tracer, early):
     tensor = op.get()
     if op.group is None or dist.get_world_size(op.group) == 1:
         return _InFlight(sub_batch, None, lambda: tensor, op)
+    work = early.take(tensor) if (early is not None and op.kind == "all_reduce") else None
+    if work is not None:  # Megatron's linear started it in the compute op before (see .comm)
+        return _InFlight(sub_batch, work, lambda: tensor, op)
     ctx = tracer.context(sub_batch=sub_batch, **op.labels) if tracer else contextlib.nullcontext()
     with ctx, torch.no_grad():
         work, result = _start(op.kind, tensor, op.group)
     return _InFlight(sub_batch, work, result, op)
 
 
-def _run_compute(sub_batch, op, tracer):
-    with deferred_tmp_comm():
+def _run_compute(sub_batch, op, tracer, early):
+    with deferred_tmp_comm(early=early):
         if tracer is None:
             op.fn()
         else:
@@ -106,13 +114,17 @@ def _run_compute(sub_batch, op, tracer):
                 op.fn()
 
 
-def run_programs(programs, labels=None, tracer=None):
+def run_programs(programs, labels=None, tracer=None, early=None):
     """Execute the sub-batch programs interleaved (Alg. 1/2); returns when all are done.
-    ``tracer`` (an :class:`~megatron_oases.instrument.trace.Tracer`, optional) records each op."""
+    ``tracer`` (an :class:`~megatron_oases.instrument.trace.Tracer`, optional) records each op.
+    ``early`` (a :class:`~.comm.EarlyReductions`, optional): input-gradient all-reduces that
+    Megatron's column linears start inside compute ops; the all-reduce ``Comm`` of that gradient
+    adopts the started work instead of issuing another."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
     n = len(programs)
     pos = [0] * n
     pending = {}  # sub-batch -> its collective in flight (at most one each), in issue order
+    ran_early = [set() for _ in programs]  # positions of early computes already run
     x = 0
     with outer:
         while True:
@@ -120,11 +132,18 @@ def run_programs(programs, labels=None, tracer=None):
                 pending.pop(x).finish()
             prog = programs[x]
             while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
-                _run_compute(x, prog[pos[x]], tracer)
+                if pos[x] not in ran_early[x]:
+                    _run_compute(x, prog[pos[x]], tracer, early)
                 pos[x] += 1
-            if pos[x] < len(prog):  # a Comm: queue it and switch
-                pending[x] = _issue(x, prog[pos[x]], tracer)
+            if pos[x] < len(prog):  # a Comm: queue it, run the early computes up to x's next
+                pending[x] = _issue(x, prog[pos[x]], tracer, early)  # collective, and switch
                 pos[x] += 1
+                k = pos[x]
+                while k < len(prog) and isinstance(prog[k], Compute):
+                    if prog[k].early:
+                        _run_compute(x, prog[k], tracer, early)
+                        ran_early[x].add(k)
+                    k += 1
             remaining = [i for i in range(n) if pos[i] < len(programs[i])]
             if not remaining:
                 break

@@ -35,7 +35,7 @@ from ..hetero.runtime import stage_of
 from ..patching import Patch
 from ..validation import SUB_BATCHES, sub_batches
 from .blocks import LayerBlocks
-from .comm import make_column_forward, make_deferred_reduction
+from .comm import make_all_reduce, make_column_forward, make_deferred_reduction
 from .engine import ScheduledLayers, ScheduledLayersFunction
 from .stage import StageEnds
 
@@ -212,6 +212,24 @@ def _stage_end_replacements(ends):
     ]
 
 
+def _early_all_reduce():
+    """``torch.distributed.all_reduce``, routing the column linears' input-gradient all-reduce to
+    the schedule (:mod:`.comm`): checked to be how Megatron's linear issues it, before its weight
+    gradient, on the group its forward saved."""
+    import torch.distributed
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        LinearWithGradAccumulationAndAsyncCommunication,
+    )
+
+    backward = LinearWithGradAccumulationAndAsyncCommunication.backward
+    original = require_symbol(torch.distributed, "all_reduce", called_by=[backward])
+    _calls(backward, "torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)")
+    _calls(LinearWithGradAccumulationAndAsyncCommunication.forward, "ctx.tp_group = tp_group")
+    _calls(ColumnParallelLinear.forward, "tp_group=self.tp_group")
+    return (torch.distributed, "all_reduce", make_all_reduce(original))
+
+
 def _source(fn):
     import inspect
 
@@ -266,6 +284,7 @@ def make_patch(args, built=None):
         replacements.append((tp_layers, name, make_deferred_reduction(original)))
     replacements += [
         (ColumnParallelLinear, "forward", make_column_forward(ColumnParallelLinear.forward)),
+        _early_all_reduce(),
     ]
     if plan:  # checkpoints of a plan are written in the stock layout
         from ..hetero.checkpoint import make_checkpoint_replacements
