@@ -16,20 +16,22 @@ tensor-parallel linears skip their own all-reduces:
   Megatron's ``handle.wait()`` returns at once; the engine waits where the sub-batch needs the
   gradient. The transfer thus hides behind the weight gradient as well as the other sub-batch's
   work (without it, the last block's gradient all-reduce of a pass has nothing to hide behind).
-  Where that cannot apply (no ``EarlyReductions`` given, ``gather_output``) the all-reduce is
-  switched off for the call and the engine issues it after the backward op. Under sequence parallelism its input
-  all-gather (forward) and input-gradient reduce-scatter (backward) are switched off the same way
-  (``sequence_parallel`` is read at forward time too): the engine passes the gathered input and
-  reduce-scatters the gradient. The linear then keeps the gathered input for its weight gradient
-  instead of re-gathering it in backward (see :mod:`.engine` for what that costs in memory).
+  Where that cannot apply (no ``EarlyReductions`` given, ``gather_output``, sequence
+  parallelism) the all-reduce is switched off for the call and the engine issues it after the
+  backward op. Under sequence parallelism the input all-gather (forward) and input-gradient
+  reduce-scatter (backward) are switched off the same way (``sequence_parallel`` is read at
+  forward time too): the engine passes the gathered input and reduce-scatters the gradient. The
+  linear then keeps the gathered input for its weight gradient instead of re-gathering it in
+  backward (see :mod:`.engine` for what that costs in memory).
 
 The stage ends (:mod:`.stage`) run the vocab-parallel embedding in two steps around the schedule's
 all-reduce: its lookup while deferring (the partial sum), then Megatron's whole embedding forward
 with :func:`supplied_reduction` giving the all-reduced sum to the embedding's reduction, so every
 op after it (positions, dropout, ...) is Megatron's own.
 
-Outside the context both behave exactly as stock. The flag is thread-local: autograd on CPU runs
-re-entrant backward on the calling thread, and the engine never hands work to other threads.
+Outside the context both behave exactly as stock. The flag is thread-local and read in forward
+only; the stand-in group travels in the autograd context, so the backward routing holds on
+whichever thread autograd runs a linear's backward (a CUDA device thread included).
 """
 
 import contextlib
