@@ -77,6 +77,25 @@ MEGATRON_ALIASES = (
 )
 
 
+def _source(fn):
+    """``fn``'s source (unwrapped), or None where Python has none (builtins)."""
+    try:
+        return inspect.getsource(getattr(fn, "__wrapped__", fn))
+    except (OSError, TypeError):
+        return None
+
+
+def require_call(fn, text):
+    """Check that Megatron's ``fn`` still contains ``text`` (the call or statement a patch relies
+    on); one line naming both and the supported range otherwise."""
+    source = _source(fn)
+    if source is not None and text not in source:
+        raise OasesConfigError(
+            f"this megatron-core ({megatron_core_version()}) no longer has {text!r} in "
+            f"{fn.__qualname__}; megatron-oases supports megatron-core {SUPPORTED_SPEC}"
+        )
+
+
 def require_symbol(owner, name, called_by=(), parameters=()):
     """Return ``owner.name`` after checking it is what Megatron calls.
 
@@ -97,11 +116,8 @@ def require_symbol(owner, name, called_by=(), parameters=()):
     if value is None:
         fail("has no")
     for caller in called_by:
-        try:
-            source = inspect.getsource(getattr(caller, "__wrapped__", caller))
-        except (OSError, TypeError):
-            continue
-        if name not in source:
+        source = _source(caller)
+        if source is not None and name not in source:
             fail(f"no longer calls it from {caller.__qualname__}")
     if parameters:
         target = getattr(value, "__wrapped__", value)

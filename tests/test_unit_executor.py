@@ -361,9 +361,9 @@ class TestDeferredTmpComm:
         )
 
 
-def test_early_compute_runs_right_after_its_collective_is_issued(fake):
-    """An ``early`` compute (a recomputation from a saved input) runs before the switch, ahead of
-    the ops that need the collective; each op still runs exactly once."""
+def test_early_compute_runs_before_its_sub_batch_waits(fake):
+    """An ``early`` compute (a recomputation from a saved input) runs when its sub-batch resumes,
+    before it waits for its collective and ahead of the ops that need it; each op runs once."""
     g = FakeGroup(2)
     a, state = program(fake, "a", 1, g)
 
@@ -377,9 +377,9 @@ def test_early_compute_runs_right_after_its_collective_is_issued(fake):
     assert fake.log == [
         ("compute", "a0"),
         ("issue", "A0"),
-        ("compute", "a-early"),  # before b0 and before A0 is waited for
         ("compute", "b0"),
         ("issue", "B0"),
+        ("compute", "a-early"),  # a resumes: the early op before A0 is waited for
         ("wait", "A0"),
         ("done", "A0"),
         ("compute", "a1"),  # not run again after it

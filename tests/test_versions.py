@@ -123,6 +123,10 @@ def test_replaced_symbols_are_what_megatron_calls():
     req(dist_checkpointing, "load", called_by=[checkpointing._load_global_dist_base_checkpoint])
     # The test harness and the trace wrap train_step by name.
     req(training, "train_step", called_by=[training.train])
+    # require_call: a statement a patch relies on, present here; one line when it is not.
+    compat.require_call(training.train, "train_step(")
+    with pytest.raises(OasesConfigError, match="no longer has 'no_such_call\\('"):
+        compat.require_call(training.train, "no_such_call(")
     # Plans: the replica sync is the config's finalize_model_grads_func, which train() keeps from
     # 0.19 on and overwrites before (then compat replaces the name it overwrites it with).
     source = inspect.getsource(training.train)

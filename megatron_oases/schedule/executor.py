@@ -28,9 +28,11 @@ from .comm import deferred_tmp_comm
 
 class Compute:
     """``early``: needs neither the sub-batch's collective before it nor the ops between them (a
-    recomputation from a saved input), so the executor runs it right after issuing that
-    collective, before switching: the transfer then also hides behind the sub-batch's own work,
-    which matters where the other sub-batch has little left (the first op after the loss)."""
+    recomputation from a saved input), so when the sub-batch resumes, the executor runs it
+    *before* waiting for that collective: the transfer then also hides behind the sub-batch's
+    own work, which matters where the other sub-batch had little to run (its loss backward).
+    Only ops of the resuming sub-batch move, within its own stretch, so no more activations
+    are alive at once than in program order."""
 
     __slots__ = ("fn", "labels", "early")
 
@@ -128,22 +130,22 @@ def run_programs(programs, labels=None, tracer=None, early=None):
     x = 0
     with outer:
         while True:
-            if x in pending:  # data dependence: x's result before x goes on
-                pending.pop(x).finish()
             prog = programs[x]
-            while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
-                if pos[x] not in ran_early[x]:
-                    _run_compute(x, prog[pos[x]], tracer, early)
-                pos[x] += 1
-            if pos[x] < len(prog):  # a Comm: queue it, run the early computes up to x's next
-                pending[x] = _issue(x, prog[pos[x]], tracer, early)  # collective, and switch
-                pos[x] += 1
-                k = pos[x]
+            if x in pending:  # data dependence: x's result before x goes on — but first the
+                k = pos[x]  # early computes up to x's next collective, which need none of it
                 while k < len(prog) and isinstance(prog[k], Compute):
                     if prog[k].early:
                         _run_compute(x, prog[k], tracer, early)
                         ran_early[x].add(k)
                     k += 1
+                pending.pop(x).finish()
+            while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
+                if pos[x] not in ran_early[x]:
+                    _run_compute(x, prog[pos[x]], tracer, early)
+                pos[x] += 1
+            if pos[x] < len(prog):  # a Comm: queue it and switch
+                pending[x] = _issue(x, prog[pos[x]], tracer, early)
+                pos[x] += 1
             remaining = [i for i in range(n) if pos[i] < len(programs[i])]
             if not remaining:
                 break

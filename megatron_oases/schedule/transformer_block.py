@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
 from ..arguments import validate_oases_args
-from ..compat import finalize_model_grads_replacements, require_symbol
+from ..compat import finalize_model_grads_replacements, require_call, require_symbol
 from ..errors import OasesConfigError
 from ..hetero.model import make_param_is_not_tp_duplicate
 from ..hetero.reshard import reshard
@@ -197,14 +197,14 @@ def _stage_end_replacements(ends):
 
     require_symbol(GPTModel, "_postprocess", called_by=[GPTModel.forward])
     require_symbol(GPTModel, "_preprocess", called_by=[GPTModel.forward])
-    _calls(GPTModel._preprocess, "self.embedding(")
+    require_call(GPTModel._preprocess, "self.embedding(")
     # what OutputEnd calls in place of _postprocess's output layer and loss
     for name in ("self.output_layer(", "self.compute_language_model_loss("):
-        _calls(GPTModel._postprocess, name)
+        require_call(GPTModel._postprocess, name)
     if hasattr(GPTModel, "_scale_logits"):
-        _calls(GPTModel._postprocess, "self._scale_logits(")
+        require_call(GPTModel._postprocess, "self._scale_logits(")
     require_symbol(LanguageModelEmbedding, "forward", parameters=("input_ids", "position_ids"))
-    _calls(LanguageModelEmbedding.forward, "self.word_embeddings(input_ids)")
+    require_call(LanguageModelEmbedding.forward, "self.word_embeddings(input_ids)")
     return [
         (GPTModel, "forward", ends.model_forward(GPTModel.forward)),
         (GPTModel, "_postprocess", ends.postprocess(GPTModel._postprocess)),
@@ -224,28 +224,12 @@ def _early_all_reduce():
 
     backward = LinearWithGradAccumulationAndAsyncCommunication.backward
     original = require_symbol(torch.distributed, "all_reduce", called_by=[backward])
-    _calls(backward, "torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)")
-    _calls(LinearWithGradAccumulationAndAsyncCommunication.forward, "ctx.tp_group = tp_group")
-    _calls(ColumnParallelLinear.forward, "tp_group=self.tp_group")
+    require_call(
+        backward, "torch.distributed.all_reduce(grad_input, group=tp_group, async_op=True)"
+    )
+    require_call(LinearWithGradAccumulationAndAsyncCommunication.forward, "ctx.tp_group = tp_group")
+    require_call(ColumnParallelLinear.forward, "tp_group=self.tp_group")
     return (torch.distributed, "all_reduce", make_all_reduce(original))
-
-
-def _source(fn):
-    import inspect
-
-    return inspect.getsource(getattr(fn, "__wrapped__", fn))
-
-
-def _calls(fn, name):
-    """Fail (one line) unless ``fn``'s source mentions ``name``."""
-    from ..compat import SUPPORTED_SPEC, megatron_core_version
-
-    if name not in _source(fn):
-        raise OasesConfigError(
-            f"this megatron-core ({megatron_core_version()}) no longer calls {name} from "
-            f"{fn.__qualname__}; megatron-oases supports megatron-core {SUPPORTED_SPEC}"
-        )
-    return True
 
 
 def make_patch(args, built=None):
