@@ -57,9 +57,10 @@ def check_splittable(samples, what=None, need=None, parts=SUB_BATCHES):
 
 
 #: ``--recompute-modules`` the split schedules keep exact: core attention is recomputed inside
-#: Megatron's own ``SelfAttention`` (no TP communication inside it). The other modules are
-#: recomputed by ``TransformerLayer``'s forward, which the schedule's blocks do not go through.
-SELECTIVE_MODULES = ("core_attn",)
+#: Megatron's own ``SelfAttention`` (no TP communication inside it); the norms' outputs are freed
+#: and recomputed as ``TransformerLayer`` does, by the schedule's blocks (:mod:`.schedule.blocks`).
+#: ``mlp`` would re-run the MLP's TP communication in Megatron's recomputation: not supported.
+SELECTIVE_MODULES = ("core_attn", "layernorm")
 
 
 def check_selective_recompute(schedule, modules):

@@ -45,7 +45,7 @@ from megatron_oases.errors import OasesConfigError
             "--oases-schedule overlap --recompute-granularity selective "
             "--recompute-modules core_attn mlp",
             1,
-            "supports --recompute-modules core_attn only (got mlp)",
+            "supports --recompute-modules core_attn layernorm only (got mlp)",
         ),
         (
             "--oases-schedule oases --recompute-granularity selective",

@@ -258,8 +258,12 @@ def test_memory_variants_validate():
     for name in MEMORY_VARIANTS:
         v = VARIANTS[name]
         args = parse_offline(TINY + ["--mock-data", *v.resolved_flags(base)], 2, demo=True)
-        granularity = {"full": "full", "selective": "selective", "none": None}[v.recompute]
+        granularity = {"full": "full", "none": None}.get(v.recompute, "selective")
         assert args.recompute_granularity == granularity, name
+        if granularity == "selective":
+            ln = v.recompute == "selective+ln"
+            # Megatron's default (None) is core attention only
+            assert args.recompute_modules == (["core_attn", "layernorm"] if ln else None), name
         assert v.stock == (args.oases_schedule == "off"), name
     assert {VARIANTS[n].stock for n in MEMORY_VARIANTS} == {True, False}
 

@@ -20,6 +20,7 @@ BASE = (
     "--global-batch-size 4 --train-iters 1 "
 )
 R = RECOMPUTE
+SELECTIVE_LN = "--recompute-granularity selective --recompute-modules core_attn layernorm "
 
 
 @pytest.mark.timeout(300)
@@ -28,14 +29,16 @@ def test_dropout_recompute_is_rng_exact_and_deterministic():
         ("overlap", "--oases-schedule overlap"),  # splits the same way, recomputes nothing
         ("overlap-recompute", R + "--oases-schedule overlap"),
         ("overlap-selective", "--recompute-granularity selective --oases-schedule overlap"),
+        ("overlap-selective-ln", SELECTIVE_LN + "--oases-schedule overlap"),
         ("cross-pass", R + "--oases-schedule cross-pass"),
         ("oases", R + "--oases-schedule oases"),
         ("oases-again", R + "--oases-schedule oases"),
         ("stock", R + "--oases-schedule off"),
     ]
+    recomputing = ("overlap-recompute", "overlap-selective", "overlap-selective-ln")
     for res in run_distributed(variants_worker, 2, BASE + DROP, variants, timeout=280):
         ref = res["overlap"]
-        for name in ("overlap-recompute", "overlap-selective", "cross-pass", "oases"):
+        for name in recomputing + ("cross-pass", "oases"):
             assert max_rel_diff(res[name]["losses"], ref["losses"]) < 1e-6, name
             for p, g in ref["grads"].items():
                 assert max_rel_diff(res[name]["grads"][p], g) < 1e-6, (name, p)
@@ -189,6 +192,32 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
     assert peaks["oases"] <= 1.15 * full, peaks
     assert peaks["cross-pass"] <= 1.15 * full, peaks
     assert peaks["overlap-recompute"] <= 1.15 * full, peaks
+
+
+@pytest.mark.timeout(300)
+def test_norm_recompute_frees_what_stock_frees():
+    """``--recompute-modules core_attn layernorm``: the schedule frees each norm's output after
+    main_j, as stock's ``TransformerLayer`` does, so it saves at least what stock saves."""
+    base = (
+        GPT.replace("--hidden-size 64", "--hidden-size 128").format(layers=4)
+        + "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 4 "
+        "--seq-length 64 --max-position-embeddings 64 --vocab-size 128 "
+    )
+    sel = "--recompute-granularity selective "
+    variants = [
+        ("stock", sel + "--oases-schedule off"),
+        ("stock-ln", SELECTIVE_LN + "--oases-schedule off"),
+        ("overlap", sel + "--oases-schedule overlap"),
+        ("overlap-ln", SELECTIVE_LN + "--oases-schedule overlap"),
+    ]
+    from megatron_oases.training.measure import activation_peaks
+
+    configs = [(name, base + " " + extra) for name, extra in variants]
+    peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
+    print({k: f"{v / 2**20:.3f} MiB" for k, v in peaks.items()})
+    stock_saves = peaks["stock"] - peaks["stock-ln"]
+    assert stock_saves > 0, peaks
+    assert peaks["overlap"] - peaks["overlap-ln"] >= stock_saves, peaks
 
 
 def _uninstall_worker(base):

@@ -66,7 +66,11 @@ def test_schedules_match_stock_with_sequence_parallel(config):
     world, base = CONFIGS[config]
     variants = [("stock", RECOMPUTE + "--oases-schedule off")]
     variants += [(name, RECOMPUTE + f"--oases-schedule {name}") for name in SCHEDULES]
-    memory_settings = {"keep": "", "selective": "--recompute-granularity selective "}
+    memory_settings = {
+        "keep": "",
+        "selective": "--recompute-granularity selective ",
+        "selective-ln": "--recompute-granularity selective --recompute-modules core_attn layernorm ",
+    }
     if world == 2:
         for setting, flags in memory_settings.items():
             variants += [
@@ -103,6 +107,11 @@ def test_dropout_recompute_is_rng_exact_with_sequence_parallel():
         ("overlap", "--oases-schedule overlap"),
         ("overlap-recompute", RECOMPUTE + "--oases-schedule overlap"),
         ("overlap-selective", "--recompute-granularity selective --oases-schedule overlap"),
+        (
+            "overlap-selective-ln",
+            "--recompute-granularity selective --recompute-modules core_attn layernorm "
+            "--oases-schedule overlap",
+        ),
         ("cross-pass", RECOMPUTE + "--oases-schedule cross-pass"),
         ("oases", RECOMPUTE + "--oases-schedule oases"),
         ("oases-again", RECOMPUTE + "--oases-schedule oases"),
@@ -112,7 +121,8 @@ def test_dropout_recompute_is_rng_exact_with_sequence_parallel():
     variants = [(n, f if n == "no-sp" else SP + f) for n, f in variants]
     for res in run_distributed(variants_worker, 2, base + DROP, variants, timeout=280):
         ref = res["overlap"]
-        for name in ("overlap-recompute", "overlap-selective", "cross-pass", "oases"):
+        recomputing = ("overlap-recompute", "overlap-selective", "overlap-selective-ln")
+        for name in recomputing + ("cross-pass", "oases"):
             assert max_rel_diff(res[name]["losses"], ref["losses"]) < 1e-6, name
             for p, g in ref["grads"].items():
                 assert max_rel_diff(res[name]["grads"][p], g) < 1e-6, (name, p)

@@ -205,3 +205,33 @@ def test_jit_warmup_leaves_the_weights_rng_alone(model_parallel_1, monkeypatch):
     state = torch.get_rng_state()
     training.set_jit_fusion_options(tp_size=1)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_norm_recompute_without_te_fixes_only_the_fp8_flag():
+    """``--recompute-modules layernorm`` without TE: Megatron's ``CheckpointWithoutOutput()``
+    reads its default ``fp8=False`` as fp8 on and reaches TE names that are not imported; the
+    patch clears the flag and nothing else, and uninstall restores the original."""
+    from megatron.core.tensor_parallel import CheckpointWithoutOutput, random
+
+    from megatron_oases.platform import norm_recompute
+
+    plain = GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
+    selective = parse(plain + "--recompute-granularity selective", world_size=2)
+    assert norm_recompute.make_patch(selective) is None
+    flags = "--recompute-granularity selective --recompute-modules core_attn layernorm"
+    args = parse(plain + flags, world_size=2)
+    patch = norm_recompute.make_patch(args)
+    if random.HAVE_TE or "fp8 is not None" not in inspect.getsource(
+        CheckpointWithoutOutput.__init__
+    ):
+        assert patch is None  # nothing to fix on this install
+        return
+    original = CheckpointWithoutOutput.__init__
+    assert CheckpointWithoutOutput().fp8 is True  # the bug the patch exists for
+    patch.install()
+    try:
+        checkpoint = CheckpointWithoutOutput()
+        assert checkpoint.fp8 is False and checkpoint.ctx is None and checkpoint.outputs is None
+    finally:
+        patch.uninstall()
+    assert CheckpointWithoutOutput.__init__ is original

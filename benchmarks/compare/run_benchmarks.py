@@ -63,8 +63,9 @@ TP = {"h2048tp4": 4}  # TMP degree (= ranks) per shape; default 2
 SP_VARIANTS = "megatron,megatron-norecompute,overlap-norecompute,overlap,cross-pass,oases"
 # The TMP=2 row runs every memory setting (stock and Oases) and the budget comparison of issue 13.
 MEMORY_VARIANTS = (
-    "megatron,megatron-selective,megatron-norecompute,megatron-halfmb,"
-    "megatron-halfmb-norecompute,overlap,overlap-selective,overlap-norecompute,cross-pass,oases"
+    "megatron,megatron-selective,megatron-selective-ln,megatron-norecompute,megatron-halfmb,"
+    "megatron-halfmb-norecompute,overlap,overlap-selective,overlap-selective-ln,"
+    "overlap-norecompute,cross-pass,oases"
 )
 SHAPE_OPTIONS = {
     "h2048": ["--variants", MEMORY_VARIANTS, "--memory-budget", "1.2,1.3,1.4,1.6,1.8"],

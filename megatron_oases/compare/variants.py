@@ -11,7 +11,9 @@ class Variant:
     flags: tuple
     label: str
     paper: str  # the closest column of the paper's Table 3
-    recompute: str = "full"  # Megatron's recompute setting: "full", "selective" or "none"
+    # Megatron's recompute setting: "full", "selective" (core attention), "selective+ln" (core
+    # attention and the norms' outputs) or "none"
+    recompute: str = "full"
     available: bool = True
     note: str = ""
     split_micro_batch: bool = False  # halve the micro-batch, double the micro-batches
@@ -56,6 +58,8 @@ _FULL = (
     "1",
 )
 _SELECTIVE = ("--recompute-granularity", "selective")  # Megatron's default modules: core_attn
+# Also the two norms' outputs (freed after the linear that reads them, recomputed in backward).
+_SELECTIVE_LN = _SELECTIVE + ("--recompute-modules", "core_attn", "layernorm")
 VARIANTS = {
     v.name: v
     for v in (
@@ -71,6 +75,13 @@ VARIANTS = {
             "stock Megatron-Core, selective recompute (core attention)",
             "-",
             recompute="selective",
+        ),
+        Variant(
+            "megatron-selective-ln",
+            ("--oases-schedule", "off") + _SELECTIVE_LN,
+            "stock Megatron-Core, selective recompute (core attention and layer norms)",
+            "-",
+            recompute="selective+ln",
         ),
         Variant(
             "megatron-norecompute",
@@ -106,6 +117,13 @@ VARIANTS = {
             "two sub-batches, per-pass overlap, selective recompute (core attention)",
             "-",
             recompute="selective",
+        ),
+        Variant(
+            "overlap-selective-ln",
+            ("--oases-schedule", "overlap") + _SELECTIVE_LN,
+            "two sub-batches, per-pass overlap, selective recompute (core attention, layer norms)",
+            "-",
+            recompute="selective+ln",
         ),
         Variant(
             "overlap-norecompute",
@@ -147,11 +165,13 @@ DEFAULT_VARIANTS = ("megatron", "megatron-norecompute", "overlap", "cross-pass",
 MEMORY_VARIANTS = (
     "megatron",
     "megatron-selective",
+    "megatron-selective-ln",
     "megatron-norecompute",
     "megatron-halfmb",
     "megatron-halfmb-norecompute",
     "overlap",
     "overlap-selective",
+    "overlap-selective-ln",
     "overlap-norecompute",
     "oases",
 )
@@ -161,6 +181,7 @@ RESERVED = (
     "--recompute-granularity",
     "--recompute-method",
     "--recompute-num-layers",
+    "--recompute-modules",
     "--log-json",
     "--oases-trace",
     "--train-iters",
@@ -193,7 +214,8 @@ def estimate_memory_gb(args, recompute, dtype_bytes=2):
     Model states: 16 bytes per parameter shard (fp16 weight and gradient, fp32 master and two Adam
     moments). Activations per layer and micro-batch (Korthikanti et al. 2022):
     ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes, or ``s·b·h·(34/t + 5·a·s/(h·t))`` with sequence
-    parallelism; selective recompute drops the attention-score term ``5·a·s/(h·t)``; with full
+    parallelism; selective recompute drops the attention-score term ``5·a·s/(h·t)``, and with
+    ``layernorm`` also the two norms' outputs (``4·s·b·h``, ``/t`` under SP); with full
     recompute only each layer's input (``2·s·b·h``, ``/t`` under SP) plus one layer's working set.
     1F1B keeps up to PP micro-batches in flight.
     ``recompute``: ``"full"``/True, ``"selective"`` or ``"none"``/False.
@@ -207,11 +229,13 @@ def estimate_memory_gb(args, recompute, dtype_bytes=2):
     states = 16 * params
     sp = getattr(args, "sequence_parallel", False)
     linear = 34 / t if sp else 10 + 24 / t  # per s·b·h, without the attention scores
+    if recompute == "selective+ln":
+        linear -= 4 / t if sp else 4
     full_layer = s * b * h * (linear + 5 * a * s / (h * t)) * dtype_bytes / 2
     in_flight = min(pp, args.num_microbatches)
     if recompute in (True, "full"):
         act = in_flight * layers * dtype_bytes * s * b * h / (t if sp else 1) + full_layer
-    elif recompute == "selective":
+    elif recompute in ("selective", "selective+ln"):
         act = in_flight * layers * s * b * h * linear * dtype_bytes / 2 + full_layer
     else:
         act = in_flight * layers * full_layer

@@ -4,7 +4,8 @@ model is built (the mechanism, :class:`Patch` and the process registry, is :mod:
 ``install_from_args(args)`` installs, in this order (each a named, reversible :class:`Patch`;
 a factory returns None when its flag is not given):
 
-0. ``torch-norm-sp``: Megatron's torch norms under ``--sequence-parallel`` (local spec, no apex).
+0. ``torch-norm-sp``: Megatron's torch norms under ``--sequence-parallel`` (local spec, no apex);
+   ``norm-recompute-without-te``: ``--recompute-modules layernorm`` without Transformer Engine.
 1. ``emulate-link``: link emulation of every collective (``--emulate-link PROFILE``, testbed).
 2. ``oases-trace``: schedule tracer (``--oases-trace PATH``).
 3. ``golden-values``: per-iteration golden values from Megatron's loop (``--log-json PATH``).
@@ -22,12 +23,14 @@ def factories():
     fails at import instead of turning its flag into a silent no-op."""
     from ..instrument.golden import make_patch as golden_values
     from ..instrument.trace_patch import make_patch as oases_trace
+    from ..platform.norm_recompute import make_patch as norm_recompute_without_te
     from ..platform.torch_norm import make_patch as torch_norm_sp
     from ..schedule.transformer_block import make_patch as oases_schedule
     from ..testbed.emulator import make_patch as emulate_link
 
     return (
         ("torch-norm-sp", torch_norm_sp),
+        ("norm-recompute-without-te", norm_recompute_without_te),
         ("emulate-link", emulate_link),
         ("oases-trace", oases_trace),
         ("golden-values", golden_values),

@@ -17,6 +17,7 @@ LayerNorm/RMSNorm, SwiGLU, GQA, RoPE, dropout) are unchanged.
 """
 
 import torch
+from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
 from ..errors import OasesConfigError
@@ -58,6 +59,22 @@ class LayerBlocks:
     def ln(self, j, h):
         layer = self.layer(j)
         return layer.input_layernorm(h) if j % 2 == 0 else layer.pre_mlp_layernorm(h)
+
+    def ln_discardable(self, j, h):
+        """``ln(j, h)`` and, where Megatron recomputes this norm (``--recompute-modules
+        layernorm``), the :class:`CheckpointWithoutOutput` that ran it: the schedule frees the
+        output once main_j has consumed it and registers its recomputation on the gradient of
+        R_j, as ``TransformerLayer`` does on the gradient of the attention / MLP output. None
+        otherwise."""
+        layer = self.layer(j)
+        if j % 2 == 0:
+            norm, recompute = layer.input_layernorm, layer.recompute_input_layernorm
+        else:
+            norm, recompute = layer.pre_mlp_layernorm, layer.recompute_pre_mlp_layernorm
+        if not recompute:
+            return norm(h), None
+        checkpoint = CheckpointWithoutOutput()
+        return checkpoint.checkpoint(norm, h), checkpoint
 
     def main(self, j, x, mask=None):
         """Partial (pre-all-reduce) output and bias of the attention / MLP block."""

@@ -62,6 +62,9 @@ class SubBatch:
         self.G = {}  # sequence parallelism: the all-gathered ln output of block j
         self.buf, self.rng, self.gR, self.gL, self.gH = ({} for _ in range(5))
         self.end = {}  # the stage ends' working tensors (:mod:`.stage`)
+        self.norm_checkpoint = (
+            {}
+        )  # --recompute-modules layernorm: ln_j's output freed until backward
         self.output = self.loss = None
 
 
@@ -209,6 +212,11 @@ class ScheduledLayers:
                 sb.H.pop(j)  # layer-granular checkpoint: keep only layer inputs
             return out
         R = self._input(sb.R.pop(j), sb.gR, j)
+        checkpoint = sb.norm_checkpoint.pop(j, None)
+        if checkpoint is not None:
+            # main_j (and under SP the all-gather) has consumed ln_j's output: free it until
+            # R_j's gradient arrives, which comes before main_j's backward and the re-gather
+            checkpoint.discard_output_and_register_recompute(R)
         out = sb.hout[j] = self.blocks.bda(j, R, sb.B[j], sb.H[j])
         return out
 
@@ -219,9 +227,13 @@ class ScheduledLayers:
             out = self._bda_forward(sb, j - 1)
             H = _leaf(out) if self.keep_graph else out
         sb.H[j] = H  # a layer checkpoint drops odd blocks' H again after bda_j
-        Lout = self.blocks.ln(j, H)
         if self.keep_graph:
+            Lout, checkpoint = self.blocks.ln_discardable(j, H)
             sb.Lout[j] = Lout
+            if checkpoint is not None:
+                sb.norm_checkpoint[j] = checkpoint
+        else:
+            Lout = self.blocks.ln(j, H)
         self._after_ln(sb, j, Lout, lambda x: self._fwd_main(sb, j, x))
 
     def _fwd_main(self, sb, j, x):
