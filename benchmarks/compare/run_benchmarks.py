@@ -60,7 +60,10 @@ COMMON = ["--vocab-size", "512"]
 TP = {"h2048tp4": 4}  # TMP degree (= ranks) per shape; default 2
 # Variants and memory pass per shape (default: oases compare's variants, no memory pass). The SP
 # rows run every memory setting, so the report can set speed against peak memory per rank.
-SP_VARIANTS = "megatron,megatron-norecompute,overlap-norecompute,overlap,cross-pass,oases"
+SP_VARIANTS = (
+    "megatron,megatron-selective,megatron-selective-ln,megatron-norecompute,overlap,"
+    "overlap-selective,overlap-selective-ln,overlap-norecompute,cross-pass,oases"
+)
 # The TMP=2 row runs every memory setting (stock and Oases) and the budget comparison of issue 13.
 MEMORY_VARIANTS = (
     "megatron,megatron-selective,megatron-selective-ln,megatron-norecompute,megatron-halfmb,"
