@@ -62,9 +62,8 @@ class SubBatch:
         self.G = {}  # sequence parallelism: the all-gathered ln output of block j
         self.buf, self.rng, self.gR, self.gL, self.gH = ({} for _ in range(5))
         self.end = {}  # the stage ends' working tensors (:mod:`.stage`)
-        self.norm_checkpoint = (
-            {}
-        )  # --recompute-modules layernorm: ln_j's output freed until backward
+        # --recompute-modules layernorm: the checkpoint that frees ln_j's output until backward
+        self.norm_checkpoint = {}
         self.output = self.loss = None
 
 
