@@ -3,7 +3,7 @@ overlap evidence from the trace, activation memory, and reversible patches."""
 
 import pytest
 import torch
-from helpers import DROP, GPT, RECOMPUTE, variants_worker
+from helpers import DROP, GPT, RECOMPUTE, SELECTIVE_LN, variants_worker
 from helpers.runs import max_rel_diff
 from helpers.traces import (
     block_comms,
@@ -20,7 +20,12 @@ BASE = (
     "--global-batch-size 4 --train-iters 1 "
 )
 R = RECOMPUTE
-SELECTIVE_LN = "--recompute-granularity selective --recompute-modules core_attn layernorm "
+#: The activation-memory tests' model: large enough that activations dominate the metered peak.
+MEMORY_BASE = (
+    GPT.replace("--hidden-size 64", "--hidden-size 128").format(layers=4)
+    + "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 4 "
+    "--seq-length 64 --max-position-embeddings 64 --vocab-size 128 "
+)
 
 
 @pytest.mark.timeout(300)
@@ -169,11 +174,6 @@ def test_input_gradient_all_reduce_starts_before_the_weight_gradient(traces, sch
 
 @pytest.mark.timeout(300)
 def test_oases_activation_memory_close_to_stock_full_recompute():
-    base = (
-        GPT.replace("--hidden-size 64", "--hidden-size 128").format(layers=4)
-        + "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 4 "
-        "--seq-length 64 --max-position-embeddings 64 --vocab-size 128 "
-    )
     variants = [
         ("stock-full-recompute", RECOMPUTE + "--oases-schedule off"),
         ("stock-no-recompute", "--oases-schedule off"),
@@ -184,7 +184,7 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
     ]
     from megatron_oases.training.measure import activation_peaks
 
-    configs = [(name, base + " " + extra) for name, extra in variants]
+    configs = [(name, MEMORY_BASE + " " + extra) for name, extra in variants]
     peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
     print({k: f"{v / 2**20:.2f} MiB" for k, v in peaks.items()})
     full = peaks["stock-full-recompute"]
@@ -198,11 +198,6 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
 def test_norm_recompute_frees_what_stock_frees():
     """``--recompute-modules core_attn layernorm``: the schedule frees each norm's output after
     main_j, as stock's ``TransformerLayer`` does, so it saves at least what stock saves."""
-    base = (
-        GPT.replace("--hidden-size 64", "--hidden-size 128").format(layers=4)
-        + "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 4 "
-        "--seq-length 64 --max-position-embeddings 64 --vocab-size 128 "
-    )
     sel = "--recompute-granularity selective "
     variants = [
         ("stock", sel + "--oases-schedule off"),
@@ -212,7 +207,7 @@ def test_norm_recompute_frees_what_stock_frees():
     ]
     from megatron_oases.training.measure import activation_peaks
 
-    configs = [(name, base + " " + extra) for name, extra in variants]
+    configs = [(name, MEMORY_BASE + " " + extra) for name, extra in variants]
     peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
     print({k: f"{v / 2**20:.3f} MiB" for k, v in peaks.items()})
     stock_saves = peaks["stock"] - peaks["stock-ln"]

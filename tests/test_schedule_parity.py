@@ -9,7 +9,7 @@ checks the first optimizer step.
 
 import pytest
 import torch
-from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, variants_worker
+from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, SELECTIVE_LN, variants_worker
 from helpers.runs import max_rel_diff
 
 from megatron_oases.launch import run_distributed
@@ -85,14 +85,13 @@ def test_schedules_match_stock(config):
 #: at the same setting: all activations kept, and Megatron's selective recomputation (core
 #: attention recomputed inside Megatron's own ``SelfAttention`` in backward; with ``layernorm``
 #: also the norms' outputs, freed in forward and recomputed before main_j's backward).
-SELECTIVE_LN = "--recompute-granularity selective --recompute-modules core_attn layernorm"
 MEMORY_VARIANTS = [
     ("stock-keep", "--oases-schedule off"),
     ("overlap-keep", "--oases-schedule overlap"),
     ("stock-selective", "--oases-schedule off --recompute-granularity selective"),
     ("overlap-selective", "--oases-schedule overlap --recompute-granularity selective"),
-    ("stock-selective-ln", "--oases-schedule off " + SELECTIVE_LN),
-    ("overlap-selective-ln", "--oases-schedule overlap " + SELECTIVE_LN),
+    ("stock-selective-ln", SELECTIVE_LN + "--oases-schedule off"),
+    ("overlap-selective-ln", SELECTIVE_LN + "--oases-schedule overlap"),
 ]
 
 

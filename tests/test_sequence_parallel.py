@@ -9,7 +9,7 @@ Stock Megatron's local spec needs the ``torch-norm-sp`` patch to build its torch
 
 import pytest
 import torch
-from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, variants_worker
+from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, SELECTIVE_LN, variants_worker
 from helpers.runs import max_rel_diff
 from helpers.traces import block_comms, traced_runs, unhidden_inner_comms
 
@@ -69,7 +69,7 @@ def test_schedules_match_stock_with_sequence_parallel(config):
     memory_settings = {
         "keep": "",
         "selective": "--recompute-granularity selective ",
-        "selective-ln": "--recompute-granularity selective --recompute-modules core_attn layernorm ",
+        "selective-ln": SELECTIVE_LN,
     }
     if world == 2:
         for setting, flags in memory_settings.items():
@@ -107,11 +107,7 @@ def test_dropout_recompute_is_rng_exact_with_sequence_parallel():
         ("overlap", "--oases-schedule overlap"),
         ("overlap-recompute", RECOMPUTE + "--oases-schedule overlap"),
         ("overlap-selective", "--recompute-granularity selective --oases-schedule overlap"),
-        (
-            "overlap-selective-ln",
-            "--recompute-granularity selective --recompute-modules core_attn layernorm "
-            "--oases-schedule overlap",
-        ),
+        ("overlap-selective-ln", SELECTIVE_LN + "--oases-schedule overlap"),
         ("cross-pass", RECOMPUTE + "--oases-schedule cross-pass"),
         ("oases", RECOMPUTE + "--oases-schedule oases"),
         ("oases-again", RECOMPUTE + "--oases-schedule oases"),

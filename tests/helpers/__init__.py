@@ -17,5 +17,7 @@ LLAMA = GPT + (
 )
 #: Megatron's full recomputation the way the schedules do it (one layer at a time).
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+#: Megatron's selective recomputation of core attention and the norms' outputs.
+SELECTIVE_LN = "--recompute-granularity selective --recompute-modules core_attn layernorm "
 NO_DROP = "--hidden-dropout 0 --attention-dropout 0 "
 DROP = "--hidden-dropout 0.2 --attention-dropout 0.2 "
