@@ -192,6 +192,40 @@ def test_every_inner_collective_is_overlapped(traces, schedule):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_next_collective_starts_inside_the_other_sub_batch_main(traces, schedule):
+    """Between a block's reduce-scatter and the next all-gather a sub-batch has only short ops
+    (bda, ln, their backward). They run at a yield point inside the other sub-batch's main op,
+    so sub-batch 0's next collective is issued before sub-batch 1 finishes that block's main
+    op (its reduce-scatter). Without yield points it could only follow it, with nothing left
+    to hide it behind."""
+    for trace in traces[schedule]:
+        comms = sorted(block_comms(trace), key=lambda e: e["args"]["issue_us"])
+        key = lambda e: tuple(
+            e["args"][k] for k in ("microbatch", "pass", "layer", "block")
+        )  # noqa
+        checked = 0
+        for i, rs0 in enumerate(comms):
+            a = rs0["args"]
+            if a["sub_batch"] != 0 or _kind(rs0) != "reduce_scatter":
+                continue
+            following = [e for e in comms[i + 1 :] if e["args"]["sub_batch"] == 0]
+            rs1 = [
+                e
+                for e in comms
+                if e["args"]["sub_batch"] == 1
+                and _kind(e) == "reduce_scatter"
+                and key(e) == key(rs0)
+            ]
+            if not following or not rs1 or following[0]["args"]["pass"] != a["pass"]:
+                continue  # the pass's last block
+            nxt = following[0]
+            assert nxt["args"]["issue_us"] < rs1[0]["args"]["issue_us"], (key(rs0), nxt["name"])
+            checked += 1
+        assert checked >= 4, checked
+
+
+@pytest.mark.timeout(300)
 def test_sequence_parallel_activation_memory():
     """SP's saving survives the schedules: each recomputing schedule's activation peak under SP
     stays close to stock SP full recomputation and below its own peak without SP."""

@@ -388,3 +388,100 @@ def test_early_compute_runs_before_its_sub_batch_waits(fake):
         ("compute", "b1"),
     ]
     assert state["early_saw"] is None and torch.equal(state["seen"][1], torch.full((2,), 2.0))
+
+
+def _yielding_program(fake, name, group, interleave, light):
+    """``x0 X0 x1 X1 x2``: x0 and x2 are long ops with a yield point inside, x1 is short
+    (``light`` or not)."""
+
+    def long(k):
+        def fn():
+            fake.log.append(("start", f"{name}{k}"))
+            interleave()
+            fake.log.append(("end", f"{name}{k}"))
+
+        return Compute(fn, block=f"{name}{k}")
+
+    def short():
+        return Compute(
+            lambda: fake.log.append(("compute", f"{name}1")), light=light, block=f"{name}1"
+        )
+
+    def comm_op(k):
+        def get():
+            t = torch.ones(2)
+            fake.name_of[id(t)] = f"{name.upper()}{k}"
+            return t
+
+        return Comm(get, lambda t: fake.log.append(("done", f"{name.upper()}{k}")), group)
+
+    return [long(0), comm_op(0), short(), comm_op(1), long(2)]
+
+
+def test_yield_point_runs_the_other_sub_batch_light_stretch(fake):
+    """A yield point inside a running op lets the other sub-batch take its pending result, run
+    its light ops and issue its next collective there, hidden by the rest of the running op;
+    the executor then goes on in program order, each op once."""
+    g, interleave = FakeGroup(2), ex.Interleave()
+    a = _yielding_program(fake, "a", g, interleave, light=True)
+    b = _yielding_program(fake, "b", g, interleave, light=True)
+    run_programs([a, b], interleave=interleave)
+    assert fake.log == [
+        ("start", "a0"),  # nothing pending at this yield point
+        ("end", "a0"),
+        ("issue", "A0"),
+        ("start", "b0"),
+        ("wait", "A0"),  # b0's yield point: a's short op and its next issue run inside b0
+        ("done", "A0"),
+        ("compute", "a1"),
+        ("issue", "A1"),
+        ("end", "b0"),
+        ("issue", "B0"),
+        ("wait", "A1"),
+        ("done", "A1"),
+        ("start", "a2"),
+        ("wait", "B0"),
+        ("done", "B0"),
+        ("compute", "b1"),
+        ("issue", "B1"),
+        ("end", "a2"),
+        ("wait", "B1"),
+        ("done", "B1"),
+        ("start", "b2"),
+        ("end", "b2"),
+    ]
+    assert interleave.run is None  # outside a run the yield points do nothing
+    interleave()
+
+
+def test_yield_point_skips_a_stretch_that_is_not_light(fake):
+    g, interleave = FakeGroup(2), ex.Interleave()
+    a = _yielding_program(fake, "a", g, interleave, light=False)
+    b = _yielding_program(fake, "b", g, interleave, light=False)
+    run_programs([a, b], interleave=interleave)
+    order = [e for e in fake.log if e[0] in ("start", "end", "compute")]
+    assert order == [
+        ("start", "a0"),
+        ("end", "a0"),
+        ("start", "b0"),
+        ("end", "b0"),
+        ("compute", "a1"),
+        ("compute", "b1"),
+        ("start", "a2"),
+        ("end", "a2"),
+        ("start", "b2"),
+        ("end", "b2"),
+    ]
+
+
+def test_yield_point_splits_the_running_op_trace_segment(fake):
+    """The running op's trace segment pauses while the other sub-batch's ops run: segments never
+    nest, so compute time is not counted twice."""
+    tracer = trace_mod.Tracer()
+    g, interleave = FakeGroup(2), ex.Interleave()
+    a = _yielding_program(fake, "a", g, interleave, light=True)
+    b = _yielding_program(fake, "b", g, interleave, light=True)
+    run_programs([a, b], tracer=tracer, interleave=interleave)
+    segments = sorted((e["ts"], e["ts"] + e["dur"], e["args"]["block"]) for e in tracer.events)
+    assert [s[2] for s in segments] == ["a0", "b0", "a1", "b0", "a2", "b1", "a2", "b2"]
+    assert all(end <= nxt + 1e-6 for (_, end, _), (nxt, _, _) in zip(segments, segments[1:]))

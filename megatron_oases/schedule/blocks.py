@@ -16,6 +16,8 @@ Everything is called through the layer's own submodules, so Megatron's numerics 
 LayerNorm/RMSNorm, SwiGLU, GQA, RoPE, dropout) are unchanged.
 """
 
+import contextlib
+
 import torch
 from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
@@ -75,6 +77,44 @@ class LayerBlocks:
             return norm(h), None
         checkpoint = CheckpointWithoutOutput()
         return checkpoint.checkpoint(norm, h), checkpoint
+
+    @contextlib.contextmanager
+    def yield_points(self, callback):
+        """``callback()`` inside main_j, where the other sub-batch's short ops may run (see
+        :class:`.executor.Interleave`). Forward (and recompute): the MLP's after fc1 (half its
+        FLOPs); attention's after core attention, before the output projection: a yield must
+        follow every RNG draw of main_j (attention dropout), or the other sub-batch's dropout
+        would move main_j's masks off what its recomputation replays. Backward: when the first
+        GEMM's (QKV, fc1) output gradient is ready, about halfway. The gradient hook stays on
+        the graph after this context ends; ``callback`` decides what is active then."""
+
+        def on_grad(grad):
+            callback()
+
+        def backward_yield(module, args, output):  # on the first GEMM's output gradient
+            out = output[0] if isinstance(output, tuple) else output
+            if torch.is_grad_enabled() and out.requires_grad:
+                out.register_hook(on_grad)
+
+        def both(module, args, output):
+            backward_yield(module, args, output)
+            callback()
+
+        handles = []
+        for layer in self.layers:
+            qkv = getattr(layer.self_attention, "linear_qkv", None)
+            proj = getattr(layer.self_attention, "linear_proj", None)
+            fc1 = getattr(layer.mlp, "linear_fc1", None)
+            if qkv is not None and proj is not None:
+                handles.append(qkv.register_forward_hook(backward_yield))
+                handles.append(proj.register_forward_pre_hook(lambda module, args: callback()))
+            if fc1 is not None:
+                handles.append(fc1.register_forward_hook(both))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def main(self, j, x, mask=None):
         """Partial (pre-all-reduce) output and bias of the attention / MLP block."""

@@ -33,13 +33,15 @@ before it runs in forward, and recomputation restores exactly that snapshot — 
 dropout masks in recompute equal those of the forward.
 """
 
+import contextlib
+
 import torch
 from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
 
 from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
 from .blocks import split_mask, split_sizes
 from .comm import EarlyReductions
-from .executor import Comm, Compute, run_programs
+from .executor import Comm, Compute, Interleave, run_programs
 from .regather import GradSink, shard_saved
 from .rng import replay as _rng
 from .rng import snapshot as _snapshot
@@ -105,6 +107,9 @@ class ScheduledLayers:
         # SP with graphs kept from forward: main_j's saved input stays an s/t shard, re-gathered
         # before its backward (:mod:`.regather`), as stock Megatron's SP linears do.
         self.regather = self.sp and self.keep_graph
+        # SP: yield points inside main_j, where the other sub-batch's bda + ln between its two
+        # collectives runs (see :class:`.executor.Interleave`); without SP there is no such op.
+        self.interleave = Interleave() if self.sp else None
         self.anchor = None
         self.sbs = []
         # the column linears' input-gradient all-reduces started inside backward ops (.comm)
@@ -115,8 +120,19 @@ class ScheduledLayers:
         """Tracer labels of block j's ops (``pass`` is a keyword, hence the dict)."""
         return {"pass": pass_, "layer": self.blocks.global_layer(j), "block": self.blocks.kind(j)}
 
-    def _compute(self, fn, j, pass_, early=False):
-        return Compute(fn, early=early, **self._labels(j, pass_))
+    def _compute(self, fn, j, pass_, early=False, light=False):
+        return Compute(fn, early=early, light=light, **self._labels(j, pass_))
+
+    def _run(self, programs, labels):
+        yields = self.blocks.yield_points if self.interleave else None
+        with yields(self.interleave) if yields else contextlib.nullcontext():
+            run_programs(
+                programs,
+                labels=labels,
+                tracer=self.tracer,
+                early=self.early,
+                interleave=self.interleave,
+            )
 
     def _collective(self, kind, get, store, j, pass_):
         """``kind`` of ``get()`` on block j's TP group; the result lands in ``store[j]``."""
@@ -132,7 +148,8 @@ class ScheduledLayers:
         """Ops from block j's input to its partial sum: ``first`` (ln; without sequence
         parallelism also main), then under SP the all-gather of the ln output and ``main``.
         ``early``: ``first`` needs only saved tensors (see :class:`.executor.Compute`)."""
-        ops = [self._compute(first, j, pass_, early=early)]
+        # under SP ``first`` is only ln (with bda_{j-1} before it): a light op
+        ops = [self._compute(first, j, pass_, early=early, light=self.sp)]
         if self.sp:
             ops.append(self._collective("all_gather", lambda: sb.buf.pop(j), sb.G, j, pass_))
             ops.append(self._compute(main, j, pass_))
@@ -167,11 +184,8 @@ class ScheduledLayers:
             else:  # a placeholder: the embedding ops deliver each sub-batch's input
                 pieces = [None] * len(sizes)
             self.sbs = [SubBatch(i, p, m) for i, (p, m) in enumerate(zip(pieces, masks))]
-            run_programs(
-                [self._forward_program(sb) for sb in self.sbs],
-                labels=dict(microbatch=self.microbatch),
-                tracer=self.tracer,
-                early=self.early,
+            self._run(
+                [self._forward_program(sb) for sb in self.sbs], dict(microbatch=self.microbatch)
             )
         if self.output is not None:  # per-token loss [b, s]
             return torch.cat([sb.loss.detach() for sb in self.sbs], dim=0)
@@ -196,7 +210,7 @@ class ScheduledLayers:
             ops.append(
                 self._collective(self.reduction, lambda j=j: sb.buf.pop(j), sb.R, j, "forward")
             )
-        ops.append(self._compute(lambda: self._fwd_tail(sb), J - 1, "forward"))
+        ops.append(self._compute(lambda: self._fwd_tail(sb), J - 1, "forward", light=True))
         if self.output is not None:
             ops += self.output.forward_ops(sb, self.anchor, lambda g: sb.gH.__setitem__(J, g))
         return ops
@@ -266,7 +280,7 @@ class ScheduledLayers:
                 sb.gH[J] = g
 
         def run(programs):
-            run_programs(programs, labels=labels, tracer=self.tracer, early=self.early)
+            self._run(programs, labels)
 
         with torch.enable_grad():
             if self.checkpoint == "none":
@@ -324,9 +338,9 @@ class ScheduledLayers:
     def _overlap_backward(self, sb):
         ops = []
         for j in reversed(range(self.blocks.num_blocks)):
-            ops.append(self._compute(lambda j=j: self._ov_bda(sb, j), j, "backward"))
+            ops.append(self._compute(lambda j=j: self._ov_bda(sb, j), j, "backward", light=True))
             ops += self._main_backward(sb, j)
-            ops.append(self._compute(lambda j=j: self._ov_ln(sb, j), j, "backward"))
+            ops.append(self._compute(lambda j=j: self._ov_ln(sb, j), j, "backward", light=True))
         return ops
 
     def _regather(self, sb, j):
@@ -363,14 +377,20 @@ class ScheduledLayers:
     # oases: fine-grained recomputation, no all-reduce in recompute ----------------
     def _oases_backward(self, sb):
         J = self.blocks.num_blocks
-        ops = [self._compute(lambda: self._probe_bda(sb, J - 1), J - 1, "backward")]
+        ops = [self._compute(lambda: self._probe_bda(sb, J - 1), J - 1, "backward", light=True)]
         for j in reversed(range(J)):
             # from the saved H_j only: runs as soon as the previous collective is issued
             ops += self._recompute_to_main(sb, j, lambda j=j: self._rc_ln(sb, j), early=True)
             ops += self._main_backward(sb, j)
-            ops.append(self._compute(lambda j=j: self._ln_backward(sb, j), j, "backward"))
+            ops.append(
+                self._compute(lambda j=j: self._ln_backward(sb, j), j, "backward", light=True)
+            )
             if j > 0:
-                ops.append(self._compute(lambda j=j: self._probe_bda(sb, j - 1), j - 1, "backward"))
+                ops.append(
+                    self._compute(
+                        lambda j=j: self._probe_bda(sb, j - 1), j - 1, "backward", light=True
+                    )
+                )
         return ops
 
     def _probe_bda(self, sb, j):
@@ -422,13 +442,14 @@ class ScheduledLayers:
         recompute.append(self._rc_reduction(sb, a))
         recompute += self._recompute_to_main(sb, m, lambda: self._cp_mid(sb, a, m))
         recompute.append(self._rc_reduction(sb, m))
-        recompute.append(self._compute(lambda: self._cp_tail(sb, m), m, "recompute"))
-        backward = [self._compute(lambda: self._ov_bda(sb, m), m, "backward")]
+        light = dict(light=True)
+        recompute.append(self._compute(lambda: self._cp_tail(sb, m), m, "recompute", **light))
+        backward = [self._compute(lambda: self._ov_bda(sb, m), m, "backward", **light)]
         backward += self._main_backward(sb, m)
-        backward.append(self._compute(lambda: self._ov_ln(sb, m), m, "backward"))
-        backward.append(self._compute(lambda: self._ov_bda(sb, a), a, "backward"))
+        backward.append(self._compute(lambda: self._ov_ln(sb, m), m, "backward", **light))
+        backward.append(self._compute(lambda: self._ov_bda(sb, a), a, "backward", **light))
         backward += self._main_backward(sb, a)
-        backward.append(self._compute(lambda: self._ln_backward(sb, a), a, "backward"))
+        backward.append(self._compute(lambda: self._ln_backward(sb, a), a, "backward", **light))
         return recompute, backward
 
     def _rc_reduction(self, sb, j):

@@ -32,12 +32,15 @@ class Compute:
     *before* waiting for that collective: the transfer then also hides behind the sub-batch's
     own work, which matters where the other sub-batch had little to run (its loss backward).
     Only ops of the resuming sub-batch move, within its own stretch, so no more activations
-    are alive at once than in program order."""
+    are alive at once than in program order.
 
-    __slots__ = ("fn", "labels", "early")
+    ``light``: a short op (layernorm, bias-dropout-add, their backward) that may run at another
+    sub-batch's yield point (see :class:`Interleave`)."""
 
-    def __init__(self, fn, early=False, **labels):
-        self.fn, self.labels, self.early = fn, labels, early
+    __slots__ = ("fn", "labels", "early", "light")
+
+    def __init__(self, fn, early=False, light=False, **labels):
+        self.fn, self.labels, self.early, self.light = fn, labels, early, light
 
 
 #: The collectives a :class:`Comm` can run. The sequence-parallel ones work on dim 0 of [s, b, h].
@@ -107,48 +110,137 @@ def _issue(sub_batch, op, tracer, early):
     return _InFlight(sub_batch, work, result, op)
 
 
-def _run_compute(sub_batch, op, tracer, early):
-    with deferred_tmp_comm(early=early):
-        if tracer is None:
-            op.fn()
-        else:
-            with tracer.compute(sub_batch=sub_batch, **op.labels):
-                op.fn()
+class Interleave:
+    """Yield points inside a long compute op (main_j). Under sequence parallelism each block has
+    two collectives with a short op between them (reduce-scatter → bda + ln → all-gather); at a
+    block boundary that short op can only run after the other sub-batch's whole main op, so its
+    all-gather would start with nothing left to hide it. Calling this object from inside a
+    running compute (the engine's hooks after main_j's first GEMM and before its backward) lets
+    every other sub-batch whose next stretch is all ``light`` ops take its pending result, run
+    that stretch and issue its next collective there, so that collective hides behind the rest
+    of the running op. The order is fixed by the program (the op waits for the result if it is
+    not there yet), never by timing: runs stay deterministic.
+
+    One per schedule call (forward and backward of a micro-batch); the hooks outlive a single
+    :func:`run_programs` call (a gradient hook set in forward fires in backward), so they call
+    this object, which forwards to whichever run is active."""
+
+    def __init__(self):
+        self.run = None
+
+    def __call__(self):
+        if self.run is not None:
+            self.run.yield_point()
+
+    @contextlib.contextmanager
+    def active(self, run):
+        outer, self.run = self.run, run
+        try:
+            yield
+        finally:
+            self.run = outer
 
 
-def run_programs(programs, labels=None, tracer=None, early=None):
+class _Run:
+    """The state of one :func:`run_programs` call."""
+
+    def __init__(self, programs, tracer, early):
+        self.programs, self.tracer, self.early = programs, tracer, early
+        self.pos = [0] * len(programs)
+        self.pending = {}  # sub-batch -> its collective in flight (at most one each), issue order
+        self.ran_early = [set() for _ in programs]  # positions of early computes already run
+        self.running = []  # (sub-batch, trace key) of the compute ops now running, innermost last
+        self.grad = torch.is_grad_enabled()  # a yield point may sit inside a backward hook
+        self.yielding = False
+
+    def compute(self, x, op):
+        key = (id(self), len(self.running))
+        self.running.append((x, key))
+        try:
+            with deferred_tmp_comm(early=self.early):
+                if self.tracer is None:
+                    op.fn()
+                else:
+                    with self.tracer.context(sub_batch=x, **op.labels):
+                        self.tracer.open_compute(key)
+                        try:
+                            op.fn()
+                        finally:
+                            self.tracer.close_compute(key)
+        finally:
+            self.running.pop()
+
+    def resume(self, x):
+        """x's pending result, its computes up to its next collective, and that collective's
+        issue. Early computes of the stretch run before the wait (see :class:`Compute`)."""
+        prog, pos = self.programs[x], self.pos
+        if x in self.pending:
+            k = pos[x]
+            while k < len(prog) and isinstance(prog[k], Compute):
+                if prog[k].early:
+                    self.compute(x, prog[k])
+                    self.ran_early[x].add(k)
+                k += 1
+            self.pending.pop(x).finish()
+        while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
+            if pos[x] not in self.ran_early[x]:
+                self.compute(x, prog[pos[x]])
+            pos[x] += 1
+        if pos[x] < len(prog):  # a Comm: queue it (the caller then switches)
+            self.pending[x] = _issue(x, prog[pos[x]], self.tracer, self.early)
+            pos[x] += 1
+
+    def _light_stretch(self, y):
+        prog, k = self.programs[y], self.pos[y]
+        if y not in self.pending or k >= len(prog) or not isinstance(prog[k], Compute):
+            return False
+        while k < len(prog) and isinstance(prog[k], Compute):
+            if not (prog[k].light or k in self.ran_early[y]):
+                return False
+            k += 1
+        return True
+
+    def yield_point(self):
+        """Called from inside the running compute (see :class:`Interleave`)."""
+        if self.yielding or not self.running:
+            return
+        x, key = self.running[-1]
+        n = len(self.programs)
+        ready = [y for y in ((x + i) % n for i in range(1, n)) if self._light_stretch(y)]
+        if not ready:
+            return
+        tracer = self.tracer
+        if tracer is not None:  # the running op's trace segment pauses while others run
+            tracer.close_compute(key)
+        self.yielding = True
+        try:
+            with torch.set_grad_enabled(self.grad):
+                for y in ready:
+                    self.resume(y)
+        finally:
+            self.yielding = False
+            if tracer is not None:
+                tracer.open_compute(key)
+
+
+def run_programs(programs, labels=None, tracer=None, early=None, interleave=None):
     """Execute the sub-batch programs interleaved (Alg. 1/2); returns when all are done.
     ``tracer`` (an :class:`~megatron_oases.instrument.trace.Tracer`, optional) records each op.
     ``early`` (a :class:`~.comm.EarlyReductions`, optional): input-gradient all-reduces that
     Megatron's column linears start inside compute ops; the all-reduce ``Comm`` of that gradient
-    adopts the started work instead of issuing another."""
+    adopts the started work instead of issuing another. ``interleave`` (an :class:`Interleave`,
+    optional): the yield points inside compute ops call into this run."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
+    run = _Run(programs, tracer, early)
+    active = interleave.active(run) if interleave is not None else contextlib.nullcontext()
     n = len(programs)
-    pos = [0] * n
-    pending = {}  # sub-batch -> its collective in flight (at most one each), in issue order
-    ran_early = [set() for _ in programs]  # positions of early computes already run
     x = 0
-    with outer:
+    with outer, active:
         while True:
-            prog = programs[x]
-            if x in pending:  # data dependence: x's result before x goes on — but first the
-                k = pos[x]  # early computes up to x's next collective, which need none of it
-                while k < len(prog) and isinstance(prog[k], Compute):
-                    if prog[k].early:
-                        _run_compute(x, prog[k], tracer, early)
-                        ran_early[x].add(k)
-                    k += 1
-                pending.pop(x).finish()
-            while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
-                if pos[x] not in ran_early[x]:
-                    _run_compute(x, prog[pos[x]], tracer, early)
-                pos[x] += 1
-            if pos[x] < len(prog):  # a Comm: queue it and switch
-                pending[x] = _issue(x, prog[pos[x]], tracer, early)
-                pos[x] += 1
-            remaining = [i for i in range(n) if pos[i] < len(programs[i])]
+            run.resume(x)
+            remaining = [i for i in range(n) if run.pos[i] < len(programs[i])]
             if not remaining:
                 break
             x = next((i for i in remaining if i > x), remaining[0])  # round-robin
-        for op in list(pending.values()):
+        for op in list(run.pending.values()):
             op.finish()
