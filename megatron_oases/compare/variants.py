@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from ..errors import OasesConfigError
+from ..recompute_settings import RECOMPUTE_ARGV
 
 
 @dataclass(frozen=True)
@@ -49,17 +50,10 @@ class Variant:
 
 
 # Megatron's full recompute of every layer, the only kind the Oases schedules merge with backward.
-_FULL = (
-    "--recompute-granularity",
-    "full",
-    "--recompute-method",
-    "uniform",
-    "--recompute-num-layers",
-    "1",
-)
-_SELECTIVE = ("--recompute-granularity", "selective")  # Megatron's default modules: core_attn
+_FULL = RECOMPUTE_ARGV["full"]
+_SELECTIVE = RECOMPUTE_ARGV["selective"]  # core attention
 # Also the two norms' outputs (freed after the linear that reads them, recomputed in backward).
-_SELECTIVE_LN = _SELECTIVE + ("--recompute-modules", "core_attn", "layernorm")
+_SELECTIVE_LN = RECOMPUTE_ARGV["selective+ln"]
 VARIANTS = {
     v.name: v
     for v in (

@@ -18,7 +18,8 @@ as above; ``none`` keeps every activation (no recompute blocks, one backward seg
 ``off``/``overlap`` only); ``selective`` (``--recompute-granularity selective --recompute-modules
 core_attn``, ``off``/``overlap`` only) has the chains of ``none`` with each attention backward
 block longer by one core-attention forward (QKᵀ, softmax, dropout, ·V; no TP communication in it,
-so no extra collective): :meth:`~megatron_oases.formats.profile.Profile.core_attention_time`.
+so no extra collective): :meth:`~megatron_oases.formats.profile.Profile.core_attention_time`;
+``selective+ln`` (also ``layernorm``) costs the same time and keeps less (:mod:`.memory_model`).
 
 Between adjacent layers with different degrees the batch is re-split (an all-gather when the degree
 grows; :mod:`.time_model`). The embedding and output layer run at ``T``, so a first/last layer below
@@ -45,6 +46,7 @@ import numpy as np
 
 from ..errors import OasesConfigError
 from ..formats.profile import gather_ranks, tp_ranks
+from ..recompute_settings import RECOMPUTE_MODES, SELECTIVE_MODES
 from ..validation import (
     RECOMPUTE_SCHEDULES,
     SPLIT_SCHEDULES,
@@ -54,11 +56,6 @@ from ..validation import (
 from .block_comm import block_comm
 from .memory_model import memory_parts
 from .problem import DEFAULT_GRANULE, DEFAULT_MARGIN, Block, ChainProblem
-
-#: Megatron's recompute settings, most activation memory first: keep everything; recompute core
-#: attention (``--recompute-granularity selective --recompute-modules core_attn``); recompute
-#: every layer from its input (``--recompute-granularity full``).
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def recompute_mode(value, source="recompute"):
@@ -77,7 +74,8 @@ def recompute_mode(value, source="recompute"):
 
 
 def recompute_label(value):
-    """``"no"``, ``"selective"`` or ``"full"``: the setting as text says it (``… recompute``)."""
+    """``"no"``, ``"selective"``, ``"selective+ln"`` or ``"full"``: the setting as text says it
+    (``… recompute``)."""
     mode = recompute_mode(value)
     return "no" if mode == "none" else mode
 
@@ -119,10 +117,10 @@ def build_problem(
     ``--sequence-parallel``; every layer at degree ``T`` (:func:`_sequence_parallel_degrees`)."""
     check_schedule(schedule, source="--schedule")
     recompute = recompute_mode(recompute, source="--recompute")
-    if recompute == "selective" and schedule in RECOMPUTE_SCHEDULES:
+    if recompute in SELECTIVE_MODES and schedule in RECOMPUTE_SCHEDULES:
         raise OasesConfigError(
             f"--schedule {schedule} recomputes whole layers; use --recompute full, or --schedule "
-            "off or overlap with --recompute selective"
+            f"off or overlap with --recompute {recompute}"
         )
     check_schedule_recompute(
         schedule, recompute == "full", flag="--schedule", fix="use --recompute full"
@@ -210,7 +208,9 @@ def build_problem(
     F = {b: tab[b, "forward_s"] for b in ("attention", "mlp")}
     R = {b: tab[b, "recompute_s"] for b in ("attention", "mlp")}
     B = {b: tab[b, "backward_s"] for b in ("attention", "mlp")}
-    if recompute == "selective":  # core attention's forward runs again inside its backward
+    # core attention's forward runs again inside its backward (the norms' recomputation under
+    # selective+ln is not costed: memory-bound and small, 0.3 % of an iteration on the testbed)
+    if recompute in SELECTIVE_MODES:
         B["attention"] = B["attention"] + np.array(
             [
                 [profile.core_attention_time(d, sizes[d][s]) if sizes[d][s] else 0.0 for d in degs]

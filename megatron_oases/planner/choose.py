@@ -1,17 +1,19 @@
 """``oases plan --schedule auto``: choose the schedule and the recompute setting with the degrees.
 
 The comparison a user makes is "the fastest thing that fits my memory": stock Megatron keeping
-every activation, with selective recomputation of core attention or with full recomputation, or
-an overlapped schedule. Each (schedule, recompute) setting of :data:`SETTINGS` is planned in turn
+every activation, with selective recomputation of core attention (and of the norms' outputs) or
+with full recomputation, or an overlapped schedule. Each (schedule, recompute) setting of :data:`SETTINGS` is planned in turn
 (its own per-layer degrees under the same memory limit); the fastest predicted plan that fits
 wins, and the plan records every setting tried (``alternatives``) and the Megatron flags that run
-the winner (``launch_flags``). Recompute settings are :data:`~.build.RECOMPUTE_MODES`:
-``selective`` (Megatron's ``--recompute-granularity selective --recompute-modules core_attn``)
-is planned for ``off`` and ``overlap``, the schedules whose runtime supports it; ``cross-pass``
+the winner (``launch_flags``). Recompute settings are
+:data:`~megatron_oases.recompute_settings.RECOMPUTE_MODES`: ``selective`` (Megatron's
+``--recompute-granularity selective --recompute-modules core_attn``) and ``selective+ln`` (also
+``layernorm``) are planned for ``off`` and ``overlap``, the schedules whose runtime supports them; ``cross-pass``
 and ``oases`` recompute whole layers (``full``) by construction.
 """
 
 from ..errors import OasesConfigError
+from ..recompute_settings import RECOMPUTE_ARGV
 from .api import NoPlanFits, make_plan
 from .build import recompute_label, recompute_mode
 
@@ -21,22 +23,21 @@ SETTINGS = (
     ("overlap", "none"),
     ("off", "selective"),
     ("overlap", "selective"),
+    ("off", "selective+ln"),
+    ("overlap", "selective+ln"),
     ("off", "full"),
     ("overlap", "full"),
     ("cross-pass", "full"),
     ("oases", "full"),
 )
 #: Megatron's flags per recompute setting.
-RECOMPUTE_FLAGS = {
-    "none": "",
-    "selective": "--recompute-granularity selective --recompute-modules core_attn",
-    "full": "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
-}
+RECOMPUTE_FLAGS = {mode: " ".join(argv) for mode, argv in RECOMPUTE_ARGV.items()}
 
 
 def launch_flags(schedule, recompute):
     """The flags that select ``schedule`` with Megatron's ``recompute`` setting (``"none"``,
-    ``"selective"``, ``"full"``; a bool is the older form: True full, False none)."""
+    ``"selective"``, ``"selective+ln"``, ``"full"``; a bool is the older form: True full, False none).
+    """
     flags = RECOMPUTE_FLAGS[recompute_mode(recompute)]
     return f"--oases-schedule {schedule}" + (f" {flags}" if flags else "")
 

@@ -12,8 +12,9 @@ import json
 import sys
 
 from ..errors import OasesConfigError
+from ..recompute_settings import RECOMPUTE_MODES
 from ..validation import SCHEDULES
-from .build import RECOMPUTE_MODES, build_problem, recompute_label, recompute_mode
+from .build import build_problem, recompute_label, recompute_mode
 from .ilp import DEFAULT_TIME_LIMIT_S
 from .prediction import predict
 from .problem import DEFAULT_MARGIN
@@ -47,7 +48,8 @@ def build_parser():
         choices=SCHEDULES + ("auto",),
         default="oases",
         help="the schedule to plan for; auto: plan stock Megatron and every Oases schedule with "
-        "each recompute setting it supports (none, selective and full for off and overlap; full "
+        "each recompute setting it supports (none, selective, selective+ln and full for off and "
+        "overlap; full "
         "for cross-pass and oases) and keep the fastest that fits --memory (the plan's "
         "launch_flags say how to run it)",
     )
@@ -57,7 +59,8 @@ def build_parser():
         default=None,
         help="Megatron's recompute setting (default full): none keeps every activation; "
         "selective recomputes core attention (--recompute-granularity selective "
-        "--recompute-modules core_attn; off/overlap); full recomputes each layer",
+        "--recompute-modules core_attn; off/overlap); selective+ln also the two norms' outputs "
+        "(--recompute-modules core_attn layernorm); full recomputes each layer",
     )
     p.add_argument(
         "--no-recompute",

@@ -15,7 +15,9 @@ what no recompute saves minus core attention's intermediates ``c(d_l, n_l)`` (so
 attention-dropout mask and output: Korthikanti et al.'s ``5·a·s²·b/t`` of ``34·s·b·h/t +
 5·a·s²·b/t``, measured or counted: the profile's ``core_attention_activation``), and the layer
 being back-propagated holds them again (recomputed): ``saved = act − c``, ``runtime = peak − act +
-c``. Core attention is inside the column→row span, so SP does not change ``c``.
+c``. Core attention is inside the column→row span, so SP does not change ``c``. ``selective+ln``
+(``--recompute-modules core_attn layernorm``) also drops the two norms' outputs, each the size of
+the layer input (``s/d`` under SP), and the block being back-propagated holds one again.
 
 Under sequence parallelism (SP) checkpoints are ``s/d`` (layer input, block inputs ÷ d) and the
 profile's ``memory.sequence_parallel`` savings (the sequence-long tensors outside the column→row
@@ -32,6 +34,7 @@ memory section, and :func:`memory_breakdown` explains a plan's peak from them.
 import numpy as np
 
 from ..errors import OasesConfigError
+from ..recompute_settings import SELECTIVE_MODES
 from ..validation import SPLIT_SCHEDULES
 
 
@@ -51,7 +54,8 @@ def memory_parts(
     with ``parts[name]`` an (L, K) array for ``state`` and ``saved`` (additive over layers) and
     ``runtime`` (max over layers), and ``fixed_parts`` the degree-independent bytes. ``in_flight``
     micro-batches keep their saved activations alive (1F1B); ``recompute``: ``"none"``,
-    ``"selective"`` or ``"full"``; ``sequence_parallel``: SP-sized terms (module docstring)."""
+    ``"selective"``, ``"selective+ln"`` or ``"full"``; ``sequence_parallel``: SP-sized terms (module docstring).
+    """
     T, D = profile.tp, profile.dp
     L, K, m = num_layers, len(degs), micro_batch
     split = schedule in SPLIT_SCHEDULES
@@ -78,15 +82,17 @@ def memory_parts(
         sp = _SequenceParallel(profile, d, sequence_parallel)
         act = sp.activation(n)
         peak = max(act, sp.runtime_peak(n))
-        if recompute in ("none", "selective"):
+        if recompute in ("none",) + SELECTIVE_MODES:
             # core attention's intermediates, recomputed in backward: off the saved activations,
             # back in the working set of the layer being back-propagated
-            core = 0.0
-            if recompute == "selective":
+            core = norms = 0.0
+            if recompute in SELECTIVE_MODES:
                 core = min(act, profile.core_attention_activation(d, n))
+            if recompute == "selective+ln":  # the two norms' outputs, one live again in backward
+                norms = 2 * float(ckpt["layer_input"]) / sp.divisor * n
             # the overlapped schedules' per-block graphs hold each gathered column input
-            saved = act - core + (2 * sp.gathered * n if split else 0.0)
-            runtime = peak - act + core
+            saved = act - core - norms + (2 * sp.gathered * n if split else 0.0)
+            runtime = peak - act + core + norms / 2
         elif schedule == "oases":
             # block-wise recomputation, one sub-batch at a time (R_j+B_j of sub-batch 0, then of
             # sub-batch 1): one block's activations of one sub-batch are live at a time

@@ -11,7 +11,9 @@ the link emulator books one channel per group), and the host blocks only when a 
 its own pending result (before its next compute or its next collective). With one collective per
 block this is the paper's rule exactly; under sequence parallelism a block has two, separated by a
 short compute (bias-dropout-add and layernorm), and a queue lets the second wait on the link while
-the other sub-batch's long compute runs, instead of holding the host.
+the other sub-batch's long compute runs, instead of holding the host. That short compute itself
+runs at a yield point inside the other sub-batch's long compute (:class:`Interleave`), so the
+second collective starts while there is still compute left to hide it.
 
 Ordering assumption for GPUs: collectives are issued on the TP group's NCCL stream and computes on
 the default stream in program order; the overlap needs them on different streams, which is what

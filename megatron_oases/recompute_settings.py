@@ -1,0 +1,33 @@
+"""Megatron's recompute settings as this package names them, and the flags that select each.
+
+One table: ``oases plan --recompute`` and the plan file's ``recompute`` key, the planner's
+``launch_flags`` and ``oases compare``'s variants all read it.
+"""
+
+#: Most activation memory first: keep everything; recompute core attention; also the two norms'
+#: outputs (freed after the linear that reads them); every layer from its input.
+RECOMPUTE_MODES = ("none", "selective", "selective+ln", "full")
+
+#: Megatron's flags for each setting.
+RECOMPUTE_ARGV = {
+    "none": (),
+    "selective": ("--recompute-granularity", "selective", "--recompute-modules", "core_attn"),
+    "selective+ln": (
+        "--recompute-granularity",
+        "selective",
+        "--recompute-modules",
+        "core_attn",
+        "layernorm",
+    ),
+    "full": (
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ),
+}
+
+#: The selective settings (core attention recomputed inside its backward).
+SELECTIVE_MODES = ("selective", "selective+ln")
