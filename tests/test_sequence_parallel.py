@@ -11,7 +11,13 @@ import pytest
 import torch
 from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, SELECTIVE_LN, variants_worker
 from helpers.runs import max_rel_diff
-from helpers.traces import block_comms, traced_runs, unhidden_inner_comms
+from helpers.traces import (
+    block_comms,
+    end_comms,
+    overlapped_by_other,
+    traced_runs,
+    unhidden_inner_comms,
+)
 
 from megatron_oases.launch import run_distributed
 
@@ -223,6 +229,30 @@ def test_next_collective_starts_inside_the_other_sub_batch_main(traces, schedule
             assert nxt["args"]["issue_us"] < rs1[0]["args"]["issue_us"], (key(rs0), nxt["name"])
             checked += 1
         assert checked >= 4, checked
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stage_end_collectives_run_in_the_programs(traces, schedule):
+    """Under SP too the embedding's all-reduce and the output layer's all-gather (forward) and
+    reduce-scatter (backward) run per sub-batch, asynchronously, in the programs: the second
+    sub-batch's embedding all-reduce behind the first's compute, the first's output-layer
+    reduce-scatter behind the second's output backward. Stock runs them synchronously."""
+    for trace in traces[schedule]:
+        computes = [e for e in trace["traceEvents"] if e["cat"] == "compute"]
+        emb = end_comms(trace, "embedding", "forward")
+        gather = end_comms(trace, "output", "forward")
+        scatter = end_comms(trace, "output", "backward")
+        for comms, kind in ((emb, "all_reduce"), (gather, "all_gather"), (scatter, "reduce")):
+            assert sorted(e["args"]["sub_batch"] for e in comms) == [0, 0, 1, 1], kind  # 2 mb
+            assert all(kind in e["name"] for e in comms), [e["name"] for e in comms]
+        for comms, hidden_sub_batch in ((emb, 1), (scatter, 0)):
+            for e in comms:
+                if e["args"]["sub_batch"] == hidden_sub_batch:
+                    assert overlapped_by_other(e, computes), e
+    for trace in traces["stock"]:
+        assert not end_comms(trace, "embedding", "forward")
+        assert not end_comms(trace, "output", "backward")
 
 
 @pytest.mark.timeout(300)

@@ -13,6 +13,11 @@ the second sub-batch's embedding all-reduce runs behind the first sub-batch's fi
 first sub-batch's output-layer all-reduce behind the second's output-layer backward, and each pass's
 tail all-reduce behind the first sub-batch's output layer and loss (forward) or embedding backward.
 
+Under sequence parallelism the embedding's all-reduce is the same (Megatron then scatters its
+output along the sequence: a local split) and the output layer's input becomes an all-gather of
+the final norm's s/t output, its input-gradient all-reduce a reduce-scatter. The embedding with
+RoPE and no learned positions (Megatron reduce-scatters the lookup itself) stays stock.
+
 Wiring, without rewriting Megatron's ``GPTModel`` (replacements of the ``oases-schedule`` patch):
 ``GPTModel.forward`` opens a :class:`StageCall` for a training call that qualifies
 (:meth:`StageEnds.qualifies`); ``LanguageModelEmbedding.forward`` then returns a placeholder of its
@@ -130,21 +135,45 @@ class OutputEnd:
     def group(self):
         return self.model.output_layer.tp_group
 
+    @property
+    def sequence_parallel(self):
+        """Under SP the final norm runs on the s/t shard and the output layer on its all-gather
+        (the schedule's collective, as for the blocks); its input gradient is reduce-scattered.
+        The output layer keeps the gathered input for its weight gradient (stock re-gathers it):
+        one s·b·h tensor per sub-batch until backward."""
+        return self.model.config.sequence_parallel
+
     def forward_ops(self, sb, anchor, grad_slot):
         """``anchor``: the schedule's grad anchor (:class:`.regather.GradSink`); the gradient of
         the layers' output lands in ``grad_slot(g)``."""
+        labels = dict(**{"pass": "forward"}, **self.LABELS)
+        norm = lambda: self._final_norm(sb, anchor, grad_slot)  # noqa: E731
+        logits = lambda: self._loss(sb, anchor, sb.end.pop("x"))  # noqa: E731
+        if not self.sequence_parallel:
+            return [Compute(lambda: (norm(), logits()), **labels)]
         return [
-            Compute(
-                lambda: self._forward(sb, anchor, grad_slot), **{"pass": "forward"}, **self.LABELS
-            )
+            Compute(norm, **labels),
+            Comm(
+                get=lambda: sb.end.pop("x").detach(),
+                done=lambda t: sb.end.__setitem__("x", t),
+                group=self.group,
+                kind="all_gather",
+                **labels,
+            ),
+            Compute(logits, **labels),
         ]
 
-    def _forward(self, sb, anchor, grad_slot):
-        model = self.model
+    def _final_norm(self, sb, anchor, grad_slot):
         with torch.enable_grad():
             hidden = GradSink.apply(anchor, sb.output.detach(), grad_slot)
             ln = hidden if self.final_layernorm is None else self.final_layernorm(hidden)
-            x = GradSink.apply(anchor, ln.detach(), lambda g: sb.end.__setitem__("gout", g))
+        sb.end["ln"], sb.end["x"] = ln, ln.detach()
+        sb.output = None
+
+    def _loss(self, sb, anchor, gathered):
+        model = self.model
+        with torch.enable_grad():
+            x = GradSink.apply(anchor, gathered, lambda g: sb.end.__setitem__("gout", g))
             weight = None
             if model.share_embeddings_and_output_weights:
                 weight = model.shared_embedding_or_output_weight()
@@ -155,12 +184,12 @@ class OutputEnd:
             if scale is not None:
                 logits = scale(logits)
             loss = model.compute_language_model_loss(self.labels_of[sb.index], logits)
-        sb.end["ln"], sb.end["loss"] = ln, loss
-        sb.output, sb.loss = None, loss.detach()
+        sb.end["loss"], sb.loss = loss, loss.detach()
 
     def backward_ops(self, sb):
-        """Loss and output-layer backward (input gradient unreduced), its all-reduce, then the
-        final layernorm's backward, which delivers the layers' output gradient."""
+        """Loss and output-layer backward (input gradient unreduced), its all-reduce (under SP
+        a reduce-scatter), then the final layernorm's backward, which delivers the layers'
+        output gradient."""
         labels = dict(**{"pass": "backward"}, **self.LABELS)
         return [
             Compute(lambda: _backward(sb.end.pop("loss"), sb.end.pop("gloss")), **labels),
@@ -168,7 +197,7 @@ class OutputEnd:
                 get=lambda: sb.end.pop("gout"),
                 done=lambda t: sb.end.__setitem__("gout", t),
                 group=self.group,
-                kind="all_reduce",
+                kind="reduce_scatter" if self.sequence_parallel else "all_reduce",
                 **labels,
             ),
             Compute(lambda: _backward(sb.end.pop("ln"), sb.end.pop("gout")), **labels),
@@ -218,7 +247,7 @@ class StageEnds:
     @staticmethod
     def qualifies(model, a):
         """Whether a ``GPTModel.forward`` call (bound arguments ``a``) runs its ends in the
-        schedule: training, plain decoder-only language modelling without SP, MTP or hooks."""
+        schedule: training, plain decoder-only language modelling without MTP or hooks."""
         from megatron.core.config_logger import has_config_logger_enabled
         from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -227,7 +256,6 @@ class StageEnds:
             model.training
             and torch.is_grad_enabled()
             and isinstance(getattr(model, "decoder", None), TransformerBlock)
-            and not config.sequence_parallel
             and not getattr(model, "mtp_process", False)
             and not getattr(config, "mtp_num_layers", None)
             and not has_config_logger_enabled(config)
@@ -272,6 +300,10 @@ class StageEnds:
                 or module is not getattr(call.model, "embedding", None)
                 or tokentype_ids is not None
                 or getattr(module, "reduce_scatter_embeddings", False)
+                or (
+                    module.config.sequence_parallel
+                    and not getattr(module, "scatter_to_sequence_parallel", True)
+                )
             ):
                 return original(module, input_ids, position_ids, tokentype_ids)
             config = module.config
@@ -279,6 +311,8 @@ class StageEnds:
             dtype = dtype or module.word_embeddings.weight.dtype
             anchor = torch.zeros((), dtype=dtype, device=input_ids.device, requires_grad=True)
             b, s = input_ids.shape
+            if config.sequence_parallel:  # Megatron's embedding scatters its output along s
+                s //= module.word_embeddings.tp_group.size()
             call.placeholder = anchor.expand(s, b, config.hidden_size)
             call.embedding = EmbeddingEnd(module, original, input_ids, position_ids)
             return call.placeholder

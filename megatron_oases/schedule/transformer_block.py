@@ -247,9 +247,9 @@ def make_patch(args, built=None):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     # The stage's ends (embedding, output layer + loss) join the programs of a uniform-TP
-    # schedule without sequence parallelism (:mod:`.stage`).
+    # schedule, with or without sequence parallelism (:mod:`.stage`).
     ends = None
-    if mode != "off" and not plan and not getattr(args, "sequence_parallel", False):
+    if mode != "off" and not plan:
         ends = StageEnds()
     replacements = [
         (
