@@ -234,24 +234,33 @@ def test_next_collective_starts_inside_the_other_sub_batch_main(traces, schedule
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_stage_end_collectives_run_in_the_programs(traces, schedule):
-    """Under SP too the embedding's all-reduce and the output layer's all-gather (forward) and
-    reduce-scatter (backward) run per sub-batch, asynchronously, in the programs: the second
-    sub-batch's embedding all-reduce behind the first's compute, the first's output-layer
-    reduce-scatter behind the second's output backward. Stock runs them synchronously."""
+    """Under SP too the stage ends' collectives run per sub-batch, asynchronously, in the
+    programs: the embedding's reduce-scatter (stock all-reduces, then splits) and the all-gather
+    of its gradient (stock: the split's synchronous backward), the output layer's all-gather
+    (forward) and reduce-scatter (backward). The second sub-batch's embedding reduce-scatter
+    hides behind the first's compute; the first's embedding all-gather and output-layer
+    reduce-scatter behind the second's backward."""
     for trace in traces[schedule]:
         computes = [e for e in trace["traceEvents"] if e["cat"] == "compute"]
         emb = end_comms(trace, "embedding", "forward")
+        emb_grad = end_comms(trace, "embedding", "backward")
         gather = end_comms(trace, "output", "forward")
         scatter = end_comms(trace, "output", "backward")
-        for comms, kind in ((emb, "all_reduce"), (gather, "all_gather"), (scatter, "reduce")):
+        for comms, kind in (
+            (emb, "reduce_scatter"),
+            (emb_grad, "all_gather"),
+            (gather, "all_gather"),
+            (scatter, "reduce_scatter"),
+        ):
             assert sorted(e["args"]["sub_batch"] for e in comms) == [0, 0, 1, 1], kind  # 2 mb
             assert all(kind in e["name"] for e in comms), [e["name"] for e in comms]
-        for comms, hidden_sub_batch in ((emb, 1), (scatter, 0)):
+        for comms, hidden_sub_batch in ((emb, 1), (emb_grad, 0), (scatter, 0)):
             for e in comms:
                 if e["args"]["sub_batch"] == hidden_sub_batch:
                     assert overlapped_by_other(e, computes), e
     for trace in traces["stock"]:
         assert not end_comms(trace, "embedding", "forward")
+        assert not end_comms(trace, "embedding", "backward")
         assert not end_comms(trace, "output", "backward")
 
 

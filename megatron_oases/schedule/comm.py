@@ -29,6 +29,11 @@ all-reduce: its lookup while deferring (the partial sum), then Megatron's whole 
 with :func:`supplied_reduction` giving the all-reduced sum to the embedding's reduction, so every
 op after it (positions, dropout, ...) is Megatron's own.
 
+Under sequence parallelism the embedding's all-reduce becomes a reduce-scatter (its consumers
+only read the local sequence shard, see :mod:`.stage`), and the all-gather in the embedding's
+backward (the backward of Megatron's ``scatter_to_sequence_parallel_region``) is taken out of
+autograd by :func:`cut_at_scatter`, so the schedule can issue it asynchronously.
+
 Outside the context both behave exactly as stock. The flag is thread-local and read in forward
 only; the stand-in group travels in the autograd context, so the backward routing holds on
 whichever thread autograd runs a linear's backward (a CUDA device thread included).
@@ -37,6 +42,7 @@ whichever thread autograd runs a linear's backward (a CUDA device thread include
 import contextlib
 import threading
 
+import torch
 import torch.distributed as dist
 
 _local = threading.local()
@@ -208,3 +214,42 @@ def make_column_forward(original):
 
     forward.__wrapped__ = original
     return forward
+
+
+@contextlib.contextmanager
+def cut_at_scatter():
+    """Within the context, ``scatter_to_sequence_parallel_region(x)`` (Megatron's local split
+    along the sequence, whose backward all-gathers) returns the split as a new autograd leaf and
+    records ``(x, leaf)`` in the yielded list: a backward through the output then stops at the
+    leaf, and the schedule all-gathers ``leaf.grad`` itself before continuing from ``x``. Used
+    exactly once (else Megatron changed)."""
+    prev = getattr(_local, "cut", None)
+    cuts = _local.cut = []
+    try:
+        yield cuts
+    finally:
+        _local.cut = prev
+    if len(cuts) != 1:
+        raise RuntimeError(
+            f"oases: the embedding scattered its output {len(cuts)} times, expected once "
+            "(Megatron changed?); run with --oases-schedule off and report it"
+        )
+
+
+def make_scatter(original):
+    """Replacement for ``tensor_parallel.scatter_to_sequence_parallel_region`` honouring
+    :func:`cut_at_scatter`; stock outside it."""
+
+    def scatter(input_, *args, **kwargs):
+        cuts = getattr(_local, "cut", None)
+        if cuts is None:
+            return original(input_, *args, **kwargs)
+        with torch.no_grad():
+            local = original(input_.detach(), *args, **kwargs)
+        leaf = local.detach().requires_grad_(input_.requires_grad)
+        cuts.append((input_, leaf))
+        return leaf
+
+    scatter.__name__ = scatter.__qualname__ = original.__name__
+    scatter.__wrapped__ = original
+    return scatter

@@ -13,10 +13,13 @@ the second sub-batch's embedding all-reduce runs behind the first sub-batch's fi
 first sub-batch's output-layer all-reduce behind the second's output-layer backward, and each pass's
 tail all-reduce behind the first sub-batch's output layer and loss (forward) or embedding backward.
 
-Under sequence parallelism the embedding's all-reduce is the same (Megatron then scatters its
-output along the sequence: a local split) and the output layer's input becomes an all-gather of
-the final norm's s/t output, its input-gradient all-reduce a reduce-scatter. The embedding with
-RoPE and no learned positions (Megatron reduce-scatters the lookup itself) stays stock.
+Under sequence parallelism Megatron all-reduces the lookup, adds the positions and keeps the local
+sequence shard (a split whose backward all-gathers the gradient). The schedule reduce-scatters the
+lookup instead (half the bytes, the same sums where the split reads) and issues the backward's
+all-gather itself (:func:`.comm.cut_at_scatter`), so both hide behind the other sub-batch. The
+output layer's input becomes an all-gather of the final norm's s/t output, its input-gradient
+all-reduce a reduce-scatter. The embedding with RoPE and no learned positions (Megatron
+reduce-scatters the lookup itself) stays stock.
 
 Wiring, without rewriting Megatron's ``GPTModel`` (replacements of the ``oases-schedule`` patch):
 ``GPTModel.forward`` opens a :class:`StageCall` for a training call that qualifies
@@ -41,7 +44,7 @@ import threading
 
 import torch
 
-from .comm import supplied_reduction
+from .comm import cut_at_scatter, supplied_reduction
 from .executor import Comm, Compute
 from .regather import GradSink
 from .rng import replay, snapshot
@@ -80,41 +83,89 @@ class EmbeddingEnd:
     def group(self):
         return self.module.word_embeddings.tp_group
 
+    @property
+    def sequence_parallel(self):
+        """Under SP Megatron all-reduces the lookup, then keeps the local sequence shard: the
+        schedule reduce-scatters it instead (half the bytes; the shard's values are the same
+        sums). In backward the scatter's all-gather of the gradient is the schedule's too."""
+        return self.module.config.sequence_parallel and self.group.size() > 1
+
     def forward_ops(self, sb, deliver):
-        """Lookup (partial sum), its all-reduce, then the rest of Megatron's embedding forward;
-        ``deliver(h)`` hands the sub-batch's [s, b_i, h] embedding to the layers."""
+        """Lookup (partial sum), its all-reduce (under SP a reduce-scatter along the sequence),
+        then the rest of Megatron's embedding forward; ``deliver(h)`` hands the sub-batch's
+        embedding (under SP its s/t shard) to the layers."""
+        labels = dict(**{"pass": "forward"}, **self.LABELS)
         return [
-            Compute(lambda: self._lookup(sb), **{"pass": "forward"}, **self.LABELS),
+            Compute(lambda: self._lookup(sb), **labels),
             Comm(
                 get=lambda: sb.end.pop("emb"),
                 done=lambda t: sb.end.__setitem__("emb", t),
                 group=self.group,
-                kind="all_reduce",
-                **{"pass": "forward"},
-                **self.LABELS,
+                kind="reduce_scatter" if self.sequence_parallel else "all_reduce",
+                **labels,
             ),
-            Compute(lambda: deliver(self._finish(sb)), **{"pass": "forward"}, **self.LABELS),
+            Compute(lambda: deliver(self._finish(sb)), **labels),
         ]
 
     def _lookup(self, sb):
         with torch.no_grad():  # deferring: the vocab shard's partial sum, [b_i, s, h]
-            sb.end["emb"] = self.module.word_embeddings(self.ids[sb.index]).contiguous()
+            emb = self.module.word_embeddings(self.ids[sb.index])
+            # under SP [s, b_i, h], the layout Megatron scatters along s
+            sb.end["emb"] = (emb.transpose(0, 1) if self.sequence_parallel else emb).contiguous()
+
+    def _reduced(self, sb):
+        """The reduction to supply to Megatron's forward: the all-reduced lookup, or under SP a
+        lookup-shaped tensor holding the reduce-scattered shard where Megatron's scatter reads
+        (the rest is zeros that nothing reads: every op before the scatter is per token)."""
+        reduced = sb.end.pop("emb")
+        if not self.sequence_parallel:
+            return reduced
+        b, s = self.ids[sb.index].shape
+        full = reduced.new_zeros((b, s, reduced.size(-1)))
+        n, rank = reduced.size(0), self.group.rank()
+        full[:, rank * n : (rank + 1) * n] = reduced.transpose(0, 1)
+        return full
 
     def _finish(self, sb):
-        reduced = sb.end.pop("emb")
+        reduced = self._reduced(sb)
         sb.rng["embedding"] = snapshot()
         supply = supplied_reduction(reduced) if self.group.size() > 1 else contextlib.nullcontext()
         with torch.no_grad(), supply:
             return self.forward(self.module, self.ids[sb.index], self.pos[sb.index])
 
     def backward_ops(self, sb):
-        return [Compute(lambda: self._backward(sb), **{"pass": "backward"}, **self.LABELS)]
+        labels = dict(**{"pass": "backward"}, **self.LABELS)
+        if not self.sequence_parallel:
+            return [Compute(lambda: self._backward(sb), **labels)]
+        return [
+            Compute(lambda: self._backward_to_scatter(sb), **labels),
+            Comm(
+                get=lambda: sb.end.pop("gemb"),
+                done=lambda t: sb.end.__setitem__("gemb", t),
+                group=self.group,
+                kind="all_gather",
+                **labels,
+            ),
+            Compute(lambda: _backward(sb.end.pop("full"), sb.end.pop("gemb")), **labels),
+        ]
+
+    def _rerun(self, sb):
+        """Megatron's embedding forward again, with the forward's dropout (deferring: affine in
+        the unreduced lookup, so its gradients are exact)."""
+        with replay(sb.rng.pop("embedding")):
+            return self.forward(self.module, self.ids[sb.index], self.pos[sb.index])
 
     def _backward(self, sb):
-        grad = sb.gH.pop(0)
-        with replay(sb.rng.pop("embedding")):  # deferring: affine in the unreduced lookup
-            out = self.forward(self.module, self.ids[sb.index], self.pos[sb.index])
-        _backward(out, grad)
+        _backward(self._rerun(sb), sb.gH.pop(0))
+
+    def _backward_to_scatter(self, sb):
+        """Backward of the ops after Megatron's scatter (dropout, ...): the gradient of the
+        local shard, which the schedule all-gathers, as the scatter's backward would."""
+        with cut_at_scatter() as cuts:
+            out = self._rerun(sb)
+        ((full, leaf),) = cuts
+        _backward(out, sb.gH.pop(0))
+        sb.end["full"], sb.end["gemb"] = full, leaf.grad
 
 
 class OutputEnd:

@@ -9,9 +9,10 @@ Replaced symbols (all restored by ``uninstall``):
   stock. Eval/inference runs stock code.
 - with a plan, ``tensor_parallel.param_is_not_tensor_parallel_duplicate`` (and its by-name copy
   in ``optimizer.clip_grads``): grad-norm clipping counts each replica once.
-- ``GPTModel.forward``, ``GPTModel._postprocess`` and ``LanguageModelEmbedding.forward`` (a
-  schedule without sequence parallelism or a plan): the embedding and the output layer + loss
-  run inside the schedule's programs (:mod:`.stage`); any other call runs stock code.
+- ``GPTModel.forward``, ``GPTModel._postprocess``, ``LanguageModelEmbedding.forward`` and
+  ``tensor_parallel.scatter_to_sequence_parallel_region`` (a schedule without a plan): the
+  embedding and the output layer + loss run inside the schedule's programs (:mod:`.stage`); any
+  other call runs stock code.
 - ``tensor_parallel.layers.reduce_from_tensor_model_parallel_region``,
   ``tensor_parallel.layers.reduce_scatter_to_sequence_parallel_region`` and
   ``ColumnParallelLinear.forward``: honour the engine's deferral of TMP communication
@@ -35,7 +36,7 @@ from ..hetero.runtime import stage_of
 from ..patching import Patch
 from ..validation import SUB_BATCHES, sub_batches
 from .blocks import LayerBlocks
-from .comm import make_all_reduce, make_column_forward, make_deferred_reduction
+from .comm import make_all_reduce, make_column_forward, make_deferred_reduction, make_scatter
 from .engine import ScheduledLayers, ScheduledLayersFunction
 from .stage import StageEnds
 
@@ -190,6 +191,7 @@ def _stock_layers(block, layers, hidden, attention_mask, rotary_pos_emb, attenti
 def _stage_end_replacements(ends):
     """``GPTModel.forward``/``_postprocess`` and ``LanguageModelEmbedding.forward``, each checked
     to be what Megatron calls (a change of Megatron's GPTModel fails at install time)."""
+    from megatron.core import tensor_parallel
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding,
     )
@@ -205,10 +207,20 @@ def _stage_end_replacements(ends):
         require_call(GPTModel._postprocess, "self._scale_logits(")
     require_symbol(LanguageModelEmbedding, "forward", parameters=("input_ids", "position_ids"))
     require_call(LanguageModelEmbedding.forward, "self.word_embeddings(input_ids)")
+    # under SP the embedding's split, whose backward all-gather the schedule issues (.comm)
+    scatter = require_symbol(
+        tensor_parallel,
+        "scatter_to_sequence_parallel_region",
+        called_by=[LanguageModelEmbedding.forward],
+    )
+    require_call(
+        LanguageModelEmbedding.forward, "tensor_parallel.scatter_to_sequence_parallel_region("
+    )
     return [
         (GPTModel, "forward", ends.model_forward(GPTModel.forward)),
         (GPTModel, "_postprocess", ends.postprocess(GPTModel._postprocess)),
         (LanguageModelEmbedding, "forward", ends.embedding_forward(LanguageModelEmbedding.forward)),
+        (tensor_parallel, "scatter_to_sequence_parallel_region", make_scatter(scatter)),
     ]
 
 
