@@ -265,6 +265,19 @@ def test_stage_end_collectives_run_in_the_programs(traces, schedule):
 
 
 @pytest.mark.timeout(300)
+def test_rope_embedding_collectives_run_in_the_programs(tmp_path):
+    """With RoPE (no learned positions) Megatron reduce-scatters the lookup itself: the schedule
+    takes that reduce-scatter and its backward all-gather into the programs too."""
+    base = BASE.replace(GPT.format(layers=2), LLAMA.format(layers=2))
+    traced = traced_runs(base, [("oases", RECOMPUTE + "--oases-schedule oases")], tmp_path)
+    for trace in traced["oases"]:
+        for pass_, kind in (("forward", "reduce_scatter"), ("backward", "all_gather")):
+            comms = end_comms(trace, "embedding", pass_)
+            assert sorted(e["args"]["sub_batch"] for e in comms) == [0, 0, 1, 1], pass_
+            assert all(kind in e["name"] for e in comms), [e["name"] for e in comms]
+
+
+@pytest.mark.timeout(300)
 def test_sequence_parallel_activation_memory():
     """SP's saving survives the schedules: each recomputing schedule's activation peak under SP
     stays close to stock SP full recomputation and below its own peak without SP."""

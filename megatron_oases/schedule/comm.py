@@ -160,24 +160,34 @@ def supplied_reduction(reduced):
             raise RuntimeError("oases: a supplied reduction was not consumed (Megatron changed?)")
 
 
-def make_deferred_reduction(original):
-    """Replacement for ``layers.reduce_from_tensor_model_parallel_region`` or
-    ``layers.reduce_scatter_to_sequence_parallel_region``: the identity while deferring (or the
-    result :func:`supplied_reduction` gives)."""
+def make_deferred_reduction(original, scatters=False):
+    """Replacement for ``layers.reduce_from_tensor_model_parallel_region`` or (``scatters``)
+    ``layers.reduce_scatter_to_sequence_parallel_region``: the identity while deferring, or the
+    result :func:`supplied_reduction` gives; a reduce-scatter inside :func:`cut_at_scatter` is
+    cut there (its backward is the all-gather the schedule issues)."""
 
     def reduction(input_, *args, **kwargs):
-        if deferring():
-            supplied = getattr(_local, "supply", None)
-            if supplied is None:
-                return input_
-            _local.supply = None
-            if supplied.shape != input_.shape:
-                raise RuntimeError(
-                    f"oases: supplied reduction of shape {tuple(supplied.shape)} for an input "
-                    f"of shape {tuple(input_.shape)}"
-                )
-            return supplied
-        return original(input_, *args, **kwargs)
+        if not deferring():
+            return original(input_, *args, **kwargs)
+        if scatters and getattr(_local, "cut", None) is not None:
+            group = kwargs.get("group", args[0] if args else None)
+            if group is None:
+                raise RuntimeError("oases: a reduce-scatter to cut without its group")
+            n = input_.size(0) // group.size()
+            return _cut(input_, input_[group.rank() * n : (group.rank() + 1) * n])
+        supplied = getattr(_local, "supply", None)
+        if supplied is None:
+            return input_
+        _local.supply = None
+        scattered = scatters and input_.size(0) % max(supplied.size(0), 1) == 0
+        if supplied.shape != input_.shape and not (
+            scattered and supplied.shape[1:] == input_.shape[1:]
+        ):
+            raise RuntimeError(
+                f"oases: supplied reduction of shape {tuple(supplied.shape)} for an input "
+                f"of shape {tuple(input_.shape)}"
+            )
+        return supplied
 
     reduction.__name__ = reduction.__qualname__ = original.__name__
     reduction.__wrapped__ = original
@@ -218,10 +228,11 @@ def make_column_forward(original):
 
 @contextlib.contextmanager
 def cut_at_scatter():
-    """Within the context, ``scatter_to_sequence_parallel_region(x)`` (Megatron's local split
-    along the sequence, whose backward all-gathers) returns the split as a new autograd leaf and
-    records ``(x, leaf)`` in the yielded list: a backward through the output then stops at the
-    leaf, and the schedule all-gathers ``leaf.grad`` itself before continuing from ``x``. Used
+    """Within the context, the embedding's split along the sequence (Megatron's
+    ``scatter_to_sequence_parallel_region``, or with RoPE its deferred reduce-scatter), whose
+    backward all-gathers, returns its local shard as a new autograd leaf and records
+    ``(input, leaf)`` in the yielded list: a backward through the output then stops at the leaf,
+    and the schedule all-gathers ``leaf.grad`` itself before continuing from ``input``. Used
     exactly once (else Megatron changed)."""
     prev = getattr(_local, "cut", None)
     cuts = _local.cut = []
@@ -236,19 +247,21 @@ def cut_at_scatter():
         )
 
 
+def _cut(input_, local):
+    leaf = local.detach().requires_grad_(input_.requires_grad)
+    _local.cut.append((input_, leaf))
+    return leaf
+
+
 def make_scatter(original):
     """Replacement for ``tensor_parallel.scatter_to_sequence_parallel_region`` honouring
     :func:`cut_at_scatter`; stock outside it."""
 
     def scatter(input_, *args, **kwargs):
-        cuts = getattr(_local, "cut", None)
-        if cuts is None:
+        if getattr(_local, "cut", None) is None:
             return original(input_, *args, **kwargs)
         with torch.no_grad():
-            local = original(input_.detach(), *args, **kwargs)
-        leaf = local.detach().requires_grad_(input_.requires_grad)
-        cuts.append((input_, leaf))
-        return leaf
+            return _cut(input_, original(input_.detach(), *args, **kwargs))
 
     scatter.__name__ = scatter.__qualname__ = original.__name__
     scatter.__wrapped__ = original

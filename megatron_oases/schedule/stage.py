@@ -18,8 +18,8 @@ sequence shard (a split whose backward all-gathers the gradient). The schedule r
 lookup instead (half the bytes, the same sums where the split reads) and issues the backward's
 all-gather itself (:func:`.comm.cut_at_scatter`), so both hide behind the other sub-batch. The
 output layer's input becomes an all-gather of the final norm's s/t output, its input-gradient
-all-reduce a reduce-scatter. The embedding with RoPE and no learned positions (Megatron
-reduce-scatters the lookup itself) stays stock.
+all-reduce a reduce-scatter. With RoPE and no learned positions Megatron reduce-scatters the
+lookup itself; the schedule then issues that reduce-scatter and the backward's all-gather.
 
 Wiring, without rewriting Megatron's ``GPTModel`` (replacements of the ``oases-schedule`` patch):
 ``GPTModel.forward`` opens a :class:`StageCall` for a training call that qualifies
@@ -107,18 +107,26 @@ class EmbeddingEnd:
             Compute(lambda: deliver(self._finish(sb)), **labels),
         ]
 
+    @property
+    def scatters_itself(self):
+        """Megatron's embedding reduce-scatters the lookup itself (RoPE, no learned positions)."""
+        return getattr(self.module, "reduce_scatter_embeddings", False)
+
     def _lookup(self, sb):
         with torch.no_grad():  # deferring: the vocab shard's partial sum, [b_i, s, h]
             emb = self.module.word_embeddings(self.ids[sb.index])
-            # under SP [s, b_i, h], the layout Megatron scatters along s
-            sb.end["emb"] = (emb.transpose(0, 1) if self.sequence_parallel else emb).contiguous()
+            # under SP [s, b_i, h], the layout Megatron scatters along s (and then already has)
+            if self.sequence_parallel and not self.scatters_itself:
+                emb = emb.transpose(0, 1)
+            sb.end["emb"] = emb.contiguous()
 
     def _reduced(self, sb):
-        """The reduction to supply to Megatron's forward: the all-reduced lookup, or under SP a
-        lookup-shaped tensor holding the reduce-scattered shard where Megatron's scatter reads
-        (the rest is zeros that nothing reads: every op before the scatter is per token)."""
+        """The reduction to supply to Megatron's forward: the all-reduced lookup, the
+        reduce-scattered one where Megatron reduce-scatters, or else under SP a lookup-shaped
+        tensor holding the reduce-scattered shard where Megatron's split reads (the rest is
+        zeros that nothing reads: every op before the split is per token)."""
         reduced = sb.end.pop("emb")
-        if not self.sequence_parallel:
+        if not self.sequence_parallel or self.scatters_itself:
             return reduced
         b, s = self.ids[sb.index].shape
         full = reduced.new_zeros((b, s, reduced.size(-1)))
@@ -350,7 +358,6 @@ class StageEnds:
                 or call.placeholder is not None
                 or module is not getattr(call.model, "embedding", None)
                 or tokentype_ids is not None
-                or getattr(module, "reduce_scatter_embeddings", False)
                 or (
                     module.config.sequence_parallel
                     and not getattr(module, "scatter_to_sequence_parallel", True)

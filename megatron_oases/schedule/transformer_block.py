@@ -256,7 +256,11 @@ def make_patch(args, built=None):
     tracer = trace.tracer if trace is not None else None
     from megatron.core import tensor_parallel
     from megatron.core.optimizer import clip_grads
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
 
     # The stage's ends (embedding, output layer + loss) join the programs of a uniform-TP
     # schedule, with or without sequence parallelism (:mod:`.stage`).
@@ -272,12 +276,14 @@ def make_patch(args, built=None):
     ]
     if ends is not None:
         replacements += _stage_end_replacements(ends)
+    embed = VocabParallelEmbedding.forward  # the embedding's reduction (.stage)
     for name in (
         "reduce_from_tensor_model_parallel_region",
         "reduce_scatter_to_sequence_parallel_region",
     ):
-        original = require_symbol(tp_layers, name, called_by=[RowParallelLinear.forward])
-        replacements.append((tp_layers, name, make_deferred_reduction(original)))
+        original = require_symbol(tp_layers, name, called_by=[RowParallelLinear.forward, embed])
+        scatters = name.startswith("reduce_scatter")
+        replacements.append((tp_layers, name, make_deferred_reduction(original, scatters)))
     replacements += [
         (ColumnParallelLinear, "forward", make_column_forward(ColumnParallelLinear.forward)),
         _early_all_reduce(),
