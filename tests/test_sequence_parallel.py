@@ -233,6 +233,34 @@ def test_next_collective_starts_inside_the_other_sub_batch_main(traces, schedule
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", SCHEDULES)
+def test_input_gradient_reduce_scatter_starts_before_the_weight_gradient(traces, schedule):
+    """As Megatron's SP linear does, each block's input-gradient reduce-scatter starts inside the
+    backward op that computes it, before the first linear's weight gradient (the column linear
+    hands it to the schedule, :class:`megatron_oases.schedule.comm.EarlyReductions`), not after
+    the op: the last block of a pass then has the weight gradient to hide behind."""
+    for trace in traces[schedule]:
+        computes = [e for e in trace["traceEvents"] if e["cat"] == "compute"]
+        scatters = [
+            e
+            for e in block_comms(trace)
+            if e["args"]["pass"] == "backward" and "scatter" in e["name"]
+        ]
+        assert scatters
+        for e in scatters:
+            a = e["args"]
+            inside = [
+                c
+                for c in computes
+                if c["args"]["pass"] == "backward"
+                and c["args"].get("sub_batch") == a["sub_batch"]
+                and c["args"].get("layer") == a["layer"]
+                and c["ts"] < e["ts"] < c["ts"] + c["dur"]
+            ]
+            assert inside, (a, e["ts"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_stage_end_collectives_run_in_the_programs(traces, schedule):
     """Under SP too the stage ends' collectives run per sub-batch, asynchronously, in the
     programs: the embedding's reduce-scatter (stock all-reduces, then splits) and the all-gather

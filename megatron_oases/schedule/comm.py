@@ -16,13 +16,14 @@ tensor-parallel linears skip their own all-reduces:
   Megatron's ``handle.wait()`` returns at once; the engine waits where the sub-batch needs the
   gradient. The transfer thus hides behind the weight gradient as well as the other sub-batch's
   work (without it, the last block's gradient all-reduce of a pass has nothing to hide behind).
-  Where that cannot apply (no ``EarlyReductions`` given, ``gather_output``, sequence
-  parallelism) the all-reduce is switched off for the call and the engine issues it after the
-  backward op. Under sequence parallelism the input all-gather (forward) and input-gradient
-  reduce-scatter (backward) are switched off the same way (``sequence_parallel`` is read at
-  forward time too): the engine passes the gathered input and reduce-scatters the gradient. The
-  linear then keeps the gathered input for its weight gradient instead of re-gathering it in
-  backward (see :mod:`.engine` for what that costs in memory).
+  Under sequence parallelism Megatron's own input all-gather (forward) and input-gradient
+  reduce-scatter (backward) are switched off (``sequence_parallel`` is read at forward time too):
+  the engine passes the gathered input, and the call runs as ``allreduce_dgrad`` on a
+  :class:`ReducingGroup` that starts a reduce-scatter instead, before the weight gradient as
+  Megatron's SP linear does. The linear then keeps the gathered input for its weight gradient
+  instead of re-gathering it in backward (see :mod:`.engine` for what that costs in memory).
+  Where none of this applies (no ``EarlyReductions`` given, ``gather_output``) the reduction is
+  switched off for the call and the engine issues it after the backward op.
 
 The stage ends (:mod:`.stage`) run the vocab-parallel embedding in two steps around the schedule's
 all-reduce: its lookup while deferring (the partial sum), then Megatron's whole embedding forward
@@ -76,36 +77,47 @@ class _Started:
 
 
 class EarlyReductions:
-    """Input-gradient all-reduces that Megatron's column linears started in a backward op, by the
-    storage of the gradient they reduce in place, until the engine's collective for that gradient
-    adopts them (:meth:`take`). One per micro-batch's schedule; :meth:`check_empty` after the
+    """Input-gradient reductions that Megatron's column linears started in a backward op, by the
+    storage of the gradient they reduce, until the engine's collective for that gradient adopts
+    them (:meth:`take`): an all-reduce in place or, under sequence parallelism, a reduce-scatter
+    into a new s/t tensor. One per micro-batch's schedule; :meth:`check_empty` after the
     backward proves every one was adopted (so waited on)."""
 
     def __init__(self):
         self._started = {}
 
-    def start(self, all_reduce, tensor, group, op):
-        work = all_reduce(tensor, op=op, group=group, async_op=True)
-        self._started[tensor.untyped_storage().data_ptr()] = (tensor, work)
+    def start(self, all_reduce, tensor, group, op, scatter=False):
+        if scatter:  # the torch.distributed function as wrapped now (emulator, tracer)
+            n = dist.get_world_size(group)
+            result = tensor.new_empty((tensor.size(0) // n,) + tuple(tensor.shape[1:]))
+            work = dist.reduce_scatter_tensor(result, tensor, op=op, group=group, async_op=True)
+        else:
+            result, work = tensor, all_reduce(tensor, op=op, group=group, async_op=True)
+        self._started[tensor.untyped_storage().data_ptr()] = (tensor, work, result, scatter)
         return _Started()
 
-    def take(self, tensor):
-        """The work started on ``tensor``'s storage, or None (then nothing reduced it yet)."""
+    def take(self, tensor, scatter=False):
+        """``(work, result)`` of the reduction started on ``tensor``'s storage, or None (then
+        nothing reduced it yet)."""
         found = self._started.pop(tensor.untyped_storage().data_ptr(), None)
         if found is None:
             return None
-        started, work = found
-        if started.shape != tensor.shape or started.data_ptr() != tensor.data_ptr():
-            raise RuntimeError("oases: an input-gradient all-reduce covers another tensor")
-        return work
+        started, work, result, scattered = found
+        if (
+            started.shape != tensor.shape
+            or started.data_ptr() != tensor.data_ptr()
+            or scattered != scatter
+        ):
+            raise RuntimeError("oases: an input-gradient reduction covers another tensor")
+        return work, result
 
     def check_empty(self):
         if self._started:
-            for _, work in self._started.values():
+            for _, work, _, _ in self._started.values():
                 work.wait()
             self._started.clear()
             raise RuntimeError(
-                "oases: a column-parallel linear's input-gradient all-reduce was started but no "
+                "oases: a column-parallel linear's input-gradient reduction was started but no "
                 "collective of the schedule took it (Megatron changed?)"
             )
 
@@ -113,13 +125,14 @@ class EarlyReductions:
 class ReducingGroup:
     """Stands in for a column linear's TP group from its forward (saved in the autograd context)
     to its backward, whose ``torch.distributed.all_reduce(grad_input, group=..., async_op=True)``
-    :func:`make_all_reduce` routes to ``early``. Only ``size()``/``rank()`` are delegated: any
-    other use of it fails loudly instead of talking to the wrong group."""
+    :func:`make_all_reduce` routes to ``early`` (``scatter``: as a reduce-scatter, for a linear
+    whose input the schedule all-gathered under sequence parallelism). Only ``size()``/``rank()``
+    are delegated: any other use of it fails loudly instead of talking to the wrong group."""
 
-    __slots__ = ("group", "early")
+    __slots__ = ("group", "early", "scatter")
 
-    def __init__(self, group, early):
-        self.group, self.early = group, early
+    def __init__(self, group, early, scatter=False):
+        self.group, self.early, self.scatter = group, early, scatter
 
     def size(self):
         return self.group.size()
@@ -137,7 +150,7 @@ def make_all_reduce(original):
         if isinstance(group, ReducingGroup):
             if not async_op:
                 raise RuntimeError("oases: a synchronous all-reduce on a column linear's group")
-            return group.early.start(original, tensor, group.group, op)
+            return group.early.start(original, tensor, group.group, op, group.scatter)
         return original(tensor, op=op, group=group, async_op=async_op)
 
     all_reduce.__name__ = all_reduce.__qualname__ = original.__name__
@@ -208,13 +221,22 @@ def make_column_forward(original):
         if not deferring():
             return original(self, input_, *args, **kwargs)
         early = getattr(_local, "early", None)
-        if early is not None and self.allreduce_dgrad and not _gathers(self, args, kwargs):
-            group = self.tp_group
-            self.tp_group = ReducingGroup(group, early)
-            try:
-                return original(self, input_, *args, **kwargs)
-            finally:
-                self.tp_group = group
+        if early is not None and not _gathers(self, args, kwargs):
+            if self.allreduce_dgrad:
+                group = self.tp_group
+                self.tp_group = ReducingGroup(group, early)
+                try:
+                    return original(self, input_, *args, **kwargs)
+                finally:
+                    self.tp_group = group
+            if self.sequence_parallel:  # the input is gathered: reduce-scatter its gradient
+                saved = self.tp_group, self.allreduce_dgrad, self.sequence_parallel
+                self.tp_group = ReducingGroup(self.tp_group, early, scatter=True)
+                self.allreduce_dgrad, self.sequence_parallel = True, False
+                try:
+                    return original(self, input_, *args, **kwargs)
+                finally:
+                    self.tp_group, self.allreduce_dgrad, self.sequence_parallel = saved
         saved = self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel
         self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel = False, True, False
         try:

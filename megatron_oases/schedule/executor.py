@@ -103,9 +103,12 @@ def _issue(sub_batch, op, tracer, early):
     tensor = op.get()
     if op.group is None or dist.get_world_size(op.group) == 1:
         return _InFlight(sub_batch, None, lambda: tensor, op)
-    work = early.take(tensor) if (early is not None and op.kind == "all_reduce") else None
-    if work is not None:  # Megatron's linear started it in the compute op before (see .comm)
-        return _InFlight(sub_batch, work, lambda: tensor, op)
+    started = None
+    if early is not None and op.kind in ("all_reduce", "reduce_scatter"):
+        started = early.take(tensor, scatter=op.kind == "reduce_scatter")
+    if started is not None:  # Megatron's linear started it in the compute op before (see .comm)
+        work, result = started
+        return _InFlight(sub_batch, work, lambda: result, op)
     ctx = tracer.context(sub_batch=sub_batch, **op.labels) if tracer else contextlib.nullcontext()
     with ctx, torch.no_grad():
         work, result = _start(op.kind, tensor, op.group)
