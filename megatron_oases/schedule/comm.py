@@ -221,22 +221,17 @@ def make_column_forward(original):
         if not deferring():
             return original(self, input_, *args, **kwargs)
         early = getattr(_local, "early", None)
-        if early is not None and not _gathers(self, args, kwargs):
-            if self.allreduce_dgrad:
-                group = self.tp_group
-                self.tp_group = ReducingGroup(group, early)
-                try:
-                    return original(self, input_, *args, **kwargs)
-                finally:
-                    self.tp_group = group
-            if self.sequence_parallel:  # the input is gathered: reduce-scatter its gradient
-                saved = self.tp_group, self.allreduce_dgrad, self.sequence_parallel
-                self.tp_group = ReducingGroup(self.tp_group, early, scatter=True)
-                self.allreduce_dgrad, self.sequence_parallel = True, False
-                try:
-                    return original(self, input_, *args, **kwargs)
-                finally:
-                    self.tp_group, self.allreduce_dgrad, self.sequence_parallel = saved
+        reduces = self.allreduce_dgrad or self.sequence_parallel  # (never both: Megatron)
+        if early is not None and reduces and not _gathers(self, args, kwargs):
+            # under SP the input is gathered by the schedule: reduce-scatter its gradient
+            scatter = self.sequence_parallel
+            saved = self.tp_group, self.allreduce_dgrad, self.sequence_parallel
+            self.tp_group = ReducingGroup(self.tp_group, early, scatter=scatter)
+            self.allreduce_dgrad, self.sequence_parallel = True, False
+            try:
+                return original(self, input_, *args, **kwargs)
+            finally:
+                self.tp_group, self.allreduce_dgrad, self.sequence_parallel = saved
         saved = self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel
         self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel = False, True, False
         try:
