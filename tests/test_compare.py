@@ -304,6 +304,12 @@ def test_compare_memory_budget_tiny_model(tmp_path):
         m = by_name[name]["memory"]
         assert m["peak_bytes_per_rank"] == m["state_bytes"] + m["activation_bytes"] > 0, m
         assert len(m["ranks"]) == 2 and m["state_bytes"] == 16 * m["params"]
+        # what is live at the peak: the largest groups, named by the functions that created them
+        live = m["live_at_peak"]
+        assert 0 < len(live) <= 12 and m["peak_site"] not in ("", "?"), m
+        assert 0 < sum(g["bytes"] for g in live) <= m["activation_bytes"], live
+        assert [g["bytes"] for g in live] == sorted((g["bytes"] for g in live), reverse=True)
+        assert any(g["site"] != "?" for g in live), live
     peak = {n: by_name[n]["memory"]["peak_bytes_per_rank"] / 1e9 for n in variants}
     act = {n: by_name[n]["memory"]["activation_bytes"] for n in variants}
     assert act["overlap-norecompute"] > 1.3 * act["megatron"], act  # all activations kept
@@ -320,6 +326,8 @@ def test_compare_memory_budget_tiny_model(tmp_path):
     ]
     md = (out / "results.md").read_text()
     assert "## At equal memory" in md and "| 0.0001 | none fits |" in md and "memory.png" in md
+    assert "### What is live at the activation peak" in md
+    assert "`megatron`: activations" in md and "`overlap-norecompute`: activations" in md
     # Between full recompute and no recompute only stock with full recompute fits.
     # (budgets chosen anew after the run, from the measured peaks)
     between = round((peak["megatron"] + peak["overlap-norecompute"]) / 2, 6)

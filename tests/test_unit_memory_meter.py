@@ -59,3 +59,44 @@ def test_an_alias_keeps_a_swapped_storage_counted():
         x, y = torch.randn(N), torch.randn(N)
     assert meter.peak_bytes < 2 * MB4 + MB4 // 2, meter.peak_bytes
     assert p.grad_fn is None and x.numel() == y.numel() == N
+
+
+def _in_package(source, name="megatron_oases.fake_model"):
+    """Functions compiled as if they lived in a megatron_oases module (the meter names the
+    innermost Megatron / megatron-oases functions on the stack as where a tensor was created)."""
+    scope = {"__name__": name, "torch": torch}
+    exec(compile(source, f"/site/megatron_oases/{name.rsplit('.', 1)[-1]}.py", "exec"), scope)
+    return scope
+
+
+def test_breakdown_says_what_is_live_at_the_peak():
+    """At the peak: one 4 MiB activation and two 1 MiB ones, each group named by the function
+    that created it; what is allocated after the peak and freed does not change the snapshot."""
+    fake = _in_package(
+        "def layer(n):\n"
+        "    return torch.randn(n)\n"
+        "def block(n, k):\n"
+        "    return [layer(n) for _ in range(k)]\n"
+    )
+    with LiveTensorMeter(breakdown=True) as meter:
+        big = fake["block"](N, 1)
+        small = fake["layer"](N // 4), fake["layer"](N // 4)
+        peak = meter.current_bytes
+        del big
+        gc.collect()
+        fake["layer"](N // 2)  # below the peak: freed at once, not in the snapshot
+    assert meter.peak_bytes == peak == MB4 + 2 * (MB4 // 4)
+    groups = {(g["site"], tuple(g["shape"])): (g["bytes"], g["count"]) for g in meter.live_at_peak}
+    assert groups == {
+        ("fake_model.layer < fake_model.block", (N,)): (MB4, 1),
+        ("fake_model.layer", (N // 4,)): (MB4 // 2, 2),
+    }, meter.live_at_peak
+    assert meter.live_at_peak[0]["bytes"] == MB4  # largest first
+    assert meter.peak_site == "fake_model.layer"
+    assert len(small) == 2
+
+
+def test_no_breakdown_unless_asked():
+    with LiveTensorMeter() as meter:
+        a = torch.randn(N)
+    assert meter.peak_bytes == MB4 and meter.live_at_peak == [] and a.numel() == N

@@ -193,6 +193,8 @@ def acceptance(reports):
         )
     for cfg, rep in reports.items():
         fast_link = cfg.startswith("h100-nvlink")
+        # the issue sets targets on rtx3090-pcie and h100-nvlink; other links are for the record
+        targeted = fast_link or cfg.startswith("rtx3090-pcie")
         names = {v["name"] for v in rep["variants"]}
         budgets = rep.get("memory_budget") or []
         if budgets and "overlap-norecompute" not in names:
@@ -207,7 +209,7 @@ def acceptance(reports):
             if not b.get("oases"):
                 lines.append(
                     f"- {cfg}, {b['budget_gb']:g} GB/rank: {b['stock']} fits, no Oases setting "
-                    "does: **missed**"
+                    "does: " + (verdict(False) if targeted else "no target for this link")
                 )
                 continue
             # stock must recompute where no stock setting without recompute fits (its fastest
@@ -223,8 +225,12 @@ def acceptance(reports):
             why = "stock must recompute" if recompute else "stock need not recompute"
             lines.append(
                 f"- {cfg}, {b['budget_gb']:g} GB/rank ({why}): {b['oases']} "
-                f"{b['speedup']:.3f}x {b['stock']} (target >= {target:.2f}x): "
-                f"{verdict(b['speedup'] >= target)}"
+                f"{b['speedup']:.3f}x {b['stock']} "
+                + (
+                    f"(target >= {target:.2f}x): {verdict(b['speedup'] >= target)}"
+                    if targeted
+                    else "(no target for this link; for the record)"
+                )
             )
         if fast_link:
             o = _variant(rep, "oases")

@@ -18,6 +18,7 @@ from ..errors import OasesConfigError
 from .variants import VARIANTS
 
 GB = 1e9
+LIVE_GROUPS = 12  # groups of live storages kept per variant and rank (largest first)
 STOCK_COLOR, OASES_COLOR = "#7b5ea7", "#1f77b4"
 
 
@@ -56,7 +57,10 @@ def _worker(configs, log_pattern):
     os.dup2(fd, 2)
     out = {}
     for name, argv in configs:
-        out.update(memory_per_rank([(name, argv)]))
+        m = memory_per_rank([(name, argv)], breakdown=True)[name]
+        if "live_at_peak" in m:  # the largest groups explain a peak; the rest is small change
+            m["live_at_peak"] = m["live_at_peak"][:LIVE_GROUPS]
+        out[name] = m
         if rank == 0:
             console.write(f"  [memory] {name}: metered\n")
     return out
@@ -107,7 +111,9 @@ def measure(variants, train_argv, parsed, nproc, out_dir, timeout, progress=prin
             "state_bytes": w["state_bytes"],
             "params": w["params"],
             "rank": worst,
-            "ranks": rows,
+            "live_at_peak": w.get("live_at_peak"),
+            "peak_site": w.get("peak_site"),
+            "ranks": [{k: x for k, x in r.items() if k != "live_at_peak"} for r in rows],
         }
         progress(
             f"memory {v.name}: peak {_gb(w['peak_bytes'])} GB per rank (states "
@@ -225,6 +231,45 @@ def markdown_lines(report):
         lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows] + [""]
     if report.get("memory_chart"):
         lines += [f"![memory]({os.path.basename(report['memory_chart'])})", ""]
+    return lines + _live_lines(report)
+
+
+def _leanest(results, stock):
+    side = [r for r in results if is_measured(r) and is_stock(r) == stock]
+    return min(side, key=_peak) if side else None
+
+
+def _live_lines(report):
+    """What is live at the activation peak of the leanest stock and the leanest Oases setting:
+    why the one fits a budget the other does not."""
+    picks = [_leanest(report["variants"], stock) for stock in (True, False)]
+    picks = [r for r in picks if r is not None and r["memory"].get("live_at_peak")]
+    if not picks:
+        return []
+    lines = [
+        "### What is live at the activation peak",
+        "",
+        "The leanest stock and the leanest Oases setting, worst rank: the largest groups of live "
+        "storages (same creating functions, shape and dtype) when the metered peak was reached.",
+        "",
+    ]
+    for r in picks:
+        m = r["memory"]
+        listed = sum(g["bytes"] for g in m["live_at_peak"])
+        lines += [
+            f"`{r['name']}`: activations {_gb(m['activation_bytes'])} GB, peak set in "
+            f"`{m.get('peak_site') or '?'}`; the groups below hold {_gb(listed)} GB.",
+            "",
+            "| created in | shape | dtype | tensors | MB |",
+            "|---|---|---|---|---|",
+        ]
+        for g in m["live_at_peak"]:
+            shape = "x".join(str(d) for d in g["shape"]) or "scalar"
+            lines.append(
+                f"| `{g['site']}` | {shape} | {g['dtype'].replace('torch.', '')} | {g['count']} "
+                f"| {g['bytes'] / 1e6:.1f} |"
+            )
+        lines.append("")
     return lines
 
 

@@ -8,8 +8,15 @@ counted. ``peak_bytes`` is then the peak of live activation (+ temporary and gra
 during the measured region; parameters, optimizer state and Megatron's gradient buffers
 exist before the region and are not counted. Slow (Python per op): use it for measurement runs,
 never for timing.
+
+With ``breakdown=True`` the meter also says *what* is live at the peak (:attr:`live_at_peak`): the
+live storages grouped by where they were created (the innermost Megatron or megatron-oases
+function on the Python stack), shape and dtype, and :attr:`peak_site`, the call chain of the op
+that set the peak. That is what explains a peak that does not fit a memory budget.
 """
 
+import os
+import sys
 import weakref
 
 import torch
@@ -37,11 +44,17 @@ class LiveTensorMeter(TorchDispatchMode):
     entries whose tensors all moved off their storage are dropped (else every freed output would
     count until its tensor dies, and the allocator's reuse of its address would hide new ones)."""
 
-    def __init__(self):
+    def __init__(self, breakdown=False):
         super().__init__()
         self._live = {}  # storage ptr -> [nbytes, weak refs of the tensors created on it]
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.breakdown = breakdown
+        self._labels = {}  # storage ptr -> (site, shape, dtype) of its creation (breakdown only)
+        #: ``[{'site', 'shape', 'dtype', 'bytes', 'count'}]`` live at the peak, largest first
+        self.live_at_peak = []
+        #: the call chain (innermost first) of the op that set the peak
+        self.peak_site = ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -65,6 +78,7 @@ class LiveTensorMeter(TorchDispatchMode):
 
     def _drop(self, key):
         self.current_bytes -= self._live.pop(key)[0]
+        self._labels.pop(key, None)
 
     def _track(self, t):
         storage = _storage(t)
@@ -78,12 +92,29 @@ class LiveTensorMeter(TorchDispatchMode):
         if entry is None:
             entry = self._live[key] = [storage.nbytes(), []]
             self.current_bytes += entry[0]
+            if self.breakdown:
+                self._labels[key] = (_call_chain(2), tuple(t.shape), str(t.dtype))
         entry[1].append(weakref.ref(t))
         weakref.finalize(t, self._release, key, entry)
         if self.current_bytes > self.peak_bytes:
             for stale in [k for k, e in self._live.items() if not self._holds(k, e)]:
                 self._drop(stale)
+            if self.current_bytes > self.peak_bytes and self.breakdown:
+                self._snapshot()
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
+    def _snapshot(self):
+        groups = {}
+        for key, entry in self._live.items():
+            label = self._labels.get(key, ("?", (), "?"))
+            g = groups.setdefault(label, [0, 0])
+            g[0] += entry[0]
+            g[1] += 1
+        self.live_at_peak = [
+            {"site": site, "shape": list(shape), "dtype": dtype, "bytes": b, "count": n}
+            for (site, shape, dtype), (b, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])
+        ]
+        self.peak_site = _call_chain(6)
 
     def _release(self, key, entry):
         if self._live.get(key) is not entry:  # dropped as stale, or its address reused since
@@ -91,3 +122,19 @@ class LiveTensorMeter(TorchDispatchMode):
         entry[1] = [r for r in entry[1] if r() is not None]
         if not self._holds(key, entry):
             self._drop(key)
+
+
+_OWN = (os.sep + "megatron" + os.sep, os.sep + "megatron_oases" + os.sep)
+
+
+def _call_chain(depth):
+    """The ``depth`` innermost Megatron / megatron-oases functions on the stack, innermost first,
+    as ``module.function`` (this module and PyTorch skipped): where a tensor is created."""
+    names, frame = [], sys._getframe(1)
+    while frame is not None and len(names) < depth:
+        path = frame.f_code.co_filename
+        if any(p in path for p in _OWN) and frame.f_globals.get("__name__") != __name__:
+            mod = frame.f_globals.get("__name__", "?").rsplit(".", 1)[-1]
+            names.append(f"{mod}.{frame.f_code.co_name}")
+        frame = frame.f_back
+    return " < ".join(names) if names else "?"

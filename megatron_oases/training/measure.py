@@ -14,12 +14,13 @@ from ..instrument.memory import LiveTensorMeter
 from ..patching import Patch
 
 
-def _meter_patch(record, at_call=2):
+def _meter_patch(record, at_call=2, breakdown=False):
     """Wrap ``train_step`` so that its ``at_call``-th call runs its forward+backward (Megatron's
     ``forward_backward_func``: the schedule, the losses and ``finalize_model_grads``) inside a
     :class:`LiveTensorMeter`; the peak goes to ``record['peak']``. Gradient-buffer zeroing before it
     and the optimizer step after it are outside the metered region. The rank's parameter count
-    (its model chunks, shared weights once) goes to ``record['params']``."""
+    (its model chunks, shared weights once) goes to ``record['params']``. ``breakdown``: also what
+    is live at the peak, ``record['live_at_peak']`` and ``record['peak_site']`` (see the meter)."""
     from megatron.training import training
 
     original = training.train_step
@@ -27,10 +28,14 @@ def _meter_patch(record, at_call=2):
 
     def metered(forward_backward_func):
         def run(*a, **k):
-            meter = LiveTensorMeter()
+            meter = LiveTensorMeter(breakdown=breakdown)
             with meter:
                 out = forward_backward_func(*a, **k)
-            record["peak"] = max(record.get("peak", 0), meter.peak_bytes)
+            if meter.peak_bytes > record.get("peak", -1):
+                record["peak"] = meter.peak_bytes
+                if breakdown:
+                    record["live_at_peak"] = meter.live_at_peak
+                    record["peak_site"] = meter.peak_site
             return out
 
         return run
@@ -50,14 +55,14 @@ def _meter_patch(record, at_call=2):
     return Patch("activation-meter", [(training, "train_step", train_step)])
 
 
-def _metered_run(name, argv):
+def _metered_run(name, argv, breakdown=False):
     from .pretrain import run_in_process
 
     argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
     if "--train-iters" not in argv:
         argv += ["--train-iters", "2"]
     record = {}
-    run_in_process(argv, extra_patches=[_meter_patch(record)])
+    run_in_process(argv, extra_patches=[_meter_patch(record, breakdown=breakdown)])
     if "peak" not in record:
         raise RuntimeError(f"{name}: fewer than two iterations ran; nothing was metered")
     return record
@@ -70,19 +75,22 @@ def activation_peaks(configs):
     return {name: _metered_run(name, argv)["peak"] for name, argv in configs}
 
 
-def memory_per_rank(configs):
+def memory_per_rank(configs, breakdown=False):
     """``{name: {'activation_bytes', 'params'} or {'error': line}}`` per ``(name, argv)``, this
-    rank's. A configuration that raises is recorded and the next one runs (``oases compare``'s
-    memory pass reports it for that variant only)."""
+    rank's (with ``breakdown``, also ``live_at_peak`` and ``peak_site``: what is live at the peak
+    and where it was set). A configuration that raises is recorded and the next one runs (``oases
+    compare``'s memory pass reports it for that variant only)."""
     out = {}
     for name, argv in configs:
         try:
-            record = _metered_run(name, argv)
+            record = _metered_run(name, argv, breakdown)
         except Exception as exc:  # noqa: BLE001 - one variant's failure, reported as its result
             lines = str(exc).strip().splitlines()
             out[name] = {"error": f"{type(exc).__name__}: {lines[-1] if lines else ''}"}
             continue
         out[name] = {"activation_bytes": record["peak"], "params": record["params"]}
+        if breakdown:
+            out[name].update(live_at_peak=record["live_at_peak"], peak_site=record["peak_site"])
     return out
 
 
