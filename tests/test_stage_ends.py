@@ -41,8 +41,8 @@ def _run(program):
     input), compute as the executor runs it (TMP communication deferred)."""
     import torch.distributed as dist
 
-    from megatron_oases.schedule.comm import deferred_tmp_comm
-    from megatron_oases.schedule.executor import Comm, _start
+    from megatron_oases.schedule.comm import deferred_tmp_comm, start_collective
+    from megatron_oases.schedule.executor import Comm
 
     for op in program:
         if isinstance(op, Comm):
@@ -50,7 +50,7 @@ def _run(program):
             if dist.get_world_size(op.group) == 1:
                 op.done(tensor)
                 continue
-            work, result = _start(op.kind, tensor, op.group)
+            work, result = start_collective(op.kind, tensor, op.group)
             work.wait()
             op.done(result())
         else:

@@ -1,6 +1,7 @@
 """Unit tests of the two-sub-batch executor (Alg. 1/2) and of the deferred TMP communication.
 
-No process group: ``executor.dist`` is replaced by a recorder whose all-reduce only completes (sums
+No process group: ``torch.distributed`` in the executor and in :mod:`.comm` (where collectives
+start) is replaced by a recorder whose all-reduce only completes (sums
 over its ``size`` identical ranks) when waited, so a result used before its wait shows up as a wrong
 value, and every issue / wait / compute lands in one log whose order the tests pin down.
 """
@@ -45,7 +46,7 @@ class FakeDist:
     def get_world_size(self, group=None):
         return group.size
 
-    def all_reduce(self, tensor, group=None, async_op=False):
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):  # op: always a sum here
         name = self.name_of[id(tensor)]
         self.calls.append((name, group, async_op))
         self.log.append(("issue", name))
@@ -60,6 +61,7 @@ class FakeDist:
 def fake(monkeypatch):
     d = FakeDist()
     monkeypatch.setattr(ex, "dist", d)
+    monkeypatch.setattr(comm, "dist", d)
     return d
 
 
@@ -268,9 +270,9 @@ def test_tracer_sees_sub_batch_and_labels(fake, monkeypatch):
     seen = []
     orig = fake.all_reduce
 
-    def all_reduce(tensor, group=None, async_op=False):
+    def all_reduce(tensor, op=None, group=None, async_op=False):
         seen.append(dict(tracer.current))
-        return orig(tensor, group=group, async_op=async_op)
+        return orig(tensor, op=op, group=group, async_op=async_op)
 
     fake.all_reduce = all_reduce
     a, _ = program(fake, "a", 1, FakeGroup(2))

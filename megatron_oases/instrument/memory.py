@@ -99,9 +99,10 @@ class LiveTensorMeter(TorchDispatchMode):
         if self.current_bytes > self.peak_bytes:
             for stale in [k for k, e in self._live.items() if not self._holds(k, e)]:
                 self._drop(stale)
-            if self.current_bytes > self.peak_bytes and self.breakdown:
-                self._snapshot()
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            if self.current_bytes > self.peak_bytes:
+                if self.breakdown:
+                    self._snapshot()
+                self.peak_bytes = self.current_bytes
 
     def _snapshot(self):
         groups = {}

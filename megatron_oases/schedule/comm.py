@@ -65,6 +65,33 @@ def deferred_tmp_comm(enabled=True, early=None):
         _local.defer, _local.early = prev
 
 
+def start_collective(kind, tensor, group, op=dist.ReduceOp.SUM):
+    """Start ``kind`` (see :data:`.executor.KINDS`) asynchronously; returns (work, a function giving
+    the result after it). Calls the ``torch.distributed`` functions as wrapped now (emulator,
+    tracer)."""
+    if kind == "all_reduce":
+        return dist.all_reduce(tensor, op=op, group=group, async_op=True), lambda: tensor
+    n = dist.get_world_size(group)
+    if kind == "all_gather" and isinstance(tensor, tuple):
+        k, shape = len(tensor), tuple(tensor[0].shape)
+        work, out = start_collective("all_gather", torch.stack(tensor), group)  # [n·k, *shape]
+
+        def split():  # rank-major [n, k, s/n, ...] -> k tensors of [s, ...]
+            parts = out().view(n, k, *shape).transpose(0, 1)
+            return tuple(p.reshape((n * shape[0],) + shape[1:]) for p in parts)
+
+        return work, split
+    tensor = tensor.contiguous()
+    if kind == "all_gather":
+        out = tensor.new_empty((tensor.size(0) * n,) + tuple(tensor.shape[1:]))
+        return dist.all_gather_into_tensor(out, tensor, group=group, async_op=True), lambda: out
+    if tensor.size(0) % n:
+        raise ValueError(f"reduce-scatter of {tensor.size(0)} rows over {n} ranks")
+    out = tensor.new_empty((tensor.size(0) // n,) + tuple(tensor.shape[1:]))
+    work = dist.reduce_scatter_tensor(out, tensor, op=op, group=group, async_op=True)
+    return work, lambda: out
+
+
 class _Started:
     """What Megatron's column linear gets back from its all-reduce: ``wait()`` returns at once;
     the schedule waits on the real work when the gradient is needed."""
@@ -87,10 +114,9 @@ class EarlyReductions:
         self._started = {}
 
     def start(self, all_reduce, tensor, group, op, scatter=False):
-        if scatter:  # the torch.distributed function as wrapped now (emulator, tracer)
-            n = dist.get_world_size(group)
-            result = tensor.new_empty((tensor.size(0) // n,) + tuple(tensor.shape[1:]))
-            work = dist.reduce_scatter_tensor(result, tensor, op=op, group=group, async_op=True)
+        if scatter:
+            work, scattered = start_collective("reduce_scatter", tensor, group, op)
+            result = scattered()
         else:
             result, work = tensor, all_reduce(tensor, op=op, group=group, async_op=True)
         self._started[tensor.untyped_storage().data_ptr()] = (tensor, work, result, scatter)

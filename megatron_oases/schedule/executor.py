@@ -25,7 +25,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .comm import deferred_tmp_comm
+from .comm import deferred_tmp_comm, start_collective
 
 
 class Compute:
@@ -75,30 +75,6 @@ class _InFlight:
         self.op.done(self.result())
 
 
-def _start(kind, tensor, group):
-    """Start ``kind`` asynchronously; returns (work, a function giving the result after it)."""
-    if kind == "all_reduce":
-        return dist.all_reduce(tensor, group=group, async_op=True), lambda: tensor
-    n = dist.get_world_size(group)
-    if kind == "all_gather" and isinstance(tensor, tuple):
-        k, shape = len(tensor), tuple(tensor[0].shape)
-        work, out = _start("all_gather", torch.stack(tensor), group)  # [n·k, *shape]
-
-        def split():  # rank-major [n, k, s/n, ...] -> k tensors of [s, ...]
-            parts = out().view(n, k, *shape).transpose(0, 1)
-            return tuple(p.reshape((n * shape[0],) + shape[1:]) for p in parts)
-
-        return work, split
-    tensor = tensor.contiguous()
-    if kind == "all_gather":
-        out = tensor.new_empty((tensor.size(0) * n,) + tuple(tensor.shape[1:]))
-        return dist.all_gather_into_tensor(out, tensor, group=group, async_op=True), lambda: out
-    if tensor.size(0) % n:
-        raise ValueError(f"reduce-scatter of {tensor.size(0)} rows over {n} ranks")
-    out = tensor.new_empty((tensor.size(0) // n,) + tuple(tensor.shape[1:]))
-    return dist.reduce_scatter_tensor(out, tensor, group=group, async_op=True), lambda: out
-
-
 def _issue(sub_batch, op, tracer, early):
     tensor = op.get()
     if op.group is None or dist.get_world_size(op.group) == 1:
@@ -111,7 +87,7 @@ def _issue(sub_batch, op, tracer, early):
         return _InFlight(sub_batch, work, lambda: result, op)
     ctx = tracer.context(sub_batch=sub_batch, **op.labels) if tracer else contextlib.nullcontext()
     with ctx, torch.no_grad():
-        work, result = _start(op.kind, tensor, op.group)
+        work, result = start_collective(op.kind, tensor, op.group)
     return _InFlight(sub_batch, work, result, op)
 
 
