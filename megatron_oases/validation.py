@@ -232,16 +232,20 @@ def check_oases_args(args, before_megatron=False, plan=None):
     if before_megatron:
         return args
     check_schedule_recompute(mode, args.recompute_granularity == "full")
+    if (mode != "off" or plan is not None) and (
+        args.recompute_granularity == "full"
+        and args.recompute_method == "uniform"
+        and (args.recompute_num_layers or 1) != 1
+    ):
+        what = f"--oases-schedule {mode}" if mode != "off" else "--oases-plan"
+        raise OasesConfigError(
+            f"{what} recomputes one layer per checkpoint; use --recompute-method uniform "
+            "--recompute-num-layers 1 (every layer), or --recompute-method block "
+            "--recompute-num-layers N (a stage's first N layers)"
+        )
     if mode != "off":
         if args.recompute_granularity == "selective":
             check_selective_recompute(mode, getattr(args, "recompute_modules", None))
-        if args.recompute_granularity == "full" and (
-            args.recompute_method != "uniform" or (args.recompute_num_layers or 1) != 1
-        ):
-            raise OasesConfigError(
-                f"--oases-schedule {mode} recomputes every layer; use --recompute-method uniform "
-                "--recompute-num-layers 1"
-            )
         check_splittable(args.micro_batch_size, parts=sub_batches(args))
     if plan is not None:
         check_plan_fits_model(plan, args)

@@ -37,9 +37,12 @@ from megatron_oases.errors import OasesConfigError
         ),
         ("--oases-schedule oases", 1, "add --recompute-granularity full"),
         (
-            "--oases-schedule oases --recompute-granularity full --recompute-method block",
+            "--oases-schedule oases --recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 2",
             1,
-            "use --recompute-method uniform --recompute-num-layers 1",
+            "--oases-schedule oases recomputes one layer per checkpoint; use --recompute-method "
+            "uniform --recompute-num-layers 1 (every layer), or --recompute-method block "
+            "--recompute-num-layers N (a stage's first N layers)",
         ),
         (
             "--oases-schedule overlap --recompute-granularity selective "

@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from helpers import NO_DROP, RECOMPUTE, SHAPE
+from helpers import BLOCK, NO_DROP, RECOMPUTE, SHAPE
 from helpers.runs import max_rel_diff, parse, pretrain_and_capture
 
 from megatron_oases.errors import OasesConfigError
@@ -71,6 +71,25 @@ def test_plans_match_uniform(case, tmp_path):
             for p, g in ref["grads"].items():
                 err = max_rel_diff(got["grads"][p], g)
                 assert err < 1e-5, f"{case} {name} rank {rank} {p}: {err:.2e}"
+
+
+@pytest.mark.timeout(500)
+def test_plans_with_block_recompute_match_uniform(tmp_path):
+    """``--recompute-method block --recompute-num-layers 3`` with degree runs [0, 1] and [2, 3]:
+    the first run recomputes both its layers, the second its first only (layer 3 keeps its
+    graph), stock (``off``) and ``oases`` alike."""
+    base = SHAPE + NO_DROP + "--train-iters 2 " + BLOCK.format(n=3) + "--num-layers 4 "
+    base += "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8"
+    path = write_plan(str(tmp_path / "plan.json"), 2, [1, 1, 2, 2])
+    variants = [("uniform", "--oases-schedule off")]
+    variants += [(s, f"--oases-plan {path} --oases-schedule {s}") for s in ("off", "oases")]
+    for rank, res in enumerate(run_distributed(_worker, 2, base, variants, timeout=460)):
+        ref = res["uniform"]
+        for name, got in res.items():
+            assert max_rel_diff(got["losses"], ref["losses"]) < 1e-5, (name, rank)
+            for p, g in ref["grads"].items():
+                err = max_rel_diff(got["grads"][p], g)
+                assert err < 1e-5, f"block {name} rank {rank} {p}: {err:.2e}"
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ overlap evidence from the trace, activation memory, and reversible patches."""
 
 import pytest
 import torch
-from helpers import DROP, GPT, RECOMPUTE, SELECTIVE_LN, variants_worker
+from helpers import BLOCK, DROP, GPT, RECOMPUTE, SELECTIVE_LN, variants_worker
 from helpers.runs import max_rel_diff
 from helpers.traces import (
     block_comms,
@@ -39,8 +39,13 @@ def test_dropout_recompute_is_rng_exact_and_deterministic():
         ("oases", R + "--oases-schedule oases"),
         ("oases-again", R + "--oases-schedule oases"),
         ("stock", R + "--oases-schedule off"),
+        # the first layer recomputed, the second kept
+        ("overlap-block", BLOCK.format(n=1) + "--oases-schedule overlap"),
+        ("cross-pass-block", BLOCK.format(n=1) + "--oases-schedule cross-pass"),
+        ("oases-block", BLOCK.format(n=1) + "--oases-schedule oases"),
     ]
     recomputing = ("overlap-recompute", "overlap-selective", "overlap-selective-ln")
+    recomputing += ("overlap-block", "cross-pass-block", "oases-block")
     for res in run_distributed(variants_worker, 2, BASE + DROP, variants, timeout=280):
         ref = res["overlap"]
         for name in recomputing + ("cross-pass", "oases"):
@@ -82,6 +87,10 @@ def traces(tmp_path_factory):
         ("cross-pass", R + "--oases-schedule cross-pass"),
         ("overlap", "--oases-schedule overlap"),
         ("overlap-recompute", R + "--oases-schedule overlap"),
+        ("stock-block", BLOCK.format(n=1) + "--oases-schedule off"),
+        ("oases-block", BLOCK.format(n=1) + "--oases-schedule oases"),
+        ("cross-pass-block", BLOCK.format(n=1) + "--oases-schedule cross-pass"),
+        ("overlap-recompute-block", BLOCK.format(n=1) + "--oases-schedule overlap"),
     ]
     return traced_runs(BASE, variants, out)
 
@@ -120,7 +129,28 @@ def test_communication_accounting(traces):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", ["oases", "cross-pass", "overlap"])
+def test_block_recompute_recomputes_only_the_first_layers(traces):
+    """``--recompute-method block --recompute-num-layers 1`` of 2 layers: only layer 0 is
+    recomputed, by stock and by every schedule (its collectives, and for ``oases`` its ops)."""
+    for name in ("stock-block", "cross-pass-block", "overlap-recompute-block", "oases-block"):
+        for trace in traces[name]:
+            events = [e for e in trace["traceEvents"] if e["cat"] in ("comm", "compute")]
+            recomputed = {e["args"]["layer"] for e in events if e["args"]["pass"] == "recompute"}
+            assert recomputed == {0}, (name, recomputed)
+            if name != "oases-block":  # oases recomputes without collectives
+                comms = {e["args"]["layer"] for e in block_comms(trace)}
+                rc = {
+                    e["args"]["layer"]
+                    for e in block_comms(trace)
+                    if e["args"]["pass"] == "recompute"
+                }
+                assert comms == {0, 1} and rc == {0}, name
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "schedule", ["oases", "cross-pass", "overlap", "oases-block", "cross-pass-block"]
+)
 def test_every_inner_all_reduce_is_overlapped(traces, schedule):
     for trace in traces[schedule]:
         missing = unhidden_inner_comms(trace)
@@ -181,6 +211,8 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
         ("cross-pass", RECOMPUTE + "--oases-schedule cross-pass"),
         ("overlap-recompute", RECOMPUTE + "--oases-schedule overlap"),
         ("overlap", "--oases-schedule overlap"),
+        ("stock-block", BLOCK.format(n=2) + "--oases-schedule off"),
+        ("oases-block", BLOCK.format(n=2) + "--oases-schedule oases"),
     ]
     from megatron_oases.training.measure import activation_peaks
 
@@ -192,6 +224,11 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
     assert peaks["oases"] <= 1.15 * full, peaks
     assert peaks["cross-pass"] <= 1.15 * full, peaks
     assert peaks["overlap-recompute"] <= 1.15 * full, peaks
+    # recomputing 2 of the 4 layers: between full recompute and none, as stock's block setting
+    block = peaks["stock-block"]
+    assert full < block < peaks["stock-no-recompute"], peaks
+    assert peaks["oases"] < peaks["oases-block"] < peaks["overlap"], peaks
+    assert peaks["oases-block"] <= 1.15 * block, peaks
 
 
 @pytest.mark.timeout(300)

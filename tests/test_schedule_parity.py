@@ -9,7 +9,7 @@ checks the first optimizer step.
 
 import pytest
 import torch
-from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, SELECTIVE_LN, variants_worker
+from helpers import BLOCK, DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, SELECTIVE_LN, variants_worker
 from helpers.runs import max_rel_diff
 
 from megatron_oases.launch import run_distributed
@@ -114,6 +114,41 @@ def test_overlap_matches_stock_without_full_recompute(config):
             for pname, g in stock["grads"].items():
                 err = max_rel_diff(got["grads"][pname], g)
                 assert err < 1e-5, f"{config} {setting} rank {rank} {pname}: rel err {err:.2e}"
+
+
+#: ``--recompute-method block``: a stage's first N layers recomputed, the rest keep their graphs
+#: (stock and schedules alike), so the kept and the recomputed layers meet inside one program.
+BLOCK_CONFIGS = {
+    # 3 layers, the first 2 recomputed; an uneven split (2+1)
+    "gpt-tp2-pp1-l3-mbs3": (
+        2,
+        GPT.format(layers=3) + "--tensor-model-parallel-size 2 --micro-batch-size 3 "
+        "--global-batch-size 3 " + BLOCK.format(n=2),
+    ),
+    # 2 layers per stage, the first of each recomputed: the first stage ends in a kept layer,
+    # the last stage's kept layer feeds the output layer
+    "llama-tp2-pp2-mbs2": (4, CONFIGS["llama-tp2-pp2-mbs2"][1] + " " + BLOCK.format(n=1)),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config", list(BLOCK_CONFIGS))
+def test_block_recompute_matches_stock(config):
+    world, base = BLOCK_CONFIGS[config]
+    results = run_distributed(
+        variants_worker, world, base + " " + ITERS + NO_DROP, VARIANTS, timeout=560
+    )
+    for rank, res in enumerate(results):
+        stock = res["stock"]
+        for name in ("overlap", "cross-pass", "oases"):
+            got = res[name]
+            assert got["installed"] == ["oases-schedule"]
+            if stock["losses"][0] is not None:
+                assert max_rel_diff(got["losses"], stock["losses"]) < 1e-5, (name, rank)
+            assert set(got["grads"]) == set(stock["grads"]) and stock["grads"]
+            for pname, g in stock["grads"].items():
+                err = max_rel_diff(got["grads"][pname], g)
+                assert err < 1e-5, f"{config} {name} rank {rank} {pname}: rel err {err:.2e}"
 
 
 @pytest.mark.timeout(600)

@@ -9,7 +9,7 @@ Stock Megatron's local spec needs the ``torch-norm-sp`` patch to build its torch
 
 import pytest
 import torch
-from helpers import DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, SELECTIVE_LN, variants_worker
+from helpers import BLOCK, DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, SELECTIVE_LN, variants_worker
 from helpers.runs import max_rel_diff
 from helpers.traces import (
     block_comms,
@@ -99,6 +99,23 @@ def test_schedules_match_stock_with_sequence_parallel(config):
     print(f"{config} --sequence-parallel: worst relative difference {worst:.2e}")
 
 
+@pytest.mark.timeout(600)
+def test_block_recompute_matches_stock_with_sequence_parallel():
+    """``--recompute-method block --recompute-num-layers 1`` of 2 layers under SP: the recomputed
+    layer re-gathers in its recomputation, the kept one re-gathers its saved shard (:mod:`.regather`).
+    """
+    world, base = CONFIGS["gpt-tp2-pp1-mbs3"]
+    block = BLOCK.format(n=1)
+    variants = [("stock", block + "--oases-schedule off")]
+    variants += [(name, block + f"--oases-schedule {name}") for name in SCHEDULES]
+    results = run_distributed(
+        variants_worker, world, base + " " + ITERS + NO_DROP + SP, variants, timeout=560
+    )
+    for rank, res in enumerate(results):
+        for name in SCHEDULES:
+            _assert_matches(res[name], res["stock"], f"block {name} rank {rank}", 0.0)
+
+
 BASE = (
     GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
     "--global-batch-size 4 --train-iters 1 " + SP
@@ -118,12 +135,15 @@ def test_dropout_recompute_is_rng_exact_with_sequence_parallel():
         ("oases", RECOMPUTE + "--oases-schedule oases"),
         ("oases-again", RECOMPUTE + "--oases-schedule oases"),
         ("no-sp", RECOMPUTE + "--oases-schedule oases"),
+        ("cross-pass-block", BLOCK.format(n=1) + "--oases-schedule cross-pass"),
+        ("oases-block", BLOCK.format(n=1) + "--oases-schedule oases"),
     ]
     base = BASE.replace(SP, "")
     variants = [(n, f if n == "no-sp" else SP + f) for n, f in variants]
     for res in run_distributed(variants_worker, 2, base + DROP, variants, timeout=280):
         ref = res["overlap"]
         recomputing = ("overlap-recompute", "overlap-selective", "overlap-selective-ln")
+        recomputing += ("cross-pass-block", "oases-block")
         for name in recomputing + ("cross-pass", "oases"):
             assert max_rel_diff(res[name]["losses"], ref["losses"]) < 1e-6, name
             for p, g in ref["grads"].items():

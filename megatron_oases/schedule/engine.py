@@ -18,6 +18,11 @@ micro-batch into two sub-batches along the batch dim of [s, b, h] and runs them 
                  bias-dropout-add between blocks is affine, so its backward is recomputed from the
                  RNG state alone (dropout of a probe tensor), without the all-reduced input.
 
+Megatron's ``--recompute-method block --recompute-num-layers N`` recomputes only a stage's first N
+layers: those run as above (``overlap`` with recompute, ``cross-pass``, ``oases``), the layers
+after them as ``overlap`` without recompute (graphs kept). Backward walks the kept layers first, in
+the same program, then the recomputed ones.
+
 Sequence parallelism (``--sequence-parallel``): each block's all-reduce becomes an all-gather
 before main_j and a reduce-scatter after it (backward: an all-gather of R_j's gradient, a
 reduce-scatter of L_j's); every one is a :class:`~.executor.Comm` like the all-reduces. ``oases``
@@ -78,6 +83,7 @@ class ScheduledLayers:
         mode,
         microbatch=-1,
         recompute=True,
+        recompute_layers=None,
         tracer=None,
         parts=SUB_BATCHES,
         embedding=None,
@@ -90,23 +96,27 @@ class ScheduledLayers:
         # first block (the input is then a placeholder), the output layer and loss after the last.
         self.embedding, self.output = embedding, output
         self.sizes = None
-        # What forward keeps: autograd graphs (overlap without recompute), each layer's input
-        # (Megatron's full/uniform recompute: overlap with recompute, cross-pass) or each
-        # block's input (oases' fine-grained recompute).
-        if mode == "oases":
-            self.checkpoint = "block"
-        elif mode == "cross-pass" or recompute:
-            self.checkpoint = "layer"
-        else:
+        # How many leading layers are recomputed: all (full/uniform), the first N (full/block,
+        # ``recompute_layers``) or none; the blocks from ``first_kept`` on keep their graphs.
+        layers = blocks.num_blocks // 2
+        if mode == "overlap" and not recompute:
+            layers = 0
+        elif recompute_layers is not None:
+            layers = min(recompute_layers, layers)
+        self.recomputed_layers, self.first_kept = layers, 2 * layers
+        # What forward keeps of a recomputed layer: its input (Megatron's full recompute:
+        # overlap with recompute, cross-pass) or each block's input (oases' fine-grained
+        # recompute); "none" when no layer is recomputed.
+        if not layers:
             self.checkpoint = "none"
-        self.keep_graph = self.checkpoint == "none"
+        elif mode == "oases":
+            self.checkpoint = "block"
+        else:
+            self.checkpoint = "layer"
         # Sequence parallelism: an all-gather before each block's main op, and the block's
         # reduction is a reduce-scatter (see :mod:`.blocks`).
         self.sp = blocks.sequence_parallel
         self.reduction = "reduce_scatter" if self.sp else "all_reduce"
-        # SP with graphs kept from forward: main_j's saved input stays an s/t shard, re-gathered
-        # before its backward (:mod:`.regather`), as stock Megatron's SP linears do.
-        self.regather = self.sp and self.keep_graph
         # SP: yield points inside main_j, where the other sub-batch's bda + ln between its two
         # collectives runs (see :class:`.executor.Interleave`); without SP there is no such op.
         self.interleave = Interleave() if self.sp else None
@@ -116,6 +126,15 @@ class ScheduledLayers:
         self.early = EarlyReductions()
 
     # ------------------------------------------------------------------ helpers
+    def _keeps(self, j):
+        """Block j keeps its autograd graph from forward (its layer is not recomputed)."""
+        return j >= self.first_kept
+
+    def _regathers(self, j):
+        """SP with block j's graph kept: main_j's saved input stays an s/t shard, re-gathered
+        before its backward (:mod:`.regather`), as stock Megatron's SP linears do."""
+        return self.sp and self._keeps(j)
+
     def _labels(self, j, pass_):
         """Tracer labels of block j's ops (``pass`` is a keyword, hence the dict)."""
         return {"pass": pass_, "layer": self.blocks.global_layer(j), "block": self.blocks.kind(j)}
@@ -173,7 +192,8 @@ class ScheduledLayers:
         s, b, h = hidden.shape
         sizes = self.sizes = split_sizes(b, self.parts)
         masks = split_mask(self.blocks.attention_mask, sizes, b)
-        grad_ctx = torch.enable_grad() if self.keep_graph else torch.no_grad()
+        # each block's ops set their own grad mode (_fwd_block, _fwd_main, _bda_forward)
+        grad_ctx = torch.set_grad_enabled(self._keeps(0))
         self.anchor = torch.zeros((), device=hidden.device, requires_grad=True)
         for end in (self.embedding, self.output):
             if end is not None:
@@ -192,7 +212,7 @@ class ScheduledLayers:
         return torch.cat([sb.output.detach() for sb in self.sbs], dim=1)
 
     def _as_input(self, h):
-        return _leaf(h) if self.keep_graph else h
+        return _leaf(h) if self._keeps(0) else h
 
     def _forward_program(self, sb):
         J = self.blocks.num_blocks
@@ -217,8 +237,11 @@ class ScheduledLayers:
 
     def _bda_forward(self, sb, j):
         """H_{j+1} = bda_j(R_j, bias_j, H_j) in forward, recording what backward needs."""
-        recompute = not self.keep_graph
-        if recompute:
+        with torch.set_grad_enabled(self._keeps(j)):
+            return self._bda_forward_op(sb, j)
+
+    def _bda_forward_op(self, sb, j):
+        if not self._keeps(j):  # recomputed in backward
             sb.rng[("bda", j)] = _snapshot()
             out = self.blocks.bda(j, sb.R.pop(j), sb.B[j], sb.H[j])
             if self.checkpoint == "layer" and j % 2 == 1:
@@ -238,30 +261,35 @@ class ScheduledLayers:
             H = sb.input
         else:
             out = self._bda_forward(sb, j - 1)
-            H = _leaf(out) if self.keep_graph else out
+            H = _leaf(out) if self._keeps(j) else out
         sb.H[j] = H  # a layer checkpoint drops odd blocks' H again after bda_j
-        if self.keep_graph:
-            Lout, checkpoint = self.blocks.ln_discardable(j, H)
-            sb.Lout[j] = Lout
-            if checkpoint is not None:
-                sb.norm_checkpoint[j] = checkpoint
-        else:
-            Lout = self.blocks.ln(j, H)
-        self._after_ln(sb, j, Lout, lambda x: self._fwd_main(sb, j, x))
+        with torch.set_grad_enabled(self._keeps(j)):
+            if self._keeps(j):
+                Lout, checkpoint = self.blocks.ln_discardable(j, H)
+                sb.Lout[j] = Lout
+                if checkpoint is not None:
+                    sb.norm_checkpoint[j] = checkpoint
+            else:
+                Lout = self.blocks.ln(j, H)
+            self._after_ln(sb, j, Lout, lambda x: self._fwd_main(sb, j, x))
 
     def _fwd_main(self, sb, j, x):
         """main_j on its (gathered) input; the RNG snapshot is taken right before it, as the
         other sub-batch may run between ln_j and main_j under SP."""
-        if self.regather:  # x's storage is freed after this call; see .regather
+        with torch.set_grad_enabled(self._keeps(j)):
+            self._fwd_main_op(sb, j, x)
+
+    def _fwd_main_op(self, sb, j, x):
+        if self._regathers(j):  # x's storage is freed after this call; see .regather
             with shard_saved(x, lambda: sb.G[j]):
                 P, sb.B[j] = self.blocks.main(j, self._input(x, sb.gL, j), sb.mask)
-        elif self.keep_graph:
+        elif self._keeps(j):
             P, sb.B[j] = self.blocks.main(j, self._input(x, sb.gL, j), sb.mask)
         else:
             sb.rng[("main", j)] = _snapshot()
             P, sb.B[j] = self.blocks.main(j, x, sb.mask)
         sb.buf[j] = P.detach()
-        if self.keep_graph:  # backward needs P's grad_fn only; its data goes to the reduction
+        if self._keeps(j):  # backward needs P's grad_fn only; its data goes to the reduction
             deallocate_output_tensor(P, deallocate_pipeline_outputs=P._base is None)
             sb.P[j] = P
 
@@ -283,21 +311,32 @@ class ScheduledLayers:
             self._run(programs, labels)
 
         with torch.enable_grad():
+            # the kept layers' backward first (none under full/uniform recompute), then the
+            # recomputed layers' in the same program
+            kept = {sb.index: self._overlap_backward(sb) for sb in self.sbs}
             if self.checkpoint == "none":
-                run([self._ends(sb, self._overlap_backward(sb)) for sb in self.sbs])
+                run([self._ends(sb, kept[sb.index]) for sb in self.sbs])
             elif self.checkpoint == "block":
-                run([self._ends(sb, self._oases_backward(sb)) for sb in self.sbs])
+                run([self._ends(sb, kept[sb.index] + self._oases_backward(sb)) for sb in self.sbs])
             elif self.mode == "cross-pass":  # one op sequence per sub-batch, no pass barrier
-                run([self._ends(sb, self._crosspass_backward(sb)) for sb in self.sbs])
+                run(
+                    [
+                        self._ends(sb, kept[sb.index] + self._crosspass_backward(sb))
+                        for sb in self.sbs
+                    ]
+                )
             else:  # overlap with recompute (paper Fig. 3b): a barrier around every pass
-                for layer in reversed(range(J // 2)):
+                top = self.recomputed_layers - 1
+                for layer in reversed(range(self.recomputed_layers)):
                     phases = [self._layer_phases(sb, layer) for sb in self.sbs]
-                    last = layer == J // 2 - 1
-                    # the output end opens the first recompute pass, the embedding closes the
-                    # last backward pass
+                    last = layer == top
+                    # the output end (and the kept layers' backward) open the first recompute
+                    # pass, the embedding closes the last backward pass
                     run(
                         [
-                            self._ends(sb, p[0], out=last, emb=False)
+                            self._ends(
+                                sb, (kept[sb.index] if last else []) + p[0], out=last, emb=False
+                            )
                             for sb, p in zip(self.sbs, phases)
                         ]
                     )
@@ -326,7 +365,7 @@ class ScheduledLayers:
         gradient (the row-parallel reduce-scatter's backward) first; then the input-gradient
         reduction of the column-parallel linear (all-reduce, or reduce-scatter under SP)."""
         ops = []
-        if self.regather:  # main_j's input again, in the same collective
+        if self._regathers(j):  # main_j's input again, in the same collective
             ops.append(self._regather(sb, j))
         elif self.sp:
             ops.append(self._collective("all_gather", lambda: sb.gR.pop(j), sb.gR, j, "backward"))
@@ -336,8 +375,9 @@ class ScheduledLayers:
 
     # overlap: graphs kept from forward ------------------------------------------
     def _overlap_backward(self, sb):
+        """Backward of the blocks that kept their graphs (from ``first_kept`` on)."""
         ops = []
-        for j in reversed(range(self.blocks.num_blocks)):
+        for j in reversed(range(self.first_kept, self.blocks.num_blocks)):
             ops.append(self._compute(lambda j=j: self._ov_bda(sb, j), j, "backward", light=True))
             ops += self._main_backward(sb, j)
             ops.append(self._compute(lambda j=j: self._ov_ln(sb, j), j, "backward", light=True))
@@ -367,7 +407,7 @@ class ScheduledLayers:
             custom_backward(P, g)
         else:
             _backward(P, g)
-        if self.regather:
+        if self._regathers(j):
             sb.G.pop(j)  # main_j's input gradient has landed in sb.gL
 
     def _ov_ln(self, sb, j):
@@ -376,7 +416,8 @@ class ScheduledLayers:
 
     # oases: fine-grained recomputation, no all-reduce in recompute ----------------
     def _oases_backward(self, sb):
-        J = self.blocks.num_blocks
+        """Backward of the recomputed blocks (below ``first_kept``)."""
+        J = self.first_kept
         ops = [self._compute(lambda: self._probe_bda(sb, J - 1), J - 1, "backward", light=True)]
         for j in reversed(range(J)):
             # from the saved H_j only: runs as soon as the previous collective is issued
@@ -429,7 +470,7 @@ class ScheduledLayers:
     # cross-pass: layer recompute (with its all-reduces) merged with backward --------
     def _crosspass_backward(self, sb):
         ops = []
-        for layer in reversed(range(self.blocks.num_blocks // 2)):
+        for layer in reversed(range(self.recomputed_layers)):
             recompute, backward = self._layer_phases(sb, layer)
             ops += recompute + backward
         return ops

@@ -118,9 +118,10 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None
                     hidden_states = reshard(hidden_states, degree, d, hetero.groups)
                     mask = _mask_share(attention_mask, hidden_states.size(1), d, hetero.groups)
                     degree = d
+                recomputed = recomputed_layers(self.config, idx)
                 if mode == "off":
                     hidden_states = _stock_layers(
-                        self, layers, hidden_states, mask, rotary_pos_emb, attention_bias
+                        layers, recomputed, hidden_states, mask, rotary_pos_emb, attention_bias
                     )
                 else:
                     run = ScheduledLayers(
@@ -128,6 +129,7 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None
                         mode,
                         microbatch=mb,
                         recompute=self.config.recompute_granularity == "full",
+                        recompute_layers=recomputed,
                         tracer=tracer,
                         parts=parts,
                         embedding=embedding,
@@ -166,8 +168,22 @@ def _mask_share(mask, batch, degree, groups):
     return torch.chunk(mask, groups.T // degree, dim=0)[groups.group_index(degree)]
 
 
-def _stock_layers(block, layers, hidden, attention_mask, rotary_pos_emb, attention_bias):
-    """Megatron's layer loop for a run of layers; full/uniform recompute checkpoints each layer."""
+def recomputed_layers(config, idx):
+    """How many of a run's layers (``idx``: their indices in the stage, ascending) Megatron's
+    full recomputation checkpoints: all of them under ``--recompute-method uniform`` (one layer
+    per checkpoint, see :mod:`megatron_oases.validation`), those among the stage's first
+    ``--recompute-num-layers`` under ``block`` (always a leading part of the run), none without
+    full recomputation."""
+    if config.recompute_granularity != "full":
+        return 0
+    if config.recompute_method == "block":
+        return sum(1 for i in idx if i < config.recompute_num_layers)
+    return len(idx)
+
+
+def _stock_layers(layers, recomputed, hidden, attention_mask, rotary_pos_emb, attention_bias):
+    """Megatron's layer loop for a run of layers; its first ``recomputed`` layers checkpointed
+    one at a time, as Megatron's full recomputation does."""
     from megatron.core import tensor_parallel
 
     def call(layer, h):
@@ -178,8 +194,8 @@ def _stock_layers(block, layers, hidden, attention_mask, rotary_pos_emb, attenti
             attention_bias=attention_bias,
         )[0]
 
-    for layer in layers:
-        if block.config.recompute_granularity == "full":
+    for i, layer in enumerate(layers):
+        if i < recomputed:
             hidden = tensor_parallel.checkpoint(
                 lambda h, layer=layer: call(layer, h), False, hidden
             )

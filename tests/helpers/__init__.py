@@ -17,6 +17,8 @@ LLAMA = GPT + (
 )
 #: Megatron's full recomputation the way the schedules do it (one layer at a time).
 RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+#: Megatron's full recomputation of only a stage's first ``n`` layers (the rest keep everything).
+BLOCK = "--recompute-granularity full --recompute-method block --recompute-num-layers {n} "
 #: Megatron's selective recomputation of core attention and the norms' outputs.
 SELECTIVE_LN = "--recompute-granularity selective --recompute-modules core_attn layernorm "
 NO_DROP = "--hidden-dropout 0 --attention-dropout 0 "
