@@ -14,6 +14,7 @@ import megatron.training.arguments  # noqa: F401,E402  isort: skip
 from megatron_oases.cli import main as oases_main
 from megatron_oases.compare.report import add_derived, check_losses, format_table
 from megatron_oases.compare.variants import VARIANTS, estimate_memory_gb, parse_variants
+from megatron_oases.errors import OasesConfigError
 from megatron_oases.profiler.model_config import parse_offline
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -72,6 +73,35 @@ def test_variants_and_flags():
     base = parse_offline(TINY + ["--mock-data", "--global-batch-size", "8"], 2, demo=True)
     flags = VARIANTS["megatron-halfmb"].resolved_flags(base)
     assert flags[-4:] == ("--micro-batch-size", "1", "--global-batch-size", "8")
+
+
+def test_block_variants_recompute_half_of_each_stage():
+    """``megatron-block`` / ``oases-block``: Megatron's --recompute-method block over the first
+    half of each pipeline stage's layers; their memory estimate lies between full and none."""
+    # a shape where a layer's activations dwarf its input (as on real models)
+    four = TINY[:2] + ["--num-layers", "4", "--hidden-size", "512", "--micro-batch-size", "2"]
+    four += ["--seq-length", "1024", "--max-position-embeddings", "1024", "--mock-data"]
+    for pp, n in ((1, "2"), (2, "1")):
+        argv = four + ["--pipeline-model-parallel-size", str(pp)]
+        base = parse_offline(argv, 2 * pp, demo=True)
+        for name in ("megatron-block", "oases-block"):
+            flags = VARIANTS[name].resolved_flags(base)
+            assert flags[-6:] == (
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "block",
+                "--recompute-num-layers",
+                n,
+            ), flags
+            args = parse_offline(argv + list(flags), 2 * pp, demo=True)
+            gb = {r: estimate_memory_gb(args, r) for r in ("full", "block", "none")}
+            # (one layer per stage kept, one micro-batch in flight: the kept layer holds what
+            # full recompute's working set holds)
+            assert gb["full"] <= gb["block"] < gb["none"], gb
+    one_per_stage = parse_offline(TINY[:2] + ["--num-layers", "1", "--mock-data"], 2, demo=True)
+    with pytest.raises(OasesConfigError, match="at least 2 layers per pipeline stage"):
+        VARIANTS["oases-block"].resolved_flags(one_per_stage)
 
 
 def test_loss_check_flags_disagreement():

@@ -13,7 +13,8 @@ class Variant:
     label: str
     paper: str  # the closest column of the paper's Table 3
     # Megatron's recompute setting: "full", "selective" (core attention), "selective+ln" (core
-    # attention and the norms' outputs) or "none"
+    # attention and the norms' outputs), "block" (full, the first half of each stage's layers)
+    # or "none"
     recompute: str = "full"
     available: bool = True
     note: str = ""
@@ -34,6 +35,15 @@ class Variant:
                     f"variant {self.name} needs --oases-plan PATH (a plan file from `oases plan`)"
                 )
             return tuple(self.flags) + ("--oases-plan", plan)
+        if self.recompute == "block":
+            # Megatron's block method counts per pipeline stage
+            per_stage = base_args.num_layers // base_args.pipeline_model_parallel_size
+            if per_stage < 2:
+                raise OasesConfigError(
+                    f"variant {self.name} recomputes half of each stage's layers: it needs at "
+                    "least 2 layers per pipeline stage"
+                )
+            return tuple(self.flags) + _BLOCK + (str(per_stage // 2),)
         if not self.split_micro_batch:
             return tuple(self.flags)
         mb = base_args.micro_batch_size
@@ -54,6 +64,14 @@ _FULL = RECOMPUTE_ARGV["full"]
 _SELECTIVE = RECOMPUTE_ARGV["selective"]  # core attention
 # Also the two norms' outputs (freed after the linear that reads them, recomputed in backward).
 _SELECTIVE_LN = RECOMPUTE_ARGV["selective+ln"]
+# Megatron's full recompute of a stage's first N layers only (N from the model, per variant)
+_BLOCK = (
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "block",
+    "--recompute-num-layers",
+)
 VARIANTS = {
     v.name: v
     for v in (
@@ -83,6 +101,13 @@ VARIANTS = {
             "stock Megatron-Core, no recompute",
             "-",
             recompute="none",
+        ),
+        Variant(
+            "megatron-block",
+            ("--oases-schedule", "off"),
+            "stock, full recompute of the first half of each stage's layers (--recompute-method block)",
+            "-",
+            recompute="block",
         ),
         Variant(
             "megatron-halfmb",
@@ -137,6 +162,13 @@ VARIANTS = {
             ("--oases-schedule", "oases") + _FULL,
             "+ fine-grained recomputation",
             "+ Fine-grained recomputation",
+        ),
+        Variant(
+            "oases-block",
+            ("--oases-schedule", "oases"),
+            "oases, full recompute of the first half of each stage's layers, the rest kept",
+            "-",
+            recompute="block",
         ),
         Variant(
             "oases-3sb",
@@ -210,9 +242,14 @@ def estimate_memory_gb(args, recompute, dtype_bytes=2):
     ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes, or ``s·b·h·(34/t + 5·a·s/(h·t))`` with sequence
     parallelism; selective recompute drops the attention-score term ``5·a·s/(h·t)``, and with
     ``layernorm`` also the two norms' outputs (``4·s·b·h``, ``/t`` under SP); with full
-    recompute only each layer's input (``2·s·b·h``, ``/t`` under SP) plus one layer's working set.
+    recompute only each layer's input (``2·s·b·h``, ``/t`` under SP) plus one layer's working set
+    (which holds that layer's input).
     1F1B keeps up to PP micro-batches in flight.
-    ``recompute``: ``"full"``/True, ``"selective"`` or ``"none"``/False.
+    With ``"block"`` (Megatron's ``--recompute-method block``) the stage's first
+    ``recompute_num_layers`` layers count as under full recompute, the rest as without (whose
+    activations are freed before the recomputation's working set is needed).
+    ``recompute``: ``"full"``/True, ``"selective"``, ``"selective+ln"``, ``"block"`` or
+    ``"none"``/False.
     """
     t, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     h, s, b, a = args.hidden_size, args.seq_length, args.micro_batch_size, args.num_attention_heads
@@ -227,8 +264,17 @@ def estimate_memory_gb(args, recompute, dtype_bytes=2):
         linear -= 4 / t if sp else 4
     full_layer = s * b * h * (linear + 5 * a * s / (h * t)) * dtype_bytes / 2
     in_flight = min(pp, args.num_microbatches)
+    layer_input = dtype_bytes * s * b * h / (t if sp else 1)
+    # full: every layer's input, and the recomputed layer's working set (its input included)
     if recompute in (True, "full"):
-        act = in_flight * layers * dtype_bytes * s * b * h / (t if sp else 1) + full_layer
+        act = in_flight * layers * layer_input - layer_input + full_layer
+    elif recompute == "block":
+        n = min(args.recompute_num_layers or 0, layers)
+        # backward frees the kept layers before it recomputes the first ones
+        kept = (layers - n) * full_layer
+        act = in_flight * (n * layer_input + kept)
+        if not kept:
+            act += full_layer - layer_input
     elif recompute in ("selective", "selective+ln"):
         act = in_flight * layers * s * b * h * linear * dtype_bytes / 2 + full_layer
     else:
