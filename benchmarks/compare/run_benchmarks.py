@@ -73,6 +73,12 @@ MEMORY_VARIANTS = (
 SHAPE_OPTIONS = {
     "h2048": ["--variants", MEMORY_VARIANTS, "--memory-budget", "1.2,1.3,1.4,1.6,1.8"],
     "h2048sp": ["--variants", SP_VARIANTS, "--memory-budget", "1,1.5,2"],
+    # Megatron's --recompute-method block (the first 2 of the 4 layers recomputed) beside full
+    # recompute and none, stock and Oases
+    "h2048l4": [
+        "--variants",
+        "megatron,megatron-block,megatron-norecompute,cross-pass,oases,oases-block",
+    ],
     "h2048tp4": [
         "--variants",
         "megatron,megatron-norecompute,cross-pass,oases",
