@@ -31,3 +31,16 @@ RECOMPUTE_ARGV = {
 
 #: The selective settings (core attention recomputed inside its backward).
 SELECTIVE_MODES = ("selective", "selective+ln")
+
+
+def block_argv(num_layers):
+    """Megatron's full recomputation of only each pipeline stage's first ``num_layers`` layers
+    (``--recompute-method block``); the layers after them keep their activations."""
+    return (
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        str(num_layers),
+    )

@@ -63,7 +63,9 @@ def test_auto_is_the_fastest_setting_that_fits(h2048, memory_gb):
     assert {(t["schedule"], t["recompute"]) for t in plan["alternatives"] if t["fits"]} == set(
         fitting
     )
-    assert len(plan["alternatives"]) == len(SETTINGS) == 10
+    assert plan.get("recompute_num_layers") is None  # every layer or none (block: see below)
+    uniform = [t for t in plan["alternatives"] if "recompute_num_layers" not in t]
+    assert len(uniform) == len(SETTINGS) == 10
     flags = {
         "none": "",
         "selective": f" {SELECTIVE_FLAGS}",
@@ -164,11 +166,15 @@ def test_selective_wins_where_only_it_fits_fast(h2048):
     plan = choose_plan(h2048, global_batch_size=128, memory_gb=32)[0]
     assert (plan["schedule"], plan["recompute"]) == ("overlap", "selective")
     assert plan["launch_flags"] == f"--oases-schedule overlap {SELECTIVE_FLAGS}"
-    alt = {(t["schedule"], t["recompute"]): t for t in plan["alternatives"]}
+    uniform = [t for t in plan["alternatives"] if "recompute_num_layers" not in t]
+    alt = {(t["schedule"], t["recompute"]): t for t in uniform}
     assert not alt["overlap", "none"]["fits"] and alt["overlap", "none"]["need_gb"] > 32
     assert alt["overlap", "selective"]["peak_memory_bytes_per_rank"] * 1.1 <= 32e9
     full = min(t["iteration_time_s"] for k, t in alt.items() if k[1] == "full" and t["fits"])
     assert alt["overlap", "selective"]["iteration_time_s"] < 0.85 * full
+    # recomputing only the first layers (block) is faster than every layer, not than selective
+    block = [t["iteration_time_s"] for t in plan["alternatives"] if "recompute_num_layers" in t]
+    assert block and alt["overlap", "selective"]["iteration_time_s"] < min(block) < full
     table = alternatives_table(plan)
     assert table[1].startswith("overlap (selective recompute)")
     assert any(
@@ -258,3 +264,94 @@ def test_old_plans_with_boolean_recompute_still_read(tmp_path, capsys, h2048):
         "off (full recompute)",
         "overlap (no recompute)",
     ]
+
+
+def test_block_recompute_is_costed_per_layer(h2048):
+    """``recompute_layers=N`` (Megatron's --recompute-method block): only the first N layers
+    have recompute blocks, the others' backward comes first; at the same degrees fewer recomputed
+    layers are faster and need more memory, between full recompute and none."""
+    degrees = [2] * 24
+    for schedule in ("off", "overlap", "cross-pass", "oases"):
+        mem, time = [], []
+        for n in (None, 18, 12, 6):
+            problem = _problem(h2048, schedule, "full", degrees=[2], recompute_layers=n)
+            assert problem.meta["recompute_num_layers"] == n
+            names = [(b.layer, b.name) for seg in problem.backward for b in seg]
+            recomputed = {l for l, name in names if ".R" in name}
+            assert recomputed == set(range(24 if n is None else n)), schedule
+            # (oases costs a recomputed block as one "R+B" block)
+            assert sum(".R" in name for _, name in names) == 2 * len(recomputed)
+            assert sum("B" in name.split(".")[1] for _, name in names) == 2 * 24
+            assert names[0][0] == 23  # backward starts at the last layer
+            res = evaluate(problem, problem.index(degrees))
+            mem.append(res["peak_memory_bytes"])
+            time.append(res["iteration_time_s"])
+        assert mem == sorted(mem) and len(set(mem)) == 4, (schedule, mem)
+        assert time == sorted(time, reverse=True) and len(set(time)) == 4, (schedule, time)
+        if schedule in ("off", "overlap"):
+            none = evaluate(_problem(h2048, schedule, "none", degrees=[2]), [0] * 24)
+            assert mem[-1] < none["peak_memory_bytes"]
+            assert time[-1] > none["iteration_time_s"]
+    with pytest.raises(OasesConfigError, match="goes with --recompute full"):
+        _problem(h2048, "overlap", "selective", recompute_layers=3)
+    for n in (0, 25):
+        with pytest.raises(OasesConfigError, match=f"--recompute-num-layers {n} must be between 1"):
+            _problem(h2048, "oases", "full", recompute_layers=n)
+
+
+def test_auto_plans_block_recompute_where_it_pays(tmp_path, capsys, h2048):
+    """22 GB: keeping the last 2 of 24 layers (cross-pass, first 22 recomputed) still fits at
+    degree 2 and beats recomputing every layer; 21 recomputed layers need more than 22 GB there.
+    One block entry per schedule whose full recompute fits; the flags parse as Megatron-LM's."""
+    from helpers.runs import parse
+
+    plan = choose_plan(h2048, global_batch_size=128, memory_gb=22)[0]
+    assert (plan["schedule"], plan["recompute"], plan["recompute_num_layers"]) == (
+        "cross-pass",
+        "full",
+        22,
+    )
+    block = "--recompute-granularity full --recompute-method block --recompute-num-layers 22"
+    assert plan["launch_flags"] == f"--oases-schedule cross-pass {block}"
+    alt = plan["alternatives"]
+    full = next(t for t in alt if t["schedule"] == "cross-pass" and "recompute_num_layers" not in t)
+    assert plan["predicted"]["iteration_time_s"] < full["iteration_time_s"]
+    blocks = [t for t in alt if "recompute_num_layers" in t]
+    assert all(t["fits"] and t["recompute"] == "full" for t in blocks)
+    fitting_full = [t["schedule"] for t in alt if t["fits"] and t["recompute"] == "full"]
+    assert sorted(t["schedule"] for t in blocks) == sorted(set(fitting_full))
+    with pytest.raises(NoPlanFits):
+        make_plan(
+            h2048, global_batch_size=128, memory_gb=22, schedule="cross-pass", recompute="full",
+            recompute_layers=21, degrees=[2],
+        )  # fmt: skip
+    assert any("first 22 layers" in line for line in alternatives_table(plan))
+    args = parse(f"{plan['launch_flags']} --num-layers 24 --micro-batch-size 2")
+    assert (args.recompute_method, args.recompute_num_layers) == ("block", 22)
+    # the plan file keeps it; --evaluate predicts the same
+    prof, path = tmp_path / "profile.json", tmp_path / "plan.json"
+    prof.write_text(json.dumps(h2048.data))
+    save_plan(plan, str(path))
+    assert load_plan(str(path))["recompute_num_layers"] == 22
+    assert oases(["plan", "--profile", str(prof), "--evaluate", str(path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "(schedule cross-pass, first-22-layers full recompute)" in out
+    assert f"predicted iteration {plan['predicted']['iteration_time_s'] * 1e3:.2f} ms" in out
+
+
+def test_block_recompute_cli(tmp_path, capsys, h2048):
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps(h2048.data))
+    one = ["plan", "--profile", str(prof), "--global-batch-size", "128", "--memory", "22"]
+    out = tmp_path / "plan.json"
+    argv = one + ["--schedule", "oases", "--recompute-num-layers", "23", "--out", str(out)]
+    assert oases(argv + ["--quiet"]) == 0
+    assert "oases, first-23-layers full recompute" in capsys.readouterr().out
+    plan = load_plan(str(out))
+    assert (plan["recompute"], plan["recompute_num_layers"]) == ("full", 23)
+    assert oases(one + ["--schedule", "auto", "--recompute-num-layers", "3"]) == 2
+    assert "drop --recompute-num-layers" in capsys.readouterr().err
+    assert (
+        oases(one + ["--schedule", "overlap", "--no-recompute", "--recompute-num-layers", "3"]) == 2
+    )
+    assert "--recompute-num-layers goes with --recompute full" in capsys.readouterr().err

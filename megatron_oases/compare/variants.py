@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from ..errors import OasesConfigError
-from ..recompute_settings import RECOMPUTE_ARGV
+from ..recompute_settings import RECOMPUTE_ARGV, block_argv
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Variant:
                     f"variant {self.name} recomputes half of each stage's layers: it needs at "
                     "least 2 layers per pipeline stage"
                 )
-            return tuple(self.flags) + _BLOCK + (str(per_stage // 2),)
+            return tuple(self.flags) + block_argv(per_stage // 2)
         if not self.split_micro_batch:
             return tuple(self.flags)
         mb = base_args.micro_batch_size
@@ -59,19 +59,11 @@ class Variant:
         )
 
 
-# Megatron's full recompute of every layer, the only kind the Oases schedules merge with backward.
+# Megatron's full recompute of every layer, one layer per checkpoint.
 _FULL = RECOMPUTE_ARGV["full"]
 _SELECTIVE = RECOMPUTE_ARGV["selective"]  # core attention
 # Also the two norms' outputs (freed after the linear that reads them, recomputed in backward).
 _SELECTIVE_LN = RECOMPUTE_ARGV["selective+ln"]
-# Megatron's full recompute of a stage's first N layers only (N from the model, per variant)
-_BLOCK = (
-    "--recompute-granularity",
-    "full",
-    "--recompute-method",
-    "block",
-    "--recompute-num-layers",
-)
 VARIANTS = {
     v.name: v
     for v in (

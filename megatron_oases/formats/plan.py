@@ -56,7 +56,7 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
     schedule = plan.get("schedule")
     if schedule is not None:
         check_schedule(schedule, source=f"{source}: schedule")
-    for key in ("global_batch_size", "micro_batch_size"):
+    for key in ("global_batch_size", "micro_batch_size", "recompute_num_layers"):
         v = plan.get(key)
         if v is not None and (not _is_int(v) or v < 1):
             _fail(source, f"{key} must be a positive integer or null, got {v!r}")

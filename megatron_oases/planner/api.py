@@ -178,6 +178,7 @@ def make_plan(
     pins=None,
     max_switches=None,
     recompute=None,
+    recompute_layers=None,
     solver="dp",
     verify=False,
     margin=DEFAULT_MARGIN,
@@ -208,6 +209,7 @@ def make_plan(
         micro_batch_size=micro_batch_size,
         degrees=degrees,
         recompute=recompute,
+        recompute_layers=recompute_layers,
         memory_gb=memory_gb,
         margin=margin,
         granule=granule,
@@ -249,6 +251,8 @@ def make_plan(
         "distributed_optimizer": bool(distributed_optimizer),
         "sequence_parallel": bool(sequence_parallel),
     }
+    if problem.meta["recompute_num_layers"] is not None:  # (plans without it hash as before)
+        inputs["recompute_num_layers"] = problem.meta["recompute_num_layers"]
     plan = {
         "version": PLAN_VERSION,
         "tensor_model_parallel_size": T,
@@ -260,6 +264,8 @@ def make_plan(
         "pipeline_model_parallel_size": pp,
         "schedule": schedule,
         "recompute": problem.meta["recompute"],
+        # with full recompute: only each stage's first N layers (Megatron's block method)
+        "recompute_num_layers": problem.meta["recompute_num_layers"],
         "sequence_parallel": bool(sequence_parallel),
         "allow_unsplit": bool(allow_unsplit),
         "unsplit_degrees": problem.meta["unsplit_degrees"],

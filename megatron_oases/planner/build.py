@@ -73,11 +73,30 @@ def recompute_mode(value, source="recompute"):
     )
 
 
-def recompute_label(value):
-    """``"no"``, ``"selective"``, ``"selective+ln"`` or ``"full"``: the setting as text says it
-    (``… recompute``)."""
+def recompute_label(value, recompute_num_layers=None):
+    """``"no"``, ``"selective"``, ``"selective+ln"``, ``"full"`` or ``"first-N-layers full"``
+    (block method): the setting as text says it (``… recompute``)."""
     mode = recompute_mode(value)
+    if mode == "full" and recompute_num_layers is not None:
+        return f"first-{recompute_num_layers}-layers full"
     return "no" if mode == "none" else mode
+
+
+def _recomputed_layers(recompute, recompute_layers, L):
+    """How many of a stage's ``L`` layers are recomputed: all under ``full`` (Megatron's uniform
+    method), ``recompute_layers`` of them under the block method, none otherwise."""
+    if recompute_layers is None:
+        return L if recompute == "full" else 0
+    if recompute != "full":
+        raise OasesConfigError(
+            f"--recompute-num-layers goes with --recompute full (got --recompute {recompute})"
+        )
+    if not 1 <= recompute_layers <= L:
+        raise OasesConfigError(
+            f"--recompute-num-layers {recompute_layers} must be between 1 and the {L} layers of "
+            "a pipeline stage"
+        )
+    return recompute_layers
 
 
 def _subs(n, split):
@@ -105,6 +124,7 @@ def build_problem(
     distributed_optimizer=False,
     stage=0,
     sequence_parallel=False,
+    recompute_layers=None,
 ):
     """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.formats.profile.Profile`).
 
@@ -114,7 +134,10 @@ def build_problem(
     micro-batch times (pipeline bubble, M micro-batches), and pipeline ``stage`` s holds the saved
     activations of ``min(P − s, M)`` micro-batches at its peak (stage 0, the default, holds the
     most). Stage-to-stage p2p transfers are not modelled. ``sequence_parallel``: Megatron's
-    ``--sequence-parallel``; every layer at degree ``T`` (:func:`_sequence_parallel_degrees`)."""
+    ``--sequence-parallel``; every layer at degree ``T`` (:func:`_sequence_parallel_degrees`).
+    ``recompute_layers``: with ``recompute="full"``, Megatron's ``--recompute-method block
+    --recompute-num-layers N``: only each stage's first N layers are recomputed, the others keep
+    their activations (as the runtime does: their backward comes first, before any recompute)."""
     check_schedule(schedule, source="--schedule")
     recompute = recompute_mode(recompute, source="--recompute")
     if recompute in SELECTIVE_MODES and schedule in RECOMPUTE_SCHEDULES:
@@ -136,6 +159,7 @@ def build_problem(
     if not 0 <= stage < pp:
         raise OasesConfigError(f"pipeline stage {stage} is out of range (0–{pp - 1})")
     L = total_layers // pp
+    N = _recomputed_layers(recompute, recompute_layers, L)
     shape = profile.shape
     p = profile.dtype_bytes
     if global_batch_size <= 0 or global_batch_size % D:
@@ -224,30 +248,34 @@ def build_problem(
         forward[0].append(blk(l, "attention.F", F["attention"], fc))
         forward[0].append(blk(l, "mlp.F", F["mlp"], fc))
 
+    def kept_backward(l):  # a layer that is not recomputed
+        return [blk(l, "mlp.B", B["mlp"], bc), blk(l, "attention.B", B["attention"], bc)]
+
+    # the layers from N on keep their activations; their backward comes first (block method)
+    kept = [b for l in reversed(range(N, L)) for b in kept_backward(l)]
     backward = []
     if schedule == "oases":
-        seg = []
-        for l in reversed(range(L)):
+        seg = list(kept)
+        for l in reversed(range(N)):
             seg.append(blk(l, "mlp.R+B", R["mlp"] + B["mlp"], rc + bc))
             seg.append(blk(l, "attention.R+B", R["attention"] + B["attention"], rc + bc))
         backward = [seg]
-    elif schedule in ("cross-pass", "off") or recompute != "full":
-        seg = []
-        for l in reversed(range(L)):
-            if recompute == "full":
-                seg.append(blk(l, "attention.R", R["attention"], rc))
-                seg.append(blk(l, "mlp.R", R["mlp"], rc))
-            seg.append(blk(l, "mlp.B", B["mlp"], bc))
-            seg.append(blk(l, "attention.B", B["attention"], bc))
+    elif schedule in ("cross-pass", "off") or not N:
+        seg = list(kept)
+        for l in reversed(range(N)):
+            seg.append(blk(l, "attention.R", R["attention"], rc))
+            seg.append(blk(l, "mlp.R", R["mlp"], rc))
+            seg += kept_backward(l)
         backward = [seg]
     else:  # overlap with recompute: recompute pass and backward pass per layer, barriers between
-        for l in reversed(range(L)):
-            backward.append(
-                [blk(l, "attention.R", R["attention"], rc), blk(l, "mlp.R", R["mlp"], rc)]
-            )
-            backward.append(
-                [blk(l, "mlp.B", B["mlp"], bc), blk(l, "attention.B", B["attention"], bc)]
-            )
+        for l in reversed(range(N)):
+            recompute_pass = [
+                blk(l, "attention.R", R["attention"], rc),
+                blk(l, "mlp.R", R["mlp"], rc),
+            ]
+            # the kept layers' backward opens the first recompute pass, as in the runtime
+            backward.append((kept if l == N - 1 else []) + recompute_pass)
+            backward.append(kept_backward(l))
 
     # re-shard all-gathers between adjacent layers (same for every boundary: layers are alike)
     g = np.zeros((K, K))
@@ -279,6 +307,7 @@ def build_problem(
         in_flight=in_flight,
         distributed_optimizer=distributed_optimizer,
         sequence_parallel=sequence_parallel,
+        recompute_layers=N,
     )
     mem_add = parts["state"] + parts["saved"]
     mem_rt = parts["runtime"]
@@ -356,6 +385,8 @@ def build_problem(
         meta={
             "schedule": schedule,
             "recompute": recompute,
+            # Megatron's --recompute-num-layers under the block method (None: every layer or none)
+            "recompute_num_layers": N if recompute == "full" and N < L else None,
             "sequence_parallel": bool(sequence_parallel),
             "tensor_model_parallel_size": T,
             "data_parallel_size": D,

@@ -10,10 +10,16 @@ the winner (``launch_flags``). Recompute settings are
 ``--recompute-granularity selective --recompute-modules core_attn``) and ``selective+ln`` (also
 ``layernorm``) are planned for ``off`` and ``overlap``, the schedules whose runtime supports them; ``cross-pass``
 and ``oases`` recompute whole layers (``full``) by construction.
+
+Full recomputation is also planned per layer where it pays: Megatron's ``--recompute-method block
+--recompute-num-layers N`` recomputes only each stage's first N layers and the others keep their
+activations. Fewer recomputed layers cost less time and more memory (or, to fit, higher degrees: more
+communication), so for each schedule every N that fits is planned and the fastest is kept (one
+entry per schedule in ``alternatives``).
 """
 
 from ..errors import OasesConfigError
-from ..recompute_settings import RECOMPUTE_ARGV
+from ..recompute_settings import RECOMPUTE_ARGV, block_argv
 from .api import NoPlanFits, make_plan
 from .build import recompute_label, recompute_mode
 
@@ -34,16 +40,21 @@ SETTINGS = (
 RECOMPUTE_FLAGS = {mode: " ".join(argv) for mode, argv in RECOMPUTE_ARGV.items()}
 
 
-def launch_flags(schedule, recompute):
+def launch_flags(schedule, recompute, recompute_num_layers=None):
     """The flags that select ``schedule`` with Megatron's ``recompute`` setting (``"none"``,
-    ``"selective"``, ``"selective+ln"``, ``"full"``; a bool is the older form: True full, False none).
-    """
-    flags = RECOMPUTE_FLAGS[recompute_mode(recompute)]
+    ``"selective"``, ``"selective+ln"``, ``"full"``; a bool is the older form: True full, False none);
+    ``recompute_num_layers``: full recompute of only each stage's first that many layers."""
+    if recompute_num_layers is not None:
+        flags = " ".join(block_argv(recompute_num_layers))
+    else:
+        flags = RECOMPUTE_FLAGS[recompute_mode(recompute)]
     return f"--oases-schedule {schedule}" + (f" {flags}" if flags else "")
 
 
-def setting_name(schedule, recompute):
+def setting_name(schedule, recompute, recompute_num_layers=None):
     """``"overlap (selective recompute)"``: a setting as the table and messages name it."""
+    if recompute_num_layers is not None:
+        return f"{schedule} (full recompute, first {recompute_num_layers} layers)"
     return f"{schedule} ({recompute_label(recompute)} recompute)"
 
 
@@ -51,26 +62,40 @@ def choose_plan(profile, **kwargs):
     """Plan every setting of :data:`SETTINGS`; returns (plan, problem, solution) of the fastest
     that fits. ``kwargs``: :func:`.api.make_plan`'s, without ``schedule`` and ``recompute``."""
     best, tried = None, []
-    for schedule, recompute in SETTINGS:
+
+    def attempt(schedule, recompute, layers=None):
+        """(entry for ``tried``, result or None where it does not fit) of one setting."""
         entry = {"schedule": schedule, "recompute": recompute}
+        if layers is not None:
+            entry["recompute_num_layers"] = layers
         try:
-            result = make_plan(profile, schedule=schedule, recompute=recompute, **kwargs)
+            result = make_plan(
+                profile, schedule=schedule, recompute=recompute, recompute_layers=layers, **kwargs
+            )
         except OasesConfigError as exc:  # does not fit, or cannot split this micro-batch
             need = exc.need_gb if isinstance(exc, NoPlanFits) else None
-            tried.append(dict(entry, fits=False, why=str(exc), need_gb=need))
-            continue
+            return dict(entry, fits=False, why=str(exc), need_gb=need), None
         p = result[0]["predicted"]
-        tried.append(
-            dict(
-                entry,
-                fits=True,
-                degrees=result[0]["degrees"],
-                iteration_time_s=p["iteration_time_s"],
-                peak_memory_bytes_per_rank=p["peak_memory_bytes_per_rank"],
-            )
+        entry.update(
+            fits=True,
+            degrees=result[0]["degrees"],
+            iteration_time_s=p["iteration_time_s"],
+            peak_memory_bytes_per_rank=p["peak_memory_bytes_per_rank"],
         )
-        if best is None or p["iteration_time_s"] < best[0]["predicted"]["iteration_time_s"]:
-            best = result
+        return entry, result
+
+    for schedule, recompute in SETTINGS:
+        entry, result = attempt(schedule, recompute)
+        found = [(entry, result)]
+        if result is not None and recompute == "full":
+            found += _block_settings(attempt, schedule, result[1].num_layers)
+        for entry, result in found:
+            tried.append(entry)
+            t = entry.get("iteration_time_s")
+            if result is not None and (
+                best is None or t < best[0]["predicted"]["iteration_time_s"]
+            ):
+                best = result
     if best is None:
         needs = [t for t in tried if t["need_gb"] is not None]
         if not needs:
@@ -79,13 +104,30 @@ def choose_plan(profile, **kwargs):
         raise NoPlanFits(
             f"no schedule and recompute setting fits in {kwargs.get('memory_gb')} GB; the "
             f"smallest memory that fits is {t['need_gb']:.2f} GB "
-            f"({launch_flags(t['schedule'], t['recompute'])})",
+            f"({launch_flags(t['schedule'], t['recompute'], t.get('recompute_num_layers'))})",
             need_gb=t["need_gb"],
         )
     plan = best[0]
     plan["alternatives"] = tried
-    plan["launch_flags"] = launch_flags(plan["schedule"], plan["recompute"])
+    plan["launch_flags"] = launch_flags(
+        plan["schedule"], plan["recompute"], plan.get("recompute_num_layers")
+    )
     return best
+
+
+def _block_settings(attempt, schedule, L):
+    """The fastest block-recompute setting of ``schedule`` that fits, as ``[(entry, result)]``
+    (empty if none does). Each N from L−1 down is planned until one does not fit: fewer
+    recomputed layers need more memory, so no smaller N fits either. Fewer is not always faster:
+    to fit, the planner may have to raise some layers' degrees (more communication)."""
+    fastest = None
+    for n in range(L - 1, 0, -1):
+        entry, result = attempt(schedule, "full", n)
+        if result is None:
+            break
+        if fastest is None or entry["iteration_time_s"] < fastest[0]["iteration_time_s"]:
+            fastest = (entry, result)
+    return [fastest] if fastest else []
 
 
 def alternatives_table(plan):
@@ -95,15 +137,18 @@ def alternatives_table(plan):
         plan.get("alternatives", ()),
         key=lambda t: (not t["fits"], t.get("iteration_time_s", 0.0)),
     )
-    lines = ["setting                          iteration ms  peak GB/rank  degrees"]
-    for t in rows:
-        name = setting_name(t["schedule"], t["recompute"])
+    names = [
+        setting_name(t["schedule"], t["recompute"], t.get("recompute_num_layers")) for t in rows
+    ]
+    w = max([32] + [len(n) for n in names])
+    lines = [f"{'setting':<{w}} iteration ms  peak GB/rank  degrees"]
+    for name, t in zip(names, rows):
         if t["fits"]:
             degrees = sorted(set(t["degrees"]))
             lines.append(
-                f"{name:<32} {t['iteration_time_s'] * 1e3:>12.2f}  "
+                f"{name:<{w}} {t['iteration_time_s'] * 1e3:>12.2f}  "
                 f"{t['peak_memory_bytes_per_rank'] / 1e9:>12.2f}  {degrees}"
             )
         else:
-            lines.append(f"{name:<32} {'does not fit':>12}")
+            lines.append(f"{name:<{w}} {'does not fit':>12}")
     return lines

@@ -3,6 +3,7 @@
 oases plan --profile profile.json --global-batch-size 128 --memory 24 --out plan.json
 oases plan ... --degrees 2,4 --pin 0-3=4 --max-switches 1 --verify
 oases plan ... --schedule overlap --recompute selective    # or --schedule auto: pick the setting
+oases plan ... --schedule oases --recompute-num-layers 20  # recompute only the first 20 layers
 oases plan --profile profile.json --evaluate plan.json     # re-predict an (edited) plan
 oases plan --profile sp-profile.json --global-batch-size 128 --sequence-parallel  # uniform T
 """
@@ -61,6 +62,15 @@ def build_parser():
         "selective recomputes core attention (--recompute-granularity selective "
         "--recompute-modules core_attn; off/overlap); selective+ln also the two norms' outputs "
         "(--recompute-modules core_attn layernorm); full recomputes each layer",
+    )
+    p.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --recompute full: recompute only each pipeline stage's first N layers, the "
+        "others keep their activations (Megatron's --recompute-method block "
+        "--recompute-num-layers N); --schedule auto tries every N that fits itself",
     )
     p.add_argument(
         "--no-recompute",
@@ -170,6 +180,7 @@ def _evaluate(args):
         micro_batch_size=args.micro_batch_size or plan.get("micro_batch_size"),
         degrees=sorted(set(plan["degrees"])),
         recompute=recompute,
+        recompute_layers=plan.get("recompute_num_layers"),
         memory_gb=args.memory or plan.get("memory_gb") or profile.data.get("memory_gb"),
         margin=args.margin,
         num_layers=len(plan["degrees"]),
@@ -190,7 +201,7 @@ def _evaluate(args):
     sp = ", sequence parallel" if common["sequence_parallel"] else ""
     print(
         f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule}, "
-        f"{recompute_label(recompute)} recompute{sp})"
+        f"{recompute_label(recompute, common['recompute_layers'])} recompute{sp})"
     )
     print(
         f"predicted iteration {res['iteration_time_s'] * 1e3:.2f} ms (forward "
@@ -235,10 +246,15 @@ def main(argv):
     from .explain import explanation_table, summary
 
     recompute = _recompute_arg(args)
-    if args.schedule == "auto" and recompute is not None:
+    if args.schedule == "auto" and (recompute is not None or args.recompute_num_layers):
         flag = "--no-recompute" if args.no_recompute else "--recompute"
+        flag = "--recompute-num-layers" if args.recompute_num_layers else flag
         raise OasesConfigError(f"--schedule auto chooses the recompute setting; drop {flag}")
-    setting = {} if args.schedule == "auto" else dict(schedule=args.schedule, recompute=recompute)
+    setting = {}
+    if args.schedule != "auto":
+        setting = dict(
+            schedule=args.schedule, recompute=recompute, recompute_layers=args.recompute_num_layers
+        )
     try:
         plan, problem, sol = (choose_plan if args.schedule == "auto" else make_plan)(
             args.profile,

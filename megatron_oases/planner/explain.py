@@ -123,9 +123,10 @@ def compress_degrees(degrees):
 
 def summary(plan):
     p = plan["predicted"]
+    recompute = recompute_label(plan.get("recompute"), plan.get("recompute_num_layers"))
     lines = [
         f"plan: {compress_degrees(plan['degrees'])}  (T={plan['tensor_model_parallel_size']}, "
-        f"schedule {plan['schedule']}, {recompute_label(plan.get('recompute'))} recompute, "
+        f"schedule {plan['schedule']}, {recompute} recompute, "
         f"global batch {plan['global_batch_size']}, micro-batch "
         f"{plan['micro_batch_size']} × {plan['num_microbatches']})",
         f"predicted iteration {p['iteration_time_s'] * 1e3:.2f} ms = forward "

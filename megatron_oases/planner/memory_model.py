@@ -19,6 +19,9 @@ c``. Core attention is inside the column→row span, so SP does not change ``c``
 (``--recompute-modules core_attn layernorm``) also drops the two norms' outputs, each the size of
 the layer input (``s/d`` under SP), and the block being back-propagated holds one again.
 
+Megatron's ``--recompute-method block --recompute-num-layers N`` (``recompute_layers=N`` with
+``full``): the stage's first N layers take full recompute's terms, the others no recompute's.
+
 Under sequence parallelism (SP) checkpoints are ``s/d`` (layer input, block inputs ÷ d) and the
 profile's ``memory.sequence_parallel`` savings (the sequence-long tensors outside the column→row
 span, now ``s/d``) come off the activations and the backward working set. The overlapped schedules
@@ -49,13 +52,29 @@ def memory_parts(
     in_flight,
     distributed_optimizer,
     sequence_parallel=False,
+    recompute_layers=None,
 ):
     """Eq. (6)'s terms in bytes per rank for candidate degrees ``degs``: ``(parts, fixed_parts)``
     with ``parts[name]`` an (L, K) array for ``state`` and ``saved`` (additive over layers) and
     ``runtime`` (max over layers), and ``fixed_parts`` the degree-independent bytes. ``in_flight``
     micro-batches keep their saved activations alive (1F1B); ``recompute``: ``"none"``,
-    ``"selective"``, ``"selective+ln"`` or ``"full"``; ``sequence_parallel``: SP-sized terms (module docstring).
+    ``"selective"``, ``"selective+ln"`` or ``"full"``; ``sequence_parallel``: SP-sized terms (module docstring);
+    ``recompute_layers``: with ``full``, only the first that many layers are recomputed (block).
     """
+    if recompute == "full" and recompute_layers is not None and recompute_layers < num_layers:
+        kw = dict(
+            num_layers=num_layers,
+            micro_batch=micro_batch,
+            schedule=schedule,
+            in_flight=in_flight,
+            distributed_optimizer=distributed_optimizer,
+            sequence_parallel=sequence_parallel,
+        )
+        parts, fixed_parts = memory_parts(profile, degs, recompute="full", **kw)
+        kept, _ = memory_parts(profile, degs, recompute="none", **kw)
+        for name in parts:
+            parts[name][recompute_layers:] = kept[name][recompute_layers:]
+        return parts, fixed_parts
     T, D = profile.tp, profile.dp
     L, K, m = num_layers, len(degs), micro_batch
     split = schedule in SPLIT_SCHEDULES
