@@ -86,3 +86,18 @@ def variants_worker(base, variants, grads=True):
 def max_rel_diff(a, b):
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def assert_matches(got, ref, what, tol=1e-5):
+    """``got``'s loss (where this rank has one: the last pipeline stage) and every gradient within
+    ``tol`` of ``ref``'s, relative to the largest magnitude; returns the worst difference."""
+    worst = 0.0
+    if ref["losses"][0] is not None:
+        worst = max_rel_diff(got["losses"], ref["losses"])
+        assert worst < tol, (what, got["losses"], ref["losses"])
+    assert set(got["grads"]) == set(ref["grads"]) and ref["grads"], what
+    for pname, g in ref["grads"].items():
+        err = max_rel_diff(got["grads"][pname], g)
+        assert err < tol, f"{what} {pname}: rel err {err:.2e}"
+        worst = max(worst, err)
+    return worst
