@@ -301,6 +301,11 @@ MEMORY_PLANS = [
     ([2, 2, 2, 2], "oases", "full"),
     ([1, 1, 1, 1], "oases", "full"),
     ([2, 1, 1, 2], "oases", "full"),
+    # Megatron's block recompute: only the first N of the 4 layers recomputed
+    ([2, 2, 2, 2], "off", "full", 2),
+    ([2, 2, 2, 2], "overlap", "full", 3),
+    ([2, 1, 1, 2], "cross-pass", "full", 2),
+    ([2, 2, 2, 2], "oases", "full", 1),
 ]
 
 
@@ -313,6 +318,7 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     from megatron_oases.launch import run_distributed
     from megatron_oases.planner.choose import RECOMPUTE_FLAGS
     from megatron_oases.planner.prediction import predict
+    from megatron_oases.recompute_settings import block_argv
     from megatron_oases.training.measure import activation_peaks
 
     flags = (
@@ -321,17 +327,21 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
         "--micro-batch-size 4 --global-batch-size 8 --mock-data --seed 1234"
     )
     configs, predicted = [], {}
-    for i, (degrees, schedule, recompute) in enumerate(MEMORY_PLANS):
+    for i, (degrees, schedule, recompute, *block) in enumerate(MEMORY_PLANS):
         plan = uniform_plan(4, 2, 1, schedule=schedule, global_batch_size=8, micro_batch_size=4)
         plan["degrees"] = degrees
         path = str(tmp_path / f"plan{i}.json")
         save_plan(plan, path)
-        name = f"{''.join(map(str, degrees))}-{schedule}-{recompute}"
+        layers = block[0] if block else None
+        name = f"{''.join(map(str, degrees))}-{schedule}-{recompute}" + (
+            f"{layers}" if block else ""
+        )
         argv = f"{flags} --oases-plan {path} --oases-schedule {schedule}"
-        configs.append((name, f"{argv} {RECOMPUTE_FLAGS[recompute]}"))
+        rflags = " ".join(block_argv(layers)) if block else RECOMPUTE_FLAGS[recompute]
+        configs.append((name, f"{argv} {rflags}"))
         bd = predict(
             measured["profile"], degrees, schedule, global_batch=8, micro_batch=4,
-            recompute=recompute,
+            recompute=recompute, recompute_layers=layers,
         )["memory_breakdown_bytes"]  # fmt: skip
         predicted[name] = bd["fixed_activations"] + bd["saved_activations"]
         predicted[name] += bd["runtime_peak_layer"]
@@ -347,6 +357,8 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     peak = {name: max(p[name] for p in per_rank) for name, _ in configs}
     for table in (peak, predicted):
         assert table["2222-off-full"] < table["2222-off-selective"] < table["2222-off-none"]
+        # and so does block recompute of 2 of the 4 layers
+        assert table["2222-off-full"] < table["2222-off-full2"] < table["2222-off-none"]
     # and not uselessly pessimistic either
     assert all(e <= 1.0 for _, e in rows), rows
 

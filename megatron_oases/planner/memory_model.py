@@ -20,7 +20,9 @@ c``. Core attention is inside the column→row span, so SP does not change ``c``
 the layer input (``s/d`` under SP), and the block being back-propagated holds one again.
 
 Megatron's ``--recompute-method block --recompute-num-layers N`` (``recompute_layers=N`` with
-``full``): the stage's first N layers take full recompute's terms, the others no recompute's.
+``full``): the stage's first N layers take full recompute's terms, the others no recompute's;
+a recomputed layer's runtime term is lowered by what the kept layers have freed when backward
+reaches it (the least that any of their degrees would free, so the bound stays safe).
 
 Under sequence parallelism (SP) checkpoints are ``s/d`` (layer input, block inputs ÷ d) and the
 profile's ``memory.sequence_parallel`` savings (the sequence-long tensors outside the column→row
@@ -72,8 +74,16 @@ def memory_parts(
         )
         parts, fixed_parts = memory_parts(profile, degs, recompute="full", **kw)
         kept, _ = memory_parts(profile, degs, recompute="none", **kw)
+        n = recompute_layers
         for name in parts:
-            parts[name][recompute_layers:] = kept[name][recompute_layers:]
+            parts[name][n:] = kept[name][n:]
+        # Backward reaches the recomputed layers after the kept ones: the micro-batch being
+        # back-propagated has freed its kept layers' activations by then, except (split
+        # schedules) the other sub-batch's, which may still be back-propagating one of them.
+        # Their degrees are not known here: take off the least any degree frees.
+        freed_layers = num_layers - n - (1 if schedule in SPLIT_SCHEDULES else 0)
+        freed = freed_layers * kept["saved"][n:].min() / in_flight if freed_layers > 0 else 0.0
+        parts["runtime"][:n] = np.maximum(parts["runtime"][:n] - freed, 0.0)
         return parts, fixed_parts
     T, D = profile.tp, profile.dp
     L, K, m = num_layers, len(degs), micro_batch
