@@ -12,7 +12,7 @@ import os
 import sys
 
 from .errors import OasesConfigError
-from .validation import SCHEDULES, SUB_BATCHES, check_model_shape, check_oases_args
+from .validation import SCHEDULES, SPLITS, SUB_BATCHES, check_model_shape, check_oases_args
 
 #: Added when absent on a machine without CUDA: Megatron's defaults there need APEX/TE kernels.
 CPU_DEFAULTS = (
@@ -91,6 +91,15 @@ def add_oases_args(parser):
         help="sub-batches per micro-batch for the overlapped schedules (default %(default)s, the "
         "paper's): with N, only 1/N of the last block's all-reduce per pass stays exposed, at the "
         "cost of N-times smaller matmuls; needs --micro-batch-size >= N",
+    )
+    g.add_argument(
+        "--oases-split",
+        choices=SPLITS,
+        default="batch",
+        help="how the overlapped schedules cut a micro-batch into sub-batches: batch = whole "
+        "samples (the paper's; needs --micro-batch-size >= --oases-sub-batches); sequence = "
+        "consecutive chunks of each sample's sequence, a later chunk attending to the earlier "
+        "chunks' keys and values (runs --micro-batch-size 1; unfused attention, no SP, no plan)",
     )
     g.add_argument(
         "--oases-trace",

@@ -17,6 +17,8 @@ RECOMPUTE_SCHEDULES = ("cross-pass", "oases")
 #: Sub-batches per micro-batch by default (the paper's two; ``--oases-sub-batches``).
 SUB_BATCHES = 2
 MAX_SUB_BATCHES = 8
+#: ``--oases-split`` values: how a micro-batch becomes sub-batches (samples, or sequence chunks).
+SPLITS = ("batch", "sequence")
 _WORDS = {2: "two", 3: "three", 4: "four"}
 
 
@@ -47,8 +49,8 @@ def check_splittable(samples, what=None, need=None, parts=SUB_BATCHES):
     if samples < parts:
         if what is None:
             raise OasesConfigError(
-                f"micro-batch {samples} cannot be split; use --micro-batch-size ≥ {need} or "
-                "--oases-schedule off"
+                f"micro-batch {samples} cannot be split; use --micro-batch-size ≥ {need}, "
+                "--oases-split sequence (sub-batches of sequence chunks) or --oases-schedule off"
             )
         raise OasesConfigError(
             f"{what} leaves {samples} sample(s) per group, which cannot be split into "
@@ -89,6 +91,41 @@ def sub_batches(args):
             f"--oases-sub-batches {n} must be in [2, {MAX_SUB_BATCHES}] (2 is the paper's)"
         )
     return n
+
+
+def split_kind(args):
+    """``--oases-split``, checked."""
+    kind = getattr(args, "oases_split", "batch") or "batch"
+    if kind not in SPLITS:
+        raise OasesConfigError(f"--oases-split {kind!r}: choose one of {', '.join(SPLITS)}")
+    return kind
+
+
+def check_sequence_split(args, plan=None):
+    """``--oases-split sequence``: sub-batches are consecutive chunks of the sequence, a later
+    chunk's causal attention reading the earlier chunks' keys and values (:mod:`.schedule.split`).
+    What that is not built for is refused with the fix."""
+    seq, parts = args.seq_length, sub_batches(args)
+    if seq < parts:
+        raise OasesConfigError(
+            f"--seq-length {seq} cannot be cut into {parts} chunks; use --oases-split batch"
+        )
+    for flag, unsupported in (
+        ("--sequence-parallel", getattr(args, "sequence_parallel", False)),
+        ("--oases-plan", plan is not None or getattr(args, "oases_plan", None)),
+        ("--reset-attention-mask", getattr(args, "reset_attention_mask", False)),
+    ):
+        if unsupported:
+            raise OasesConfigError(
+                f"--oases-split sequence does not support {flag}; drop it or use --oases-split batch"
+            )
+    backend = str(getattr(args, "attention_backend", "auto")).split(".")[-1]
+    if backend in ("flash", "fused"):
+        raise OasesConfigError(
+            f"--oases-split sequence needs Megatron's unfused attention (a chunk attends to "
+            f"the chunks before it, which a causal kernel would mask wrongly); drop "
+            f"--attention-backend {backend} or use --oases-split batch"
+        )
 
 
 def check_transformer_impl(impl):
@@ -246,7 +283,10 @@ def check_oases_args(args, before_megatron=False, plan=None):
     if mode != "off":
         if args.recompute_granularity == "selective":
             check_selective_recompute(mode, getattr(args, "recompute_modules", None))
-        check_splittable(args.micro_batch_size, parts=sub_batches(args))
+        if split_kind(args) == "sequence":
+            check_sequence_split(args, plan)
+        else:
+            check_splittable(args.micro_batch_size, parts=sub_batches(args))
     if plan is not None:
         check_plan_fits_model(plan, args)
     return args

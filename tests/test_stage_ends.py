@@ -64,10 +64,10 @@ def _grads(module):
     return grads
 
 
-@pytest.mark.parametrize("sizes", [[3], [2, 1]])
+@pytest.mark.parametrize("kind,sizes", [("batch", [3]), ("batch", [2, 1]), ("sequence", [4, 4])])
 @pytest.mark.parametrize("dropout", [0.0, 0.5])
-def test_embedding_end_matches_autograd(model_parallel_1, sizes, dropout):
-    _check_embedding_end(_embedding(dropout), sizes, dropout)
+def test_embedding_end_matches_autograd(model_parallel_1, kind, sizes, dropout):
+    _check_embedding_end(_embedding(dropout), sizes, dropout, kind)
 
 
 def _sequence_parallel_worker(positions, dropout):
@@ -120,25 +120,28 @@ def test_embedding_end_matches_autograd_with_sequence_parallel(positions, dropou
     assert run_distributed(_sequence_parallel_worker, 2, positions, dropout, timeout=100)
 
 
-def _check_embedding_end(emb, sizes, dropout):
+def _check_embedding_end(emb, sizes, dropout, kind="batch"):
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding,
     )
 
     from megatron_oases.schedule.rng import replay, snapshot
+    from megatron_oases.schedule.split import make_split
     from megatron_oases.schedule.stage import EmbeddingEnd
 
     tp = emb.config.tensor_model_parallel_size if emb.config.sequence_parallel else 1
     torch.manual_seed(1)  # the same ids and gradients on every rank
     ids = torch.randint(0, V, (B, S))
     pos = torch.arange(S).unsqueeze(0).expand(B, S)
-    grads_out = [torch.randn(S // tp, n, H) for n in sizes]
+    sequence = kind == "sequence"  # sub-batches of positions, [n, B, H] each
+    grads_out = [torch.randn(n, B, H) if sequence else torch.randn(S // tp, n, H) for n in sizes]
     start = snapshot()
 
     # reference: autograd through the stock module, sub-batch after sub-batch
     outs, lo = [], 0
     for n, g in zip(sizes, grads_out):
-        out = emb(ids[lo : lo + n], pos[lo : lo + n])
+        cut = (slice(None), slice(lo, lo + n)) if sequence else slice(lo, lo + n)
+        out = emb(ids[cut], pos[cut])
         out.backward(g)
         outs.append(out.detach())
         lo += n
@@ -146,7 +149,9 @@ def _check_embedding_end(emb, sizes, dropout):
 
     # the end's ops: all forward programs first (as the executor interleaves them), then backward
     end = EmbeddingEnd(emb, LanguageModelEmbedding.forward, ids, pos)
-    end.split(sizes)
+    split = make_split(kind, torch.empty(S // tp, B, H), parts=len(sizes))
+    assert split.sizes == sizes
+    end.split(split)
     sbs = [types.SimpleNamespace(index=i, end={}, rng={}, gH={}, input=None) for i in sizes]
     with replay(start):
         for i, sb in enumerate(sbs):

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
 from ..errors import OasesConfigError
-from ..validation import SUB_BATCHES, check_splittable, check_transformer_impl
+from ..validation import check_transformer_impl
 
 
 class LayerBlocks:
@@ -116,14 +116,15 @@ class LayerBlocks:
             for handle in handles:
                 handle.remove()
 
-    def main(self, j, x, mask=None):
-        """Partial (pre-all-reduce) output and bias of the attention / MLP block."""
+    def main(self, j, x, mask=None, rotary_pos_emb=None):
+        """Partial (pre-all-reduce) output and bias of the attention / MLP block; ``mask`` and
+        ``rotary_pos_emb``: the sub-batch's (:mod:`.split`)."""
         layer = self.layer(j)
         if j % 2 == 0:
             return layer.self_attention(
                 x,
                 attention_mask=mask,
-                rotary_pos_emb=self.rotary_pos_emb,
+                rotary_pos_emb=rotary_pos_emb,
                 attention_bias=self.attention_bias,
             )
         return layer.mlp(x)
@@ -161,17 +162,3 @@ def check_layer(layer):
                 "row-parallel linears must use skip_bias_add (Megatron's "
                 "default); cannot defer their all-reduce otherwise"
             )
-
-
-def split_sizes(batch, parts=SUB_BATCHES):
-    """Sub-batch sizes along the batch dim, larger first: 3 → [2, 1]."""
-    check_splittable(batch, parts=parts)
-    base, extra = divmod(batch, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def split_mask(mask, sizes, batch):
-    """Split an attention mask along batch when it is per-sample; share it otherwise."""
-    if mask is None or mask.dim() == 0 or mask.size(0) != batch or batch == 1:
-        return [mask] * len(sizes)
-    return list(torch.split(mask, sizes, dim=0))

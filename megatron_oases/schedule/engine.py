@@ -41,15 +41,15 @@ dropout masks in recompute equal those of the forward.
 import contextlib
 
 import torch
-from megatron.core.pipeline_parallel.schedules import custom_backward, deallocate_output_tensor
+from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
 from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
-from .blocks import split_mask, split_sizes
 from .comm import EarlyReductions
 from .executor import Comm, Compute, Interleave, run_programs
 from .regather import GradSink, shard_saved
 from .rng import replay as _rng
 from .rng import snapshot as _snapshot
+from .split import make_split
 
 
 def _leaf(t):
@@ -60,11 +60,26 @@ def _backward(outputs, grads):
     torch.autograd.backward(outputs, grads)
 
 
+def _backward_freed(outputs, grads):
+    """``torch.autograd.backward`` where ``outputs[0]``'s data was freed in forward (a kept
+    graph's root, see ``deallocate_output_tensor``): Megatron's ``custom_backward`` for several
+    roots, which skips the shape check the freed output would fail."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=tuple(outputs),
+        grad_tensors=tuple(grads),
+        keep_graph=False,
+        create_graph=False,
+        inputs=tuple(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
 class SubBatch:
     """Everything one sub-batch carries through a micro-batch's forward and backward."""
 
-    def __init__(self, index, hidden, mask):
-        self.index, self.input, self.mask = index, hidden, mask
+    def __init__(self, index, hidden, mask, rotary):
+        self.index, self.input, self.mask, self.rotary = index, hidden, mask, rotary
         self.H, self.Lout, self.P, self.B, self.R, self.hout = ({} for _ in range(6))
         self.G = {}  # sequence parallelism: the all-gathered ln output of block j
         self.buf, self.rng, self.gR, self.gL, self.gH = ({} for _ in range(5))
@@ -88,10 +103,14 @@ class ScheduledLayers:
         parts=SUB_BATCHES,
         embedding=None,
         output=None,
+        split="batch",
     ):
         assert mode in SPLIT_SCHEDULES, mode
         self.blocks, self.mode, self.microbatch, self.tracer = blocks, mode, microbatch, tracer
         self.parts = parts  # sub-batches per micro-batch
+        # how they are cut (--oases-split: samples or sequence chunks, see :mod:`.split`); set
+        # per micro-batch, with the chunks' shared attention state (``prefix``, or None)
+        self.split_kind, self.split, self.prefix = split, None, None
         # The stage's ends run in the programs too (:mod:`.stage`): the embedding before the
         # first block (the input is then a placeholder), the output layer and loss after the last.
         self.embedding, self.output = embedding, output
@@ -142,16 +161,27 @@ class ScheduledLayers:
     def _compute(self, fn, j, pass_, early=False, light=False):
         return Compute(fn, early=early, light=light, **self._labels(j, pass_))
 
-    def _run(self, programs, labels):
+    def _run(self, programs, labels, order=None):
+        """Run the sub-batches' ``programs`` interleaved, the first of ``order`` (sub-batch
+        indices; default 0, 1, ...) leading."""
+        order = list(range(len(programs))) if order is None else order
         yields = self.blocks.yield_points if self.interleave else None
-        with yields(self.interleave) if yields else contextlib.nullcontext():
+        hooks = self.prefix.hooks() if self.prefix is not None else contextlib.nullcontext()
+        with yields(self.interleave) if yields else contextlib.nullcontext(), hooks:
             run_programs(
-                programs,
+                [programs[i] for i in order],
                 labels=labels,
                 tracer=self.tracer,
                 early=self.early,
                 interleave=self.interleave,
+                ids=order,
             )
+
+    def _main(self, sb, j, x):
+        """main_j of sub-batch ``sb`` on ``x``: (partial sum, bias)."""
+        chunk = self.prefix.running(sb.index) if self.prefix else contextlib.nullcontext()
+        with chunk:
+            return self.blocks.main(j, x, sb.mask, sb.rotary)
 
     def _collective(self, kind, get, store, j, pass_):
         """``kind`` of ``get()`` on block j's TP group; the result lands in ``store[j]``."""
@@ -189,27 +219,29 @@ class ScheduledLayers:
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden):
-        s, b, h = hidden.shape
-        sizes = self.sizes = split_sizes(b, self.parts)
-        masks = split_mask(self.blocks.attention_mask, sizes, b)
+        split = self.split = make_split(self.split_kind, hidden, self.parts)
+        self.sizes = split.sizes
+        masks = split.masks(self.blocks.attention_mask)
+        rotary = split.rotary(self.blocks.rotary_pos_emb)
+        self.prefix = split.prefix_attention(self.blocks)
         # each block's ops set their own grad mode (_fwd_block, _fwd_main, _bda_forward)
         grad_ctx = torch.set_grad_enabled(self._keeps(0))
         self.anchor = torch.zeros((), device=hidden.device, requires_grad=True)
         for end in (self.embedding, self.output):
             if end is not None:
-                end.split(sizes)
+                end.split(split)
         with grad_ctx:
             if self.embedding is None:
-                pieces = [self._as_input(p) for p in torch.split(hidden.detach(), sizes, dim=1)]
+                pieces = [self._as_input(p) for p in split.hidden(hidden.detach())]
             else:  # a placeholder: the embedding ops deliver each sub-batch's input
-                pieces = [None] * len(sizes)
-            self.sbs = [SubBatch(i, p, m) for i, (p, m) in enumerate(zip(pieces, masks))]
+                pieces = [None] * len(self.sizes)
+            self.sbs = [SubBatch(i, *a) for i, a in enumerate(zip(pieces, masks, rotary))]
             self._run(
                 [self._forward_program(sb) for sb in self.sbs], dict(microbatch=self.microbatch)
             )
         if self.output is not None:  # per-token loss [b, s]
-            return torch.cat([sb.loss.detach() for sb in self.sbs], dim=0)
-        return torch.cat([sb.output.detach() for sb in self.sbs], dim=1)
+            return split.join_tokens([sb.loss.detach() for sb in self.sbs])
+        return split.join_hidden([sb.output.detach() for sb in self.sbs])
 
     def _as_input(self, h):
         return _leaf(h) if self._keeps(0) else h
@@ -282,12 +314,12 @@ class ScheduledLayers:
     def _fwd_main_op(self, sb, j, x):
         if self._regathers(j):  # x's storage is freed after this call; see .regather
             with shard_saved(x, lambda: sb.G[j]):
-                P, sb.B[j] = self.blocks.main(j, self._input(x, sb.gL, j), sb.mask)
+                P, sb.B[j] = self._main(sb, j, self._input(x, sb.gL, j))
         elif self._keeps(j):
-            P, sb.B[j] = self.blocks.main(j, self._input(x, sb.gL, j), sb.mask)
+            P, sb.B[j] = self._main(sb, j, self._input(x, sb.gL, j))
         else:
             sb.rng[("main", j)] = _snapshot()
-            P, sb.B[j] = self.blocks.main(j, x, sb.mask)
+            P, sb.B[j] = self._main(sb, j, x)
         sb.buf[j] = P.detach()
         if self._keeps(j):  # backward needs P's grad_fn only; its data goes to the reduction
             deallocate_output_tensor(P, deallocate_pipeline_outputs=P._base is None)
@@ -300,15 +332,18 @@ class ScheduledLayers:
     def backward(self, grad_output):
         J = self.blocks.num_blocks
         labels = dict(microbatch=self.microbatch)
+        split = self.split
         if self.output is not None:  # the per-token loss's gradient, [b, s]
-            for sb, g in zip(self.sbs, torch.split(grad_output.contiguous(), self.sizes, dim=0)):
+            for sb, g in zip(self.sbs, split.tokens(grad_output.contiguous())):
                 sb.end["gloss"] = g
         else:
-            for sb, g in zip(self.sbs, torch.split(grad_output.contiguous(), self.sizes, dim=1)):
+            for sb, g in zip(self.sbs, split.hidden(grad_output.contiguous())):
                 sb.gH[J] = g
+        if self.prefix is not None:
+            self.prefix.start_backward()
 
-        def run(programs):
-            self._run(programs, labels)
+        def run(programs):  # sequence chunks: the last chunk leads (see .split)
+            self._run(programs, labels, order=split.backward_order())
 
         with torch.enable_grad():
             # the kept layers' backward first (none under full/uniform recompute), then the
@@ -347,11 +382,13 @@ class ScheduledLayers:
                         ]
                     )
         self.early.check_empty()
+        if self.prefix is not None:
+            self.prefix.check_empty()
         if self.embedding is not None:  # the gradient went into the embedding's parameters
             out = None
         else:
-            out = torch.cat([sb.gH.pop(0) for sb in self.sbs], dim=1)
-        self.sbs, self.anchor = [], None
+            out = split.join_hidden([sb.gH.pop(0) for sb in self.sbs])
+        self.sbs, self.anchor, self.split, self.prefix = [], None, None, None
         return out
 
     def _ends(self, sb, program, out=True, emb=True):
@@ -403,10 +440,17 @@ class ScheduledLayers:
 
     def _ov_main(self, sb, j):
         P, g = sb.P.pop(j), sb.gR.pop(j)
-        if P.numel() != g.numel():  # data freed in forward (kept graph): grad_fn only
-            custom_backward(P, g)
-        else:
-            _backward(P, g)
+        roots, grads = [], []
+        if self.prefix is not None and j % 2 == 0:  # the later chunks' key/value gradients
+            roots, grads = self.prefix.backward_roots(j // 2, sb.index)
+        chunk = self.prefix.running(sb.index) if self.prefix else contextlib.nullcontext()
+        with chunk:  # Megatron's selective recompute re-runs core attention in here
+            if P.numel() != g.numel():  # data freed in forward (kept graph): grad_fn only
+                _backward_freed([P] + roots, [g] + grads)
+            else:
+                _backward([P] + roots, [g] + grads)
+        if self.prefix is not None and j % 2 == 0:
+            self.prefix.collect(j // 2, sb.index)
         if self._regathers(j):
             sb.G.pop(j)  # main_j's input gradient has landed in sb.gL
 
@@ -460,7 +504,7 @@ class ScheduledLayers:
 
     def _rc_main(self, sb, j, x):
         with _rng(sb.rng.pop(("main", j))):
-            sb.P[j], _ = self.blocks.main(j, self._input(x, sb.gL, j), sb.mask)
+            sb.P[j], _ = self._main(sb, j, self._input(x, sb.gL, j))
 
     def _ln_backward(self, sb, j):
         _backward(sb.Lout.pop(j), sb.gL.pop(j))

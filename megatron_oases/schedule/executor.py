@@ -125,8 +125,9 @@ class Interleave:
 class _Run:
     """The state of one :func:`run_programs` call."""
 
-    def __init__(self, programs, tracer, early):
+    def __init__(self, programs, tracer, early, ids=None):
         self.programs, self.tracer, self.early = programs, tracer, early
+        self.ids = list(range(len(programs))) if ids is None else list(ids)  # trace labels
         self.pos = [0] * len(programs)
         self.pending = {}  # sub-batch -> its collective in flight (at most one each), issue order
         self.ran_early = [set() for _ in programs]  # positions of early computes already run
@@ -142,7 +143,7 @@ class _Run:
                 if self.tracer is None:
                     op.fn()
                 else:
-                    with self.tracer.context(sub_batch=x, **op.labels):
+                    with self.tracer.context(sub_batch=self.ids[x], **op.labels):
                         self.tracer.open_compute(key)
                         try:
                             op.fn()
@@ -168,7 +169,7 @@ class _Run:
                 self.compute(x, prog[pos[x]])
             pos[x] += 1
         if pos[x] < len(prog):  # a Comm: queue it (the caller then switches)
-            self.pending[x] = _issue(x, prog[pos[x]], self.tracer, self.early)
+            self.pending[x] = _issue(self.ids[x], prog[pos[x]], self.tracer, self.early)
             pos[x] += 1
 
     def _light_stretch(self, y):
@@ -204,15 +205,16 @@ class _Run:
                 tracer.open_compute(key)
 
 
-def run_programs(programs, labels=None, tracer=None, early=None, interleave=None):
+def run_programs(programs, labels=None, tracer=None, early=None, interleave=None, ids=None):
     """Execute the sub-batch programs interleaved (Alg. 1/2); returns when all are done.
     ``tracer`` (an :class:`~megatron_oases.instrument.trace.Tracer`, optional) records each op.
     ``early`` (a :class:`~.comm.EarlyReductions`, optional): input-gradient all-reduces that
     Megatron's column linears start inside compute ops; the all-reduce ``Comm`` of that gradient
     adopts the started work instead of issuing another. ``interleave`` (an :class:`Interleave`,
-    optional): the yield points inside compute ops call into this run."""
+    optional): the yield points inside compute ops call into this run. ``ids``: each program's
+    sub-batch index for the trace (default its position; the first program leads)."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
-    run = _Run(programs, tracer, early)
+    run = _Run(programs, tracer, early, ids)
     active = interleave.active(run) if interleave is not None else contextlib.nullcontext()
     n = len(programs)
     x = 0

@@ -54,13 +54,6 @@ def _backward(outputs, grads):
     torch.autograd.backward(outputs, grads)
 
 
-def _split(t, sizes):
-    """``t`` [b, ...] cut into sub-batches along dim 0; shared when it is not per-sample."""
-    if t is None or t.dim() < 2 or t.size(0) != sum(sizes) or len(sizes) == 1:
-        return [t] * len(sizes)
-    return list(torch.split(t, sizes, dim=0))
-
-
 class EmbeddingEnd:
     """The first stage's embedding as the first ops of each sub-batch's programs."""
 
@@ -75,9 +68,9 @@ class EmbeddingEnd:
         """The embedding as Megatron computes it (for a schedule that cannot take it)."""
         return self.forward(self.module, self.input_ids, self.position_ids)
 
-    def split(self, sizes):
-        self.ids = _split(self.input_ids, sizes)
-        self.pos = _split(self.position_ids, sizes)
+    def split(self, split):
+        """Each sub-batch's token ids and positions (a :mod:`.split` cut of [b, s])."""
+        self.ids, self.pos = split.tokens(self.input_ids), split.tokens(self.position_ids)
 
     @property
     def group(self):
@@ -187,8 +180,8 @@ class OutputEnd:
         self.labels, self.runtime_gather_output = labels, runtime_gather_output
         self.labels_of = None
 
-    def split(self, sizes):
-        self.labels_of = _split(self.labels, sizes)
+    def split(self, split):
+        self.labels_of = split.tokens(self.labels)
 
     @property
     def group(self):

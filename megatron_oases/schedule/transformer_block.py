@@ -34,7 +34,7 @@ from ..hetero.model import make_param_is_not_tp_duplicate
 from ..hetero.reshard import reshard
 from ..hetero.runtime import stage_of
 from ..patching import Patch
-from ..validation import SUB_BATCHES, sub_batches
+from ..validation import SUB_BATCHES, split_kind, sub_batches
 from .blocks import LayerBlocks
 from .comm import make_all_reduce, make_column_forward, make_deferred_reduction, make_scatter
 from .engine import ScheduledLayers, ScheduledLayersFunction
@@ -43,11 +43,11 @@ from .stage import StageEnds
 logger = logging.getLogger(__name__)
 
 
-def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None):
+def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None, split="batch"):
     """``TransformerBlock.forward`` running the layers as degree runs (plan) through ``mode``;
     ``tracer`` (the ``oases-trace`` patch's, optional) records the schedule's ops; ``ends`` (a
     :class:`.stage.StageEnds`, optional) brings the embedding and the output layer + loss into
-    the programs."""
+    the programs; ``split``: ``--oases-split`` (:mod:`.split`)."""
     counter = {"microbatch": 0}
 
     def forward(
@@ -134,6 +134,7 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None
                         parts=parts,
                         embedding=embedding,
                         output=output,
+                        split=split,
                     )
                     hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
         if output is not None:  # the per-token loss; GPTModel._postprocess passes it through
@@ -287,7 +288,9 @@ def make_patch(args, built=None):
         (
             TransformerBlock,
             "forward",
-            make_block_forward(TransformerBlock.forward, mode, tracer, sub_batches(args), ends),
+            make_block_forward(
+                TransformerBlock.forward, mode, tracer, sub_batches(args), ends, split_kind(args)
+            ),
         ),
     ]
     if ends is not None:
