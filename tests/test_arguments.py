@@ -33,8 +33,28 @@ from megatron_oases.errors import OasesConfigError
         (
             "--oases-schedule overlap --micro-batch-size 1",
             1,
-            "micro-batch 1 cannot be split; use --micro-batch-size ≥ 2 or --oases-schedule off",
+            "micro-batch 1 cannot be split; use --micro-batch-size ≥ 2, --oases-split sequence "
+            "(sub-batches of sequence chunks) or --oases-schedule off",
         ),
+        (
+            "--oases-schedule overlap --micro-batch-size 1 --oases-split sequence "
+            "--sequence-parallel --tensor-model-parallel-size 2",
+            2,
+            "--oases-split sequence does not support --sequence-parallel; drop it or use "
+            "--oases-split batch",
+        ),
+        (
+            "--oases-schedule overlap --oases-split sequence --attention-backend flash",
+            1,
+            "--oases-split sequence needs Megatron's unfused attention",
+        ),
+        (
+            "--oases-schedule overlap --oases-split sequence --seq-length 1 "
+            "--max-position-embeddings 1",
+            1,
+            "--seq-length 1 cannot be cut into 2 chunks; use --oases-split batch",
+        ),
+        ("--oases-schedule overlap --oases-split rows", 1, "invalid choice: 'rows'"),
         ("--oases-schedule oases", 1, "add --recompute-granularity full"),
         (
             "--oases-schedule oases --recompute-granularity full --recompute-method uniform "

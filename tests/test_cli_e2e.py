@@ -57,6 +57,6 @@ def test_oases_run_unsplittable_micro_batch_is_one_line():
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if ": error:" in ln]
     assert errors == [
-        "oases run: error: micro-batch 1 cannot be split; use --micro-batch-size ≥ 2 or "
-        "--oases-schedule off"
+        "oases run: error: micro-batch 1 cannot be split; use --micro-batch-size ≥ 2, "
+        "--oases-split sequence (sub-batches of sequence chunks) or --oases-schedule off"
     ], proc.stderr[-3000:]

@@ -61,6 +61,33 @@ def test_dropout_recompute_is_rng_exact_and_deterministic():
 
 
 @pytest.mark.timeout(300)
+def test_dropout_recompute_is_rng_exact_with_sequence_chunks():
+    """``--oases-split sequence``: each chunk's masks (hidden and attention dropout, the latter on
+    the chunk's rows over the prefix) are replayed exactly by every recomputation."""
+    seq = "--oases-split sequence "
+    variants = [
+        ("overlap", seq + "--oases-schedule overlap"),  # recomputes nothing
+        ("overlap-recompute", R + seq + "--oases-schedule overlap"),
+        (
+            "overlap-selective",
+            "--recompute-granularity selective " + seq + "--oases-schedule overlap",
+        ),
+        ("cross-pass", R + seq + "--oases-schedule cross-pass"),
+        ("oases", R + seq + "--oases-schedule oases"),
+        ("oases-block", BLOCK.format(n=1) + seq + "--oases-schedule oases"),
+    ]
+    base = BASE.replace(
+        "--micro-batch-size 2 --global-batch-size 4", "--micro-batch-size 1 --global-batch-size 2"
+    )
+    for res in run_distributed(variants_worker, 2, base + DROP, variants, timeout=280):
+        ref = res["overlap"]
+        for name, _ in variants[1:]:
+            assert max_rel_diff(res[name]["losses"], ref["losses"]) < 1e-6, name
+            for p, g in ref["grads"].items():
+                assert max_rel_diff(res[name]["grads"][p], g) < 1e-6, (name, p)
+
+
+@pytest.mark.timeout(300)
 def test_dropout_training_run_tracks_stock():
     variants = [("stock", R + "--oases-schedule off"), ("oases", R + "--oases-schedule oases")]
     res = run_distributed(

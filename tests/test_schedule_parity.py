@@ -161,3 +161,49 @@ def test_three_sub_batches_match_stock(model, mbs):
         assert max_rel_diff(got["losses"], ref["losses"]) < 1e-6
         for pname, g in ref["grads"].items():
             assert max_rel_diff(got["grads"][pname], g) < 1e-6, pname
+
+
+#: ``--oases-split sequence``: sub-batches of consecutive positions; a later chunk's attention
+#: reads the earlier chunks' keys and values, whose gradients reach them before their own
+#: attention backward (the engine runs backward last chunk first).
+SEQ = "--oases-split sequence "
+SEQ_CONFIGS = {
+    # one sample per micro-batch, which only a sequence split can split; every memory setting
+    "gpt-tp2-pp1-mbs1": (
+        2,
+        GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 1 "
+        "--global-batch-size 2 ",
+        [
+            ("stock", RECOMPUTE + "--oases-schedule off"),
+            *[(n, RECOMPUTE + SEQ + f) for n, f in VARIANTS[1:]],
+            ("stock-keep", "--oases-schedule off"),
+            ("overlap-keep", SEQ + "--oases-schedule overlap"),
+            ("stock-selective-ln", SELECTIVE_LN + "--oases-schedule off"),
+            ("overlap-selective-ln", SELECTIVE_LN + SEQ + "--oases-schedule overlap"),
+        ],
+    ),
+    # RoPE, GQA, PP=2; three chunks of 6+5+5 positions, two samples each; block recompute
+    "llama-tp2-pp2-mbs2-3chunks": (
+        4,
+        LLAMA.format(layers=4) + "--tensor-model-parallel-size 2 "
+        "--pipeline-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 4 "
+        + BLOCK.format(n=1),
+        [("stock", "--oases-schedule off")]
+        + [(n, SEQ + "--oases-sub-batches 3 " + f) for n, f in VARIANTS[1:]],
+    ),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config", list(SEQ_CONFIGS))
+def test_sequence_split_matches_stock(config):
+    world, base, variants = SEQ_CONFIGS[config]
+    results = run_distributed(variants_worker, world, base + ITERS + NO_DROP, variants, timeout=560)
+    for rank, res in enumerate(results):
+        for name, _ in variants:
+            if name.startswith("stock"):
+                continue
+            setting = name.partition("-")[2] if name.startswith("overlap-") else ""
+            stock = res["stock-" + setting if setting else "stock"]
+            assert "oases-schedule" in res[name]["installed"]
+            assert_matches(res[name], stock, f"{config} {name} rank {rank}")

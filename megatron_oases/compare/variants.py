@@ -163,6 +163,14 @@ VARIANTS = {
             recompute="block",
         ),
         Variant(
+            "oases-halfmb",
+            ("--oases-schedule", "oases", "--oases-split", "sequence") + _FULL,
+            "oases, micro-batch/2 x 2, each micro-batch split into two sequence chunks "
+            "(--oases-split sequence: fits where micro-batch/2 has one sample)",
+            "-",
+            split_micro_batch=True,
+        ),
+        Variant(
             "oases-3sb",
             ("--oases-schedule", "oases", "--oases-sub-batches", "3") + _FULL,
             "oases with three sub-batches (1/3 of the pass-end all-reduce exposed)",
@@ -192,6 +200,7 @@ MEMORY_VARIANTS = (
     "overlap-selective-ln",
     "overlap-norecompute",
     "oases",
+    "oases-halfmb",
 )
 # Flags compare sets itself, per variant or per run.
 RESERVED = (
@@ -208,6 +217,7 @@ RESERVED = (
     "--load",
     "--oases-plan",
     "--oases-sub-batches",
+    "--oases-split",
 )
 
 
