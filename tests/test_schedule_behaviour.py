@@ -259,6 +259,32 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
 
 
 @pytest.mark.timeout(300)
+def test_sequence_chunks_fit_where_one_sample_per_micro_batch_fits():
+    """One sample per micro-batch: the sequence split's peak stays near stock full recompute at
+    that micro-batch (the earlier chunk's keys and values are its only extra activation), below
+    a two-sample batch split's."""
+    mb = lambda n: f"--micro-batch-size {n} --global-batch-size 4 "  # noqa: E731
+    base = MEMORY_BASE.replace("--micro-batch-size 4 --global-batch-size 4 ", "")
+    variants = [
+        ("stock-mb1", mb(1) + RECOMPUTE + "--oases-schedule off"),
+        ("oases-seq-mb1", mb(1) + RECOMPUTE + "--oases-split sequence --oases-schedule oases"),
+        (
+            "cross-pass-seq-mb1",
+            mb(1) + RECOMPUTE + "--oases-split sequence --oases-schedule cross-pass",
+        ),
+        ("oases-mb2", mb(2) + RECOMPUTE + "--oases-schedule oases"),
+    ]
+    from megatron_oases.training.measure import activation_peaks
+
+    configs = [(name, base + " " + extra) for name, extra in variants]
+    peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
+    print({k: f"{v / 2**20:.3f} MiB" for k, v in peaks.items()})
+    for name in ("oases-seq-mb1", "cross-pass-seq-mb1"):
+        assert peaks[name] <= 1.15 * peaks["stock-mb1"], peaks
+        assert peaks[name] < peaks["oases-mb2"], peaks
+
+
+@pytest.mark.timeout(300)
 def test_norm_recompute_frees_what_stock_frees():
     """``--recompute-modules core_attn layernorm``: the schedule frees each norm's output after
     main_j, as stock's ``TransformerLayer`` does, so it saves at least what stock saves."""
