@@ -68,7 +68,8 @@ SP_VARIANTS = (
 MEMORY_VARIANTS = (
     "megatron,megatron-selective,megatron-selective-ln,megatron-norecompute,megatron-halfmb,"
     "megatron-halfmb-norecompute,overlap,overlap-selective,overlap-selective-ln,"
-    "overlap-norecompute,cross-pass,oases,oases-halfmb"
+    "overlap-norecompute,cross-pass,oases,oases-halfmb,overlap-halfmb-selective,"
+    "overlap-halfmb-selective-ln,overlap-halfmb-norecompute"
 )
 SHAPE_OPTIONS = {
     "h2048": ["--variants", MEMORY_VARIANTS, "--memory-budget", "1.2,1.3,1.4,1.6,1.8"],

@@ -170,6 +170,26 @@ VARIANTS = {
             "-",
             split_micro_batch=True,
         ),
+        *(
+            Variant(
+                f"overlap-halfmb-{name}",
+                ("--oases-schedule", "overlap", "--oases-split", "sequence") + flags,
+                f"overlap, {what}, micro-batch/2 x 2 split into two sequence chunks",
+                "-",
+                recompute=recompute,
+                split_micro_batch=True,
+            )
+            for name, flags, what, recompute in (
+                ("selective", _SELECTIVE, "selective recompute (core attention)", "selective"),
+                (
+                    "selective-ln",
+                    _SELECTIVE_LN,
+                    "selective recompute (core attention, layer norms)",
+                    "selective+ln",
+                ),
+                ("norecompute", (), "no recompute", "none"),
+            )
+        ),
         Variant(
             "oases-3sb",
             ("--oases-schedule", "oases", "--oases-sub-batches", "3") + _FULL,
@@ -201,6 +221,9 @@ MEMORY_VARIANTS = (
     "overlap-norecompute",
     "oases",
     "oases-halfmb",
+    "overlap-halfmb-selective",
+    "overlap-halfmb-selective-ln",
+    "overlap-halfmb-norecompute",
 )
 # Flags compare sets itself, per variant or per run.
 RESERVED = (
