@@ -1,7 +1,8 @@
 """The overlapped TMP schedule of one pipeline stage's transformer layers (paper §3).
 
 :class:`ScheduledLayers` is one autograd node over all layers of a stage. Its forward splits the
-micro-batch into two sub-batches along the batch dim of [s, b, h] and runs them through
+micro-batch into sub-batches (two by default; whole samples, or sequence chunks with
+``--oases-split sequence``, see :mod:`.split`) and runs them through
 :func:`.executor.run_programs`; its backward builds the backward programs for the schedule:
 
 ``overlap``      without recomputation, forward keeps per-block autograd graphs and backward walks
@@ -114,7 +115,6 @@ class ScheduledLayers:
         # The stage's ends run in the programs too (:mod:`.stage`): the embedding before the
         # first block (the input is then a placeholder), the output layer and loss after the last.
         self.embedding, self.output = embedding, output
-        self.sizes = None
         # How many leading layers are recomputed: all (full/uniform), the first N (full/block,
         # ``recompute_layers``) or none; the blocks from ``first_kept`` on keep their graphs.
         layers = blocks.num_blocks // 2
@@ -177,10 +177,13 @@ class ScheduledLayers:
                 ids=order,
             )
 
+    def _chunk(self, sb):
+        """Where ``sb``'s core attention may run (sequence chunks: it says which chunk runs)."""
+        return self.prefix.running(sb.index) if self.prefix else contextlib.nullcontext()
+
     def _main(self, sb, j, x):
         """main_j of sub-batch ``sb`` on ``x``: (partial sum, bias)."""
-        chunk = self.prefix.running(sb.index) if self.prefix else contextlib.nullcontext()
-        with chunk:
+        with self._chunk(sb):
             return self.blocks.main(j, x, sb.mask, sb.rotary)
 
     def _collective(self, kind, get, store, j, pass_):
@@ -220,7 +223,6 @@ class ScheduledLayers:
     # ------------------------------------------------------------------ forward
     def forward(self, hidden):
         split = self.split = make_split(self.split_kind, hidden, self.parts)
-        self.sizes = split.sizes
         masks = split.masks(self.blocks.attention_mask)
         rotary = split.rotary(self.blocks.rotary_pos_emb)
         self.prefix = split.prefix_attention(self.blocks)
@@ -234,7 +236,7 @@ class ScheduledLayers:
             if self.embedding is None:
                 pieces = [self._as_input(p) for p in split.hidden(hidden.detach())]
             else:  # a placeholder: the embedding ops deliver each sub-batch's input
-                pieces = [None] * len(self.sizes)
+                pieces = [None] * len(split.sizes)
             self.sbs = [SubBatch(i, *a) for i, a in enumerate(zip(pieces, masks, rotary))]
             self._run(
                 [self._forward_program(sb) for sb in self.sbs], dict(microbatch=self.microbatch)
@@ -443,8 +445,7 @@ class ScheduledLayers:
         roots, grads = [], []
         if self.prefix is not None and j % 2 == 0:  # the later chunks' key/value gradients
             roots, grads = self.prefix.backward_roots(j // 2, sb.index)
-        chunk = self.prefix.running(sb.index) if self.prefix else contextlib.nullcontext()
-        with chunk:  # Megatron's selective recompute re-runs core attention in here
+        with self._chunk(sb):  # Megatron's selective recompute re-runs core attention in here
             if P.numel() != g.numel():  # data freed in forward (kept graph): grad_fn only
                 _backward_freed([P] + roots, [g] + grads)
             else:

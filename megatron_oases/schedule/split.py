@@ -38,7 +38,6 @@ def split_sizes(n, parts=SUB_BATCHES):
 class BatchSplit:
     """Sub-batches of whole samples."""
 
-    kind = "batch"
     hidden_dim, token_dim = 1, 0  # b of [s, b, h]; b of [b, s]
 
     def __init__(self, hidden_shape, parts=SUB_BATCHES, device=None):
@@ -89,7 +88,6 @@ class BatchSplit:
 class SequenceSplit(BatchSplit):
     """Sub-batches of consecutive sequence chunks; see the module docstring."""
 
-    kind = "sequence"
     hidden_dim, token_dim = 0, 1  # s of [s, b, h]; s of [b, s]
 
     def __init__(self, hidden_shape, parts=SUB_BATCHES, device=None):
