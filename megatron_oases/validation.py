@@ -227,6 +227,12 @@ def check_model_shape(args):
 def check_plan_fits_model(plan, args):
     """A (format-valid) plan against the model shape and batch: each layer's groups get whole,
     splittable shares of the micro-batch."""
+    if plan.get("split") == "sequence":
+        raise OasesConfigError(
+            f"the plan is for --oases-split sequence, which runs every layer at T without "
+            f"--oases-plan; drop --oases-plan and run with its launch flags "
+            f"(--oases-schedule {plan.get('schedule') or 'overlap'} --oases-split sequence)"
+        )
     T = args.tensor_model_parallel_size
     for layer, d in enumerate(plan["degrees"]):
         if args.micro_batch_size % (T // d):

@@ -60,12 +60,17 @@ def test_auto_is_the_fastest_setting_that_fits(h2048, memory_gb):
     assert (plan["schedule"], plan["recompute"]) == best == WINNERS[memory_gb]
     assert plan["predicted"]["iteration_time_s"] == pytest.approx(fitting[best])
     assert plan["degrees"] == direct[best]["degrees"]
-    assert {(t["schedule"], t["recompute"]) for t in plan["alternatives"] if t["fits"]} == set(
-        fitting
-    )
+    batch = [t for t in plan["alternatives"] if "split" not in t]  # sequence chunks: their file
+    assert {(t["schedule"], t["recompute"]) for t in batch if t["fits"]} == set(fitting)
     assert plan.get("recompute_num_layers") is None  # every layer or none (block: see below)
-    uniform = [t for t in plan["alternatives"] if "recompute_num_layers" not in t]
+    uniform = [t for t in batch if "recompute_num_layers" not in t]
     assert len(uniform) == len(SETTINGS) == 10
+    # every overlapped setting is planned with sequence chunks too, every layer at T
+    chunks = [t for t in plan["alternatives"] if t.get("split") == "sequence"]
+    assert {(t["schedule"], t["recompute"]) for t in chunks} == {
+        s for s in SETTINGS if s[0] != "off"
+    }
+    assert all(set(t["degrees"]) == {4} for t in chunks if t["fits"])
     flags = {
         "none": "",
         "selective": f" {SELECTIVE_FLAGS}",
@@ -166,14 +171,18 @@ def test_selective_wins_where_only_it_fits_fast(h2048):
     plan = choose_plan(h2048, global_batch_size=128, memory_gb=32)[0]
     assert (plan["schedule"], plan["recompute"]) == ("overlap", "selective")
     assert plan["launch_flags"] == f"--oases-schedule overlap {SELECTIVE_FLAGS}"
-    uniform = [t for t in plan["alternatives"] if "recompute_num_layers" not in t]
+    uniform = [t for t in plan["alternatives"] if not {"recompute_num_layers", "split"} & set(t)]
     alt = {(t["schedule"], t["recompute"]): t for t in uniform}
     assert not alt["overlap", "none"]["fits"] and alt["overlap", "none"]["need_gb"] > 32
     assert alt["overlap", "selective"]["peak_memory_bytes_per_rank"] * 1.1 <= 32e9
     full = min(t["iteration_time_s"] for k, t in alt.items() if k[1] == "full" and t["fits"])
     assert alt["overlap", "selective"]["iteration_time_s"] < 0.85 * full
     # recomputing only the first layers (block) is faster than every layer, not than selective
-    block = [t["iteration_time_s"] for t in plan["alternatives"] if "recompute_num_layers" in t]
+    block = [
+        t["iteration_time_s"]
+        for t in plan["alternatives"]
+        if "recompute_num_layers" in t and "split" not in t
+    ]
     assert block and alt["overlap", "selective"]["iteration_time_s"] < min(block) < full
     table = alternatives_table(plan)
     assert table[1].startswith("overlap (selective recompute)")
@@ -318,8 +327,12 @@ def test_auto_plans_block_recompute_where_it_pays(tmp_path, capsys, h2048):
     assert plan["predicted"]["iteration_time_s"] < full["iteration_time_s"]
     blocks = [t for t in alt if "recompute_num_layers" in t]
     assert all(t["fits"] and t["recompute"] == "full" for t in blocks)
-    fitting_full = [t["schedule"] for t in alt if t["fits"] and t["recompute"] == "full"]
-    assert sorted(t["schedule"] for t in blocks) == sorted(set(fitting_full))
+    kinds = {
+        (t["schedule"], t.get("split", "batch"))
+        for t in alt
+        if t["fits"] and t["recompute"] == "full"
+    }
+    assert sorted((t["schedule"], t.get("split", "batch")) for t in blocks) == sorted(kinds)
     with pytest.raises(NoPlanFits):
         make_plan(
             h2048, global_batch_size=128, memory_gb=22, schedule="cross-pass", recompute="full",

@@ -4,13 +4,15 @@ Keys the per-layer TMP runtime reads: ``version`` (1), ``tensor_model_parallel_s
 domain T), ``degrees`` (one per layer, powers of two dividing T), ``schedule``,
 ``global_batch_size``, ``micro_batch_size``. Everything else (``predicted``, ``objective``,
 ``solver``, ``solve_time_s``, ``status``, ``input_hash``, ``profile`` …) documents how it was made.
-A uniform plan (:func:`uniform_plan`) is a valid plan file too.
+A uniform plan (:func:`uniform_plan`) is a valid plan file too. ``split`` ``"sequence"`` marks a
+plan of sequence chunks (``oases plan --split sequence``): every layer at T, run with its
+``launch_flags`` and without ``--oases-plan``, which refuses it.
 """
 
 import json
 
 from ..errors import OasesConfigError
-from ..validation import check_schedule
+from ..validation import SPLITS, check_schedule
 from . import read_json
 
 PLAN_VERSION = 1
@@ -56,6 +58,9 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
     schedule = plan.get("schedule")
     if schedule is not None:
         check_schedule(schedule, source=f"{source}: schedule")
+    split = plan.get("split")
+    if split is not None and split not in SPLITS:
+        _fail(source, f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     for key in ("global_batch_size", "micro_batch_size", "recompute_num_layers"):
         v = plan.get(key)
         if v is not None and (not _is_int(v) or v < 1):

@@ -129,6 +129,13 @@ def attention_flops_forward(shape, degree):
     }
 
 
+def key_value_bytes(shape, degree, dtype_bytes):
+    """Bytes per rank per sample of one layer's keys and values (``2·s·g·kv/t``): what a
+    sequence chunk keeps from forward for the later chunks' attention."""
+    s, h, a, g, kv = _attention_dims(shape)
+    return 2 * s * g * kv * dtype_bytes / degree
+
+
 def core_attention_activation_bytes(shape, degree, dtype_bytes):
     """Bytes per rank per sample of core attention's intermediates kept for backward (no
     recompute): the softmax output and, with attention dropout, its mask (1 byte) and output —

@@ -189,9 +189,11 @@ def make_plan(
     allow_unsplit=False,
     distributed_optimizer=False,
     sequence_parallel=False,
+    split="batch",
 ):
-    """Returns (plan dict, problem, solution). With ``sequence_parallel`` every layer runs at T
-    (:func:`~.build.build_problem`): the plan is uniform and its ``predicted`` is the point."""
+    """Returns (plan dict, problem, solution). With ``sequence_parallel`` or ``split="sequence"``
+    every layer runs at T (:func:`~.build.build_problem`): the plan is uniform and its
+    ``predicted`` is the point."""
     if not isinstance(profile, Profile):
         profile_path = profile_path or profile
         profile = load_profile(profile)
@@ -219,6 +221,7 @@ def make_plan(
         allow_unsplit=allow_unsplit,
         distributed_optimizer=distributed_optimizer,
         sequence_parallel=sequence_parallel,
+        split=split,
     )
     build_s = time.perf_counter() - t_build
     pp = problem.meta["pipeline_model_parallel_size"]
@@ -253,6 +256,8 @@ def make_plan(
     }
     if problem.meta["recompute_num_layers"] is not None:  # (plans without it hash as before)
         inputs["recompute_num_layers"] = problem.meta["recompute_num_layers"]
+    if split != "batch":  # (likewise)
+        inputs["split"] = split
     plan = {
         "version": PLAN_VERSION,
         "tensor_model_parallel_size": T,
@@ -267,6 +272,8 @@ def make_plan(
         # with full recompute: only each stage's first N layers (Megatron's block method)
         "recompute_num_layers": problem.meta["recompute_num_layers"],
         "sequence_parallel": bool(sequence_parallel),
+        # sub-batches of samples, or of sequence chunks (--oases-split sequence; uniform T)
+        "split": split,
         "allow_unsplit": bool(allow_unsplit),
         "unsplit_degrees": problem.meta["unsplit_degrees"],
         "distributed_optimizer": bool(distributed_optimizer),

@@ -36,6 +36,14 @@ the paper's eq. 5) — or, with ``grad_sync=True``, each layer's whole data-para
 all-reduce of its ``params/d`` over ``D·T/d`` replicas. Memory terms come from
 :mod:`.memory_model`.
 
+Sequence chunks (``split="sequence"``, ``--oases-split sequence``): the two sub-batches are the
+first and second half of every sample's sequence, so a micro-batch of one sample is split too. A
+chunk is costed as half the samples (GEMMs, collectives and memory scale with tokens) except core
+attention: chunk c computes (s/2)×((c+1)·s/2) scores per sample, so the earlier chunk's core
+attention costs half of a half-sample's, the later one's the same (:func:`_core_scale`). The
+runtime runs chunks with uniform TMP only, so every layer is planned at ``T`` (a prediction, as
+under SP).
+
 This module checks the batch, degree and pin arguments against the profile and turns the profile's
 timings into tables; the time and memory models themselves do not read arguments.
 """
@@ -50,6 +58,7 @@ from ..recompute_settings import RECOMPUTE_MODES, SELECTIVE_MODES
 from ..validation import (
     RECOMPUTE_SCHEDULES,
     SPLIT_SCHEDULES,
+    SPLITS,
     check_schedule,
     check_schedule_recompute,
 )
@@ -99,10 +108,45 @@ def _recomputed_layers(recompute, recompute_layers, L):
     return recompute_layers
 
 
-def _subs(n, split):
+def _subs(n, split, chunks=False):
+    """Samples per sub-batch; sequence ``chunks`` carry all ``n`` samples over half the tokens,
+    costed as ``n/2`` samples (:func:`_core_scale` corrects core attention)."""
     if not split:
         return [n]
+    if chunks:
+        return [n / 2, n / 2]
     return [n - n // 2, n // 2]
+
+
+def _core_scale(sub, chunks):
+    """Core attention of sub-batch ``sub`` relative to that of its sample count at full length:
+    sequence chunk c computes (s/2)×((c+1)·s/2) scores per sample, i.e. (c+1)/2 of the s×s
+    square of ``s/2`` tokens' worth of samples (stock and batch sub-batches compute the square)."""
+    return (sub + 1) / 2 if chunks else 1.0
+
+
+def _sequence_split_degrees(profile, schedule, degrees, sequence_parallel):
+    """``[T]``: sequence chunks run with uniform TMP only (the runtime refuses ``--oases-plan``
+    with ``--oases-split sequence``), so, as under SP, the result is that setting's prediction."""
+    if schedule not in SPLIT_SCHEDULES:
+        raise OasesConfigError(
+            f"--split sequence cuts micro-batches into sub-batches, which --schedule {schedule} "
+            "does not; use --schedule overlap, cross-pass or oases, or drop --split"
+        )
+    if sequence_parallel:
+        raise OasesConfigError(
+            "--split sequence does not support --sequence-parallel (neither does the runtime); "
+            "drop one of them"
+        )
+    T = profile.tp
+    if degrees and sorted(set(int(d) for d in degrees)) != [T]:
+        raise OasesConfigError(
+            f"--split sequence plans every layer at T={T} (the runtime runs sequence chunks with "
+            f"uniform TMP only); drop --degrees or pass --degrees {T}"
+        )
+    if profile.shape["seq_length"] < 2:
+        raise OasesConfigError("--split sequence needs a sequence of at least 2 tokens")
+    return [T]
 
 
 def build_problem(
@@ -125,6 +169,7 @@ def build_problem(
     stage=0,
     sequence_parallel=False,
     recompute_layers=None,
+    split="batch",
 ):
     """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.formats.profile.Profile`).
 
@@ -137,8 +182,12 @@ def build_problem(
     ``--sequence-parallel``; every layer at degree ``T`` (:func:`_sequence_parallel_degrees`).
     ``recompute_layers``: with ``recompute="full"``, Megatron's ``--recompute-method block
     --recompute-num-layers N``: only each stage's first N layers are recomputed, the others keep
-    their activations (as the runtime does: their backward comes first, before any recompute)."""
+    their activations (as the runtime does: their backward comes first, before any recompute).
+    ``split``: ``"sequence"`` for sub-batches of sequence chunks (``--oases-split sequence``;
+    uniform degree ``T``, :func:`_sequence_split_degrees`)."""
     check_schedule(schedule, source="--schedule")
+    if split not in SPLITS:
+        raise OasesConfigError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
     recompute = recompute_mode(recompute, source="--recompute")
     if recompute in SELECTIVE_MODES and schedule in RECOMPUTE_SCHEDULES:
         raise OasesConfigError(
@@ -179,8 +228,11 @@ def build_problem(
     # P − s micro-batches' activations alive
     repeats = microbatches + pp - 1
     in_flight = min(pp - stage, microbatches)
-    split = schedule in SPLIT_SCHEDULES
+    chunks = split == "sequence"
+    halves = schedule in SPLIT_SCHEDULES  # each micro-batch runs as two sub-batches
     available = profile.degrees
+    if chunks:
+        degrees = _sequence_split_degrees(profile, schedule, degrees, sequence_parallel)
     if sequence_parallel:
         degrees = _sequence_parallel_degrees(profile, degrees)
     cand = sorted(int(d) for d in (degrees or available))
@@ -192,10 +244,14 @@ def build_problem(
     usable, why = [], []
     for d in cand:
         n = m * d / T
-        if n != int(n) or n < (2 if split and not allow_unsplit else 1):
+        if n != int(n) or n < (2 if halves and not chunks and not allow_unsplit else 1):
             why.append(
                 f"degree {d} gives {n:g} samples per group per micro-batch"
-                + (" (needs ≥ 2 to split; see allow_unsplit)" if split and n == 1 else "")
+                + (
+                    " (needs ≥ 2 to split; see allow_unsplit)"
+                    if halves and not chunks and n == 1
+                    else ""
+                )
             )
             continue
         usable.append(d)
@@ -216,7 +272,7 @@ def build_problem(
         return [profile.compute_time(block, phase, d, n) if n else 0.0 for n in sizes]
 
     # per-degree tables: [sub][k]
-    sizes = {d: _subs(m * d // T, split) for d in degs}
+    sizes = {d: _subs(m * d // T, halves, chunks) for d in degs}
     S = len(next(iter(sizes.values())))
     tab = {}
     for block in ("attention", "mlp"):
@@ -232,15 +288,22 @@ def build_problem(
     F = {b: tab[b, "forward_s"] for b in ("attention", "mlp")}
     R = {b: tab[b, "recompute_s"] for b in ("attention", "mlp")}
     B = {b: tab[b, "backward_s"] for b in ("attention", "mlp")}
+    # core attention's forward seconds per sub-batch: at full length, and as it runs
+    square = np.array(
+        [
+            [profile.core_attention_time(d, sizes[d][s]) if sizes[d][s] else 0.0 for d in degs]
+            for s in range(S)
+        ]
+    )
+    core = square * np.array([[_core_scale(s, chunks)] for s in range(S)])
+    if chunks:  # the earlier chunk's attention is cheaper (its backward: twice the forward)
+        F["attention"] = F["attention"] + core - square
+        R["attention"] = R["attention"] + core - square
+        B["attention"] = B["attention"] + 2 * (core - square)
     # core attention's forward runs again inside its backward (the norms' recomputation under
     # selective+ln is not costed: memory-bound and small, 0.3 % of an iteration on the testbed)
     if recompute in SELECTIVE_MODES:
-        B["attention"] = B["attention"] + np.array(
-            [
-                [profile.core_attention_time(d, sizes[d][s]) if sizes[d][s] else 0.0 for d in degs]
-                for s in range(S)
-            ]
-        )
+        B["attention"] = B["attention"] + core
 
     fc, rc, bc = comm["forward"], comm["recompute"], comm["backward"]
     forward = [[]]
@@ -308,6 +371,7 @@ def build_problem(
         distributed_optimizer=distributed_optimizer,
         sequence_parallel=sequence_parallel,
         recompute_layers=N,
+        split=split,
     )
     mem_add = parts["state"] + parts["saved"]
     mem_rt = parts["runtime"]
@@ -362,7 +426,7 @@ def build_problem(
     return ChainProblem(
         degrees=degs,
         num_layers=L,
-        subs=2 if split else 1,
+        subs=2 if halves else 1,
         forward=forward,
         backward=backward,
         gather_fwd=gather,
@@ -388,6 +452,7 @@ def build_problem(
             # Megatron's --recompute-num-layers under the block method (None: every layer or none)
             "recompute_num_layers": N if recompute == "full" and N < L else None,
             "sequence_parallel": bool(sequence_parallel),
+            "split": split,
             "tensor_model_parallel_size": T,
             "data_parallel_size": D,
             "global_batch_size": int(global_batch_size),
@@ -398,7 +463,7 @@ def build_problem(
             "in_flight_microbatches": in_flight,
             "total_layers": total_layers,
             "excluded_degrees": why,
-            "unsplit_degrees": [d for d in degs if split and m * d // T < 2],
+            "unsplit_degrees": [d for d in degs if halves and not chunks and m * d // T < 2],
             "distributed_optimizer": bool(distributed_optimizer),
             "memory_parts": parts,
             "fixed_memory_parts": fixed_parts,

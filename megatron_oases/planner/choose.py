@@ -16,10 +16,16 @@ Full recomputation is also planned per layer where it pays: Megatron's ``--recom
 activations. Fewer recomputed layers cost less time and more memory (or, to fit, higher degrees: more
 communication), so for each schedule every N that fits is planned and the fastest is kept (one
 entry per schedule in ``alternatives``).
+
+Each overlapped setting is also planned with sub-batches of sequence chunks (``--oases-split
+sequence``, every layer at T): the only split of a micro-batch of one sample, and a lighter one
+where causal attention is a large share (the earlier chunk attends to half as many keys).
+``split`` restricts the search to one kind.
 """
 
 from ..errors import OasesConfigError
 from ..recompute_settings import RECOMPUTE_ARGV, block_argv
+from ..validation import SPLIT_SCHEDULES, SPLITS
 from .api import NoPlanFits, make_plan
 from .build import recompute_label, recompute_mode
 
@@ -40,37 +46,61 @@ SETTINGS = (
 RECOMPUTE_FLAGS = {mode: " ".join(argv) for mode, argv in RECOMPUTE_ARGV.items()}
 
 
-def launch_flags(schedule, recompute, recompute_num_layers=None):
+def launch_flags(schedule, recompute, recompute_num_layers=None, split="batch"):
     """The flags that select ``schedule`` with Megatron's ``recompute`` setting (``"none"``,
     ``"selective"``, ``"selective+ln"``, ``"full"``; a bool is the older form: True full, False none);
-    ``recompute_num_layers``: full recompute of only each stage's first that many layers."""
+    ``recompute_num_layers``: full recompute of only each stage's first that many layers;
+    ``split``: ``"sequence"`` adds ``--oases-split sequence``."""
     if recompute_num_layers is not None:
         flags = " ".join(block_argv(recompute_num_layers))
     else:
         flags = RECOMPUTE_FLAGS[recompute_mode(recompute)]
+    if split == "sequence":
+        flags = f"{flags} --oases-split sequence".strip()
     return f"--oases-schedule {schedule}" + (f" {flags}" if flags else "")
 
 
-def setting_name(schedule, recompute, recompute_num_layers=None):
+def setting_name(schedule, recompute, recompute_num_layers=None, split="batch"):
     """``"overlap (selective recompute)"``: a setting as the table and messages name it."""
+    chunks = ", sequence chunks" if split == "sequence" else ""
     if recompute_num_layers is not None:
-        return f"{schedule} (full recompute, first {recompute_num_layers} layers)"
-    return f"{schedule} ({recompute_label(recompute)} recompute)"
+        return f"{schedule} (full recompute, first {recompute_num_layers} layers{chunks})"
+    return f"{schedule} ({recompute_label(recompute)} recompute{chunks})"
 
 
-def choose_plan(profile, **kwargs):
-    """Plan every setting of :data:`SETTINGS`; returns (plan, problem, solution) of the fastest
-    that fits. ``kwargs``: :func:`.api.make_plan`'s, without ``schedule`` and ``recompute``."""
+def _setting(entry):
+    """(schedule, recompute, recompute_num_layers, split) of an ``alternatives`` entry."""
+    return (
+        entry["schedule"],
+        entry["recompute"],
+        entry.get("recompute_num_layers"),
+        entry.get("split", "batch"),
+    )
+
+
+def choose_plan(profile, split=None, **kwargs):
+    """Plan every setting of :data:`SETTINGS` (the overlapped ones with each ``split`` kind, both
+    when None); returns (plan, problem, solution) of the fastest that fits. ``kwargs``:
+    :func:`.api.make_plan`'s, without ``schedule``, ``recompute`` and ``split``."""
+    if split is not None and split not in SPLITS:
+        raise OasesConfigError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
     best, tried = None, []
 
-    def attempt(schedule, recompute, layers=None):
+    def attempt(schedule, recompute, layers=None, kind="batch"):
         """(entry for ``tried``, result or None where it does not fit) of one setting."""
         entry = {"schedule": schedule, "recompute": recompute}
         if layers is not None:
             entry["recompute_num_layers"] = layers
+        if kind != "batch":
+            entry["split"] = kind
         try:
             result = make_plan(
-                profile, schedule=schedule, recompute=recompute, recompute_layers=layers, **kwargs
+                profile,
+                schedule=schedule,
+                recompute=recompute,
+                recompute_layers=layers,
+                split=kind,
+                **kwargs,
             )
         except OasesConfigError as exc:  # does not fit, or cannot split this micro-batch
             need = exc.need_gb if isinstance(exc, NoPlanFits) else None
@@ -85,17 +115,19 @@ def choose_plan(profile, **kwargs):
         return entry, result
 
     for schedule, recompute in SETTINGS:
-        entry, result = attempt(schedule, recompute)
-        found = [(entry, result)]
-        if result is not None and recompute == "full":
-            found += _block_settings(attempt, schedule, result[1].num_layers)
-        for entry, result in found:
-            tried.append(entry)
-            t = entry.get("iteration_time_s")
-            if result is not None and (
-                best is None or t < best[0]["predicted"]["iteration_time_s"]
-            ):
-                best = result
+        kinds = ("batch", "sequence") if schedule in SPLIT_SCHEDULES else ("batch",)
+        for kind in kinds if split is None else [k for k in kinds if k == split]:
+            entry, result = attempt(schedule, recompute, kind=kind)
+            found = [(entry, result)]
+            if result is not None and recompute == "full":
+                found += _block_settings(attempt, schedule, result[1].num_layers, kind)
+            for entry, result in found:
+                tried.append(entry)
+                t = entry.get("iteration_time_s")
+                if result is not None and (
+                    best is None or t < best[0]["predicted"]["iteration_time_s"]
+                ):
+                    best = result
     if best is None:
         needs = [t for t in tried if t["need_gb"] is not None]
         if not needs:
@@ -104,25 +136,25 @@ def choose_plan(profile, **kwargs):
         raise NoPlanFits(
             f"no schedule and recompute setting fits in {kwargs.get('memory_gb')} GB; the "
             f"smallest memory that fits is {t['need_gb']:.2f} GB "
-            f"({launch_flags(t['schedule'], t['recompute'], t.get('recompute_num_layers'))})",
+            f"({launch_flags(*_setting(t))})",
             need_gb=t["need_gb"],
         )
     plan = best[0]
     plan["alternatives"] = tried
     plan["launch_flags"] = launch_flags(
-        plan["schedule"], plan["recompute"], plan.get("recompute_num_layers")
+        plan["schedule"], plan["recompute"], plan.get("recompute_num_layers"), plan["split"]
     )
     return best
 
 
-def _block_settings(attempt, schedule, L):
+def _block_settings(attempt, schedule, L, kind):
     """The fastest block-recompute setting of ``schedule`` that fits, as ``[(entry, result)]``
     (empty if none does). Each N from L−1 down is planned until one does not fit: fewer
     recomputed layers need more memory, so no smaller N fits either. Fewer is not always faster:
     to fit, the planner may have to raise some layers' degrees (more communication)."""
     fastest = None
     for n in range(L - 1, 0, -1):
-        entry, result = attempt(schedule, "full", n)
+        entry, result = attempt(schedule, "full", n, kind)
         if result is None:
             break
         if fastest is None or entry["iteration_time_s"] < fastest[0]["iteration_time_s"]:
@@ -137,9 +169,7 @@ def alternatives_table(plan):
         plan.get("alternatives", ()),
         key=lambda t: (not t["fits"], t.get("iteration_time_s", 0.0)),
     )
-    names = [
-        setting_name(t["schedule"], t["recompute"], t.get("recompute_num_layers")) for t in rows
-    ]
+    names = [setting_name(*_setting(t)) for t in rows]
     w = max([32] + [len(n) for n in names])
     lines = [f"{'setting':<{w}} iteration ms  peak GB/rank  degrees"]
     for name, t in zip(names, rows):

@@ -6,6 +6,7 @@ oases plan ... --schedule overlap --recompute selective    # or --schedule auto:
 oases plan ... --schedule oases --recompute-num-layers 20  # recompute only the first 20 layers
 oases plan --profile profile.json --evaluate plan.json     # re-predict an (edited) plan
 oases plan --profile sp-profile.json --global-batch-size 128 --sequence-parallel  # uniform T
+oases plan ... --micro-batch-size 1 --schedule overlap --split sequence   # chunks, uniform T
 """
 
 import argparse
@@ -14,7 +15,7 @@ import sys
 
 from ..errors import OasesConfigError
 from ..recompute_settings import RECOMPUTE_MODES
-from ..validation import SCHEDULES
+from ..validation import SCHEDULES, SPLITS
 from .build import build_problem, recompute_label, recompute_mode
 from .ilp import DEFAULT_TIME_LIMIT_S
 from .prediction import predict
@@ -96,6 +97,16 @@ def build_parser():
         "and s/T activations. The runtime supports it with uniform TMP only, so every layer is "
         "planned at T and the result is that plan's prediction (time, memory, fits); needs a "
         "profile made with `oases profile --sequence-parallel`",
+    )
+    p.add_argument(
+        "--split",
+        choices=SPLITS,
+        default=None,
+        help="how the overlapped schedules cut a micro-batch into two sub-batches (the runtime's "
+        "--oases-split): batch (samples; the default) or sequence (the first and second half of "
+        "every sample's tokens, so a micro-batch of one sample splits too; every layer at T, "
+        "as the runtime runs chunks with uniform TMP only). --schedule auto plans both unless "
+        "this is given",
     )
     p.add_argument(
         "--allow-unsplit",
@@ -186,6 +197,7 @@ def _evaluate(args):
         num_layers=len(plan["degrees"]),
         grad_sync=args.grad_sync,
         sequence_parallel=plan.get("sequence_parallel", args.sequence_parallel),
+        split=plan.get("split") or args.split or "batch",
     )
     problem = build_problem(profile, global_batch_size=gbs, **common)  # pipeline stage 0
     ks = problem.index(plan["degrees"][: problem.num_layers])
@@ -199,6 +211,7 @@ def _evaluate(args):
         **common,
     )
     sp = ", sequence parallel" if common["sequence_parallel"] else ""
+    sp += ", sequence chunks" if common["split"] == "sequence" else ""
     print(
         f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule}, "
         f"{recompute_label(recompute, common['recompute_layers'])} recompute{sp})"
@@ -250,10 +263,13 @@ def main(argv):
         flag = "--no-recompute" if args.no_recompute else "--recompute"
         flag = "--recompute-num-layers" if args.recompute_num_layers else flag
         raise OasesConfigError(f"--schedule auto chooses the recompute setting; drop {flag}")
-    setting = {}
+    setting = {"split": args.split}
     if args.schedule != "auto":
         setting = dict(
-            schedule=args.schedule, recompute=recompute, recompute_layers=args.recompute_num_layers
+            schedule=args.schedule,
+            recompute=recompute,
+            recompute_layers=args.recompute_num_layers,
+            split=args.split or "batch",
         )
     try:
         plan, problem, sol = (choose_plan if args.schedule == "auto" else make_plan)(

@@ -98,6 +98,8 @@ def explanation_table(problem, ks, result=None, decomposition=None, max_rows=Non
             why = "only one candidate degree"
             if problem.meta.get("sequence_parallel"):
                 why = "--sequence-parallel: every layer at T (the runtime's SP is uniform TMP)"
+            elif problem.meta.get("split") == "sequence":
+                why = "--split sequence: every layer at T (the runtime's chunks are uniform TMP)"
             tail = f"{'—':>9} {'':>8}  {why}"
         else:
             tail = f"{up['degree']:>9} {up['delta_s'] * 1e3:>+8.2f}  {up['why']}"
@@ -171,6 +173,13 @@ def summary(plan):
             f"sequence parallelism: every layer at T={T} (the runtime runs SP with uniform TMP "
             f"only); this is the prediction for --tensor-model-parallel-size {T} "
             f"--sequence-parallel --oases-schedule {plan['schedule']}, without --oases-plan"
+        )
+    if plan.get("split") == "sequence":
+        T = plan["tensor_model_parallel_size"]
+        lines.append(
+            f"sequence chunks: every layer at T={T} (the runtime runs --oases-split sequence with "
+            f"uniform TMP only); this is the prediction for --tensor-model-parallel-size {T} "
+            f"--oases-schedule {plan['schedule']} --oases-split sequence, without --oases-plan"
         )
     if plan.get("speedup"):
         lines.append(

@@ -32,6 +32,13 @@ does): ``g = hidden·(1 − 1/d)`` per sample more, for every block without reco
 the recomputed layer's two blocks (cross-pass/overlap) or the one recomputed block (``oases``) in
 the runtime term.
 
+Sequence chunks (``split="sequence"``): a chunk holds all ``n`` samples over half the tokens, so
+its working set is that of ``n/2`` samples (the later chunk's scores, (s/2)×s, are half a sample's
+square); the two chunks' saved core-attention bytes are 1/4 + 1/2 of stock's square, and the two
+chunks' backward working sets interleave (``2 × working set(n/2)``). Under full recomputation the
+earlier chunk's keys and values are kept from forward for the later chunk's attention
+(:func:`~megatron_oases.formats.profile.key_value_bytes` × n/2).
+
 Separate from :mod:`.build` (which also costs time) because these terms read only the profile's
 memory section, and :func:`memory_breakdown` explains a plan's peak from them.
 """
@@ -39,6 +46,7 @@ memory section, and :func:`memory_breakdown` explains a plan's peak from them.
 import numpy as np
 
 from ..errors import OasesConfigError
+from ..formats.profile import key_value_bytes
 from ..recompute_settings import SELECTIVE_MODES
 from ..validation import SPLIT_SCHEDULES
 
@@ -55,13 +63,15 @@ def memory_parts(
     distributed_optimizer,
     sequence_parallel=False,
     recompute_layers=None,
+    split="batch",
 ):
     """Eq. (6)'s terms in bytes per rank for candidate degrees ``degs``: ``(parts, fixed_parts)``
     with ``parts[name]`` an (L, K) array for ``state`` and ``saved`` (additive over layers) and
     ``runtime`` (max over layers), and ``fixed_parts`` the degree-independent bytes. ``in_flight``
     micro-batches keep their saved activations alive (1F1B); ``recompute``: ``"none"``,
     ``"selective"``, ``"selective+ln"`` or ``"full"``; ``sequence_parallel``: SP-sized terms (module docstring);
-    ``recompute_layers``: with ``full``, only the first that many layers are recomputed (block).
+    ``recompute_layers``: with ``full``, only the first that many layers are recomputed (block);
+    ``split``: ``"sequence"`` for sub-batches of sequence chunks (module docstring).
     """
     if recompute == "full" and recompute_layers is not None and recompute_layers < num_layers:
         kw = dict(
@@ -71,6 +81,7 @@ def memory_parts(
             in_flight=in_flight,
             distributed_optimizer=distributed_optimizer,
             sequence_parallel=sequence_parallel,
+            split=split,
         )
         parts, fixed_parts = memory_parts(profile, degs, recompute="full", **kw)
         kept, _ = memory_parts(profile, degs, recompute="none", **kw)
@@ -87,7 +98,8 @@ def memory_parts(
         return parts, fixed_parts
     T, D = profile.tp, profile.dp
     L, K, m = num_layers, len(degs), micro_batch
-    split = schedule in SPLIT_SCHEDULES
+    halves = schedule in SPLIT_SCHEDULES  # each micro-batch runs as two sub-batches
+    chunks = halves and split == "sequence"
     mem = profile.data["memory"]
     ckpt = mem["checkpoint_bytes_per_sample"]
     if distributed_optimizer:
@@ -109,32 +121,46 @@ def memory_parts(
     for k, d in enumerate(degs):
         n = m * d // T
         sp = _SequenceParallel(profile, d, sequence_parallel)
+        # one sub-batch: half the samples, or (sequence chunks) all samples over half the tokens,
+        # which costs half the samples' bytes except in core attention (below)
+        h = n / 2 if chunks else -(-n // 2)
         act = sp.activation(n)
-        peak = max(act, sp.runtime_peak(n))
+        transient = max(0.0, sp.runtime_peak(n) - act)
+        core_saved = core_live = min(act, profile.core_attention_activation(d, n))
+        kv_kept = 0.0
+        if chunks:
+            # chunk c's scores are (s/2)×((c+1)·s/2): 1/4 and 1/2 of the s×s square stock
+            # computes; the later chunk's half is what its backward holds. Two chunks' backward
+            # working sets interleave; the earlier chunk's keys and values outlive its forward.
+            act -= core_live / 4
+            core_saved, core_live = core_live * 3 / 4, core_live / 2
+            transient = 2 * max(0.0, sp.runtime_peak(h) - sp.activation(h))
+            kv_kept = key_value_bytes(profile.shape, d, profile.dtype_bytes) * n / 2
+        peak = act + transient
         if recompute in ("none",) + SELECTIVE_MODES:
             # core attention's intermediates, recomputed in backward: off the saved activations,
-            # back in the working set of the layer being back-propagated
+            # back in the working set of the layer being back-propagated (one chunk's at a time)
             core = norms = 0.0
             if recompute in SELECTIVE_MODES:
-                core = min(act, profile.core_attention_activation(d, n))
+                core = core_saved
             if recompute == "selective+ln":  # the two norms' outputs, one live again in backward
                 norms = 2 * float(ckpt["layer_input"]) / sp.divisor * n
             # the overlapped schedules' per-block graphs hold each gathered column input
-            saved = act - core - norms + (2 * sp.gathered * n if split else 0.0)
-            runtime = peak - act + core + norms / 2
+            saved = act - core - norms + (2 * sp.gathered * n if halves else 0.0)
+            runtime = transient + (core_live if core else 0.0) + norms / 2
         elif schedule == "oases":
             # block-wise recomputation, one sub-batch at a time (R_j+B_j of sub-batch 0, then of
             # sub-batch 1): one block's activations of one sub-batch are live at a time
-            saved = float(ckpt["block_inputs"]) / sp.divisor * n
-            runtime = sp.block_runtime_peak(-(-n // 2)) or peak
+            saved = float(ckpt["block_inputs"]) / sp.divisor * n + kv_kept
+            runtime = sp.block_runtime_peak(h) or peak
             runtime += sp.gathered * n
         else:
-            saved, runtime = float(ckpt["layer_input"]) / sp.divisor * n, peak
-            runtime += 2 * sp.gathered * n if split else 0.0
-        if split and recompute == "full":
+            saved = float(ckpt["layer_input"]) / sp.divisor * n + kv_kept
+            runtime = peak + (2 * sp.gathered * n if halves else 0.0)
+        if halves and recompute == "full" and (schedule == "oases" or not chunks):
             # the two sub-batches' backward passes interleave: one sub-batch's backward working
-            # set (gradients in flight, weight-gradient temporaries) is live on top
-            h = -(-n // 2)
+            # set (gradients in flight, weight-gradient temporaries) is live on top (chunks:
+            # already in the layer's working set above, except under block-wise recomputation)
             runtime += max(0.0, sp.runtime_peak(h) - sp.activation(h))
         parts["state"][:, k] = state_bytes(d)
         parts["saved"][:, k] = saved * in_flight
