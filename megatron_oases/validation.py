@@ -93,12 +93,15 @@ def sub_batches(args):
     return n
 
 
+def check_split(kind, source="--oases-split"):
+    if kind not in SPLITS:
+        raise OasesConfigError(f"{source} {kind!r}: choose one of {', '.join(SPLITS)}")
+    return kind
+
+
 def split_kind(args):
     """``--oases-split``, checked."""
-    kind = getattr(args, "oases_split", "batch") or "batch"
-    if kind not in SPLITS:
-        raise OasesConfigError(f"--oases-split {kind!r}: choose one of {', '.join(SPLITS)}")
-    return kind
+    return check_split(getattr(args, "oases_split", "batch") or "batch")
 
 
 def check_sequence_split(args, plan=None):

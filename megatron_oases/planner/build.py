@@ -58,9 +58,9 @@ from ..recompute_settings import RECOMPUTE_MODES, SELECTIVE_MODES
 from ..validation import (
     RECOMPUTE_SCHEDULES,
     SPLIT_SCHEDULES,
-    SPLITS,
     check_schedule,
     check_schedule_recompute,
+    check_split,
 )
 from .block_comm import block_comm
 from .memory_model import memory_parts
@@ -186,8 +186,7 @@ def build_problem(
     ``split``: ``"sequence"`` for sub-batches of sequence chunks (``--oases-split sequence``;
     uniform degree ``T``, :func:`_sequence_split_degrees`)."""
     check_schedule(schedule, source="--schedule")
-    if split not in SPLITS:
-        raise OasesConfigError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
+    check_split(split, source="--split")
     recompute = recompute_mode(recompute, source="--recompute")
     if recompute in SELECTIVE_MODES and schedule in RECOMPUTE_SCHEDULES:
         raise OasesConfigError(

@@ -25,7 +25,7 @@ where causal attention is a large share (the earlier chunk attends to half as ma
 
 from ..errors import OasesConfigError
 from ..recompute_settings import RECOMPUTE_ARGV, block_argv
-from ..validation import SPLIT_SCHEDULES, SPLITS
+from ..validation import SPLIT_SCHEDULES, check_split
 from .api import NoPlanFits, make_plan
 from .build import recompute_label, recompute_mode
 
@@ -82,8 +82,8 @@ def choose_plan(profile, split=None, **kwargs):
     """Plan every setting of :data:`SETTINGS` (the overlapped ones with each ``split`` kind, both
     when None); returns (plan, problem, solution) of the fastest that fits. ``kwargs``:
     :func:`.api.make_plan`'s, without ``schedule``, ``recompute`` and ``split``."""
-    if split is not None and split not in SPLITS:
-        raise OasesConfigError(f"--split {split!r}: choose one of {', '.join(SPLITS)}")
+    if split is not None:
+        check_split(split, source="--split")
     best, tried = None, []
 
     def attempt(schedule, recompute, layers=None, kind="batch"):
