@@ -205,6 +205,24 @@ def test_embedding_and_output_collectives_are_overlapped(traces, schedule):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["oases", "cross-pass", "overlap"])
+def test_loss_collectives_are_overlapped(traces, schedule):
+    """The vocab-parallel cross-entropy's reductions (the max, then both sums in one collective)
+    run per sub-batch, asynchronously, inside the programs (:mod:`megatron_oases.schedule.loss`):
+    each of the first sub-batch's behind the second's compute (its output layer, then its
+    softmax). Stock blocks on three all-reduces per micro-batch."""
+    computes = lambda t: [e for e in t["traceEvents"] if e["cat"] == "compute"]  # noqa: E731
+    for trace in traces[schedule]:
+        comms = end_comms(trace, "output", "forward")
+        assert sorted(e["args"]["sub_batch"] for e in comms) == [0] * 4 + [1] * 4  # 2 micro-b.
+        first = [e for e in comms if e["args"]["sub_batch"] == 0]
+        # per [s=16, b=1] sub-batch: the fp32 max, then the two sums stacked
+        assert [e["args"]["bytes"] for e in first] == [16 * 4, 2 * 16 * 4] * 2
+        for e in first:
+            assert overlapped_by_other(e, computes(trace)), e
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["oases", "cross-pass", "overlap", "overlap-recompute"])
 def test_input_gradient_all_reduce_starts_before_the_weight_gradient(traces, schedule):
     """Each column-parallel linear's input-gradient all-reduce (every block's backward collective

@@ -207,3 +207,22 @@ def test_sequence_split_matches_stock(config):
             stock = res["stock-" + setting if setting else "stock"]
             assert "oases-schedule" in res[name]["installed"]
             assert_matches(res[name], stock, f"{config} {name} rank {rank}")
+
+
+@pytest.mark.timeout(600)
+def test_fused_cross_entropy_runs_as_megatron_in_one_step():
+    """``--cross-entropy-loss-fusion`` (native): the loss is not the unfused vocab-parallel
+    cross-entropy the schedule cuts at its collectives (``schedule/loss.py``), so it runs as
+    Megatron's ``compute_language_model_loss`` in one op; loss and gradients still match stock's
+    (fused as well)."""
+    world, base = CONFIGS["gpt-tp2-pp1-mbs2"]
+    fused = "--cross-entropy-loss-fusion --cross-entropy-fusion-impl native "
+    variants = [
+        ("stock", fused + "--oases-schedule off"),
+        ("oases", fused + "--oases-schedule oases"),
+    ]
+    results = run_distributed(
+        variants_worker, world, base + " " + ITERS + NO_DROP + RECOMPUTE, variants, timeout=560
+    )
+    for rank, res in enumerate(results):
+        assert_matches(res["oases"], res["stock"], f"fused cross-entropy rank {rank}")

@@ -279,12 +279,17 @@ def test_stage_end_collectives_run_in_the_programs(traces, schedule):
     of its gradient (stock: the split's synchronous backward), the output layer's all-gather
     (forward) and reduce-scatter (backward). The second sub-batch's embedding reduce-scatter
     hides behind the first's compute; the first's embedding all-gather and output-layer
-    reduce-scatter behind the second's backward."""
+    reduce-scatter behind the second's backward; the first's loss all-reduces behind the
+    second's output layer and softmax."""
     for trace in traces[schedule]:
         computes = [e for e in trace["traceEvents"] if e["cat"] == "compute"]
         emb = end_comms(trace, "embedding", "forward")
         emb_grad = end_comms(trace, "embedding", "backward")
-        gather = end_comms(trace, "output", "forward")
+        out = end_comms(trace, "output", "forward")
+        gather = [e for e in out if "all_gather" in e["name"]]
+        loss = [e for e in out if "all_gather" not in e["name"]]  # the loss's max, then sums
+        assert sorted(e["args"]["sub_batch"] for e in loss) == [0] * 4 + [1] * 4
+        assert all("all_reduce" in e["name"] for e in loss), [e["name"] for e in loss]
         scatter = end_comms(trace, "output", "backward")
         for comms, kind in (
             (emb, "reduce_scatter"),
@@ -294,7 +299,7 @@ def test_stage_end_collectives_run_in_the_programs(traces, schedule):
         ):
             assert sorted(e["args"]["sub_batch"] for e in comms) == [0, 0, 1, 1], kind  # 2 mb
             assert all(kind in e["name"] for e in comms), [e["name"] for e in comms]
-        for comms, hidden_sub_batch in ((emb, 1), (emb_grad, 0), (scatter, 0)):
+        for comms, hidden_sub_batch in ((emb, 1), (emb_grad, 0), (scatter, 0), (loss, 0)):
             for e in comms:
                 if e["args"]["sub_batch"] == hidden_sub_batch:
                     assert overlapped_by_other(e, computes), e

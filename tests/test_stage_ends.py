@@ -50,7 +50,8 @@ def _run(program):
             if dist.get_world_size(op.group) == 1:
                 op.done(tensor)
                 continue
-            work, result = start_collective(op.kind, tensor, op.group)
+            reduce_op = dist.ReduceOp.SUM if op.reduce_op is None else op.reduce_op
+            work, result = start_collective(op.kind, tensor, op.group, reduce_op)
             work.wait()
             op.done(result())
         else:
@@ -118,6 +119,76 @@ def test_embedding_end_matches_autograd_with_sequence_parallel(positions, dropou
     from megatron_oases.launch import run_distributed
 
     assert run_distributed(_sequence_parallel_worker, 2, positions, dropout, timeout=100)
+
+
+def _cross_entropy_worker(vocab):
+    """One TP=2 rank: the loss's ops (:mod:`megatron_oases.schedule.loss`), run in program order
+    with each collective to completion, against Megatron's ``vocab_parallel_cross_entropy``:
+    the same per-token loss and logits gradient, bit for bit, with targets in both vocab shards."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_oases import platform
+    from megatron_oases.schedule.loss import cross_entropy_ops
+
+    platform.install_cpu_shims()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank, shard = group.rank(), vocab // 2
+    torch.manual_seed(3)  # the same full logits, targets and loss gradient on every rank
+    full = torch.randn(S, B, vocab) * 4
+    labels = torch.randint(0, vocab, (B, S))
+    grad = torch.randn(B, S)
+    local = full[..., rank * shard : (rank + 1) * shard].contiguous()
+    assert (labels < shard).any() and (labels >= shard).any()
+
+    ref_logits = local.clone().requires_grad_()
+    ref = tensor_parallel.vocab_parallel_cross_entropy(
+        ref_logits * 1.0, labels.transpose(0, 1).contiguous(), tp_group=group
+    ).transpose(0, 1)
+    ref.backward(grad)
+
+    logits = local.clone().requires_grad_()
+    got = []
+    ops = cross_entropy_ops(group, lambda: logits * 1.0, labels, got.append, block="output")
+    assert [type(op).__name__ for op in ops] == ["Compute", "Comm", "Compute", "Comm", "Compute"]
+    _run(ops)
+    (loss,) = got
+    assert loss.shape == (B, S) and torch.equal(loss, ref.detach()), max_rel_diff(loss, ref)
+    loss.backward(grad)
+    assert torch.equal(logits.grad, ref_logits.grad), max_rel_diff(logits.grad, ref_logits.grad)
+    return True
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("vocab", [50, 64])
+def test_loss_ops_match_megatron_cross_entropy(vocab):
+    from megatron_oases.launch import run_distributed
+
+    assert run_distributed(_cross_entropy_worker, 2, vocab, timeout=100)
+
+
+def test_only_megatrons_unfused_loss_runs_in_steps():
+    """The steps reproduce ``vocab_parallel_cross_entropy`` only: a fused cross-entropy, a
+    model's own ``compute_language_model_loss`` or a single rank keep Megatron's loss in one op."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    from megatron_oases.schedule.loss import qualifies
+
+    class Model:
+        compute_language_model_loss = LanguageModule.compute_language_model_loss
+
+        def __init__(self, fusion):
+            self.config = types.SimpleNamespace(cross_entropy_loss_fusion=fusion)
+
+    class OwnLoss(Model):
+        def compute_language_model_loss(self, labels, logits):
+            return logits
+
+    two, one = types.SimpleNamespace(size=lambda: 2), types.SimpleNamespace(size=lambda: 1)
+    assert qualifies(Model(False), two)
+    assert not qualifies(Model(True), two)
+    assert not qualifies(OwnLoss(False), two)
+    assert not qualifies(Model(False), one)
 
 
 def _check_embedding_end(emb, sizes, dropout, kind="batch"):

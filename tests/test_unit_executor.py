@@ -42,12 +42,14 @@ class FakeDist:
         self.max_in_flight = 0
         self.fail_wait = False
         self.name_of = {}  # id(tensor) -> op name, set by the programs' get()
+        self.reductions = {}  # op name -> the reduction it was issued with
 
     def get_world_size(self, group=None):
         return group.size
 
-    def all_reduce(self, tensor, op=None, group=None, async_op=False):  # op: always a sum here
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):  # completes as a sum
         name = self.name_of[id(tensor)]
+        self.reductions[name] = op
         self.calls.append((name, group, async_op))
         self.log.append(("issue", name))
         work = FakeWork(self, tensor, name, group.size)
@@ -63,6 +65,30 @@ def fake(monkeypatch):
     monkeypatch.setattr(ex, "dist", d)
     monkeypatch.setattr(comm, "dist", d)
     return d
+
+
+def test_a_comm_passes_its_reduction(fake):
+    """The loss's max all-reduce (``reduce_op``) reaches ``torch.distributed`` as given; every
+    other collective is issued as a sum (the only reduction a column linear starts early)."""
+    import torch.distributed
+
+    g, got = FakeGroup(2), {}
+    keep = lambda name: lambda t: got.__setitem__(name, t)  # noqa: E731
+    tensors = {"max": torch.ones(1), "sum": torch.ones(1)}
+    for name, t in tensors.items():
+        fake.name_of[id(t)] = name
+    prog = [
+        Compute(lambda: None),
+        Comm(get=lambda: tensors["max"], done=keep("max"), group=g, reduce_op="MAX"),
+        Compute(lambda: None),
+        Comm(get=lambda: tensors["sum"], done=keep("sum"), group=g),
+        Compute(lambda: None),
+    ]
+    run_programs([prog])
+    assert fake.reductions == {"max": "MAX", "sum": torch.distributed.ReduceOp.SUM}
+    assert set(got) == {"max", "sum"}
+    with pytest.raises(AssertionError):
+        Comm(get=None, done=None, group=g, kind="all_gather", reduce_op="MAX")
 
 
 def program(fake, name, n_comms, group, state=None):

@@ -53,14 +53,16 @@ class Comm:
     """A ``kind`` collective of ``get()`` on ``group``: all-reduce in place, or all-gather /
     reduce-scatter along the sequence dim into a new tensor; ``done(result)`` runs when it has
     completed. An all-gather's ``get()`` may return a tuple of same-shaped tensors: they travel
-    in one collective, and ``done`` gets the tuple of gathered tensors."""
+    in one collective, and ``done`` gets the tuple of gathered tensors. ``reduce_op``: the
+    reduction of an all-reduce (None: a sum, which a column linear may have started early)."""
 
-    __slots__ = ("get", "done", "group", "kind", "labels")
+    __slots__ = ("get", "done", "group", "kind", "reduce_op", "labels")
 
-    def __init__(self, get, done, group, kind="all_reduce", **labels):
+    def __init__(self, get, done, group, kind="all_reduce", reduce_op=None, **labels):
         assert kind in KINDS, kind
+        assert reduce_op is None or kind == "all_reduce", kind
         self.get, self.done, self.group, self.kind = get, done, group, kind
-        self.labels = labels
+        self.reduce_op, self.labels = reduce_op, labels
 
 
 class _InFlight:
@@ -80,14 +82,15 @@ def _issue(sub_batch, op, tracer, early):
     if op.group is None or dist.get_world_size(op.group) == 1:
         return _InFlight(sub_batch, None, lambda: tensor, op)
     started = None
-    if early is not None and op.kind in ("all_reduce", "reduce_scatter"):
+    if early is not None and op.reduce_op is None and op.kind in ("all_reduce", "reduce_scatter"):
         started = early.take(tensor, scatter=op.kind == "reduce_scatter")
     if started is not None:  # Megatron's linear started it in the compute op before (see .comm)
         work, result = started
         return _InFlight(sub_batch, work, lambda: result, op)
     ctx = tracer.context(sub_batch=sub_batch, **op.labels) if tracer else contextlib.nullcontext()
     with ctx, torch.no_grad():
-        work, result = start_collective(op.kind, tensor, op.group)
+        reduce_op = {} if op.reduce_op is None else dict(op=op.reduce_op)
+        work, result = start_collective(op.kind, tensor, op.group, **reduce_op)
     return _InFlight(sub_batch, work, result, op)
 
 

@@ -6,7 +6,8 @@ before the first layer) and the output layer's input-gradient all-reduce (behind
 weight gradient only, which is small unless the vocabulary is large). A split micro-batch also ends
 each pass on its last sub-batch's all-reduce. With the ends inside each sub-batch's programs::
 
-    forward:  lookup_i ══all-reduce══▶ embedding_i → layers … ══all-reduce══▶ final ln → output → loss_i
+    forward:  lookup_i ══all-reduce══▶ embedding_i → layers … ══all-reduce══▶ final ln → output
+              → loss_i (its max and sums all-reduced between steps)
     backward: loss_i, output backward ══all-reduce══▶ final ln backward → layers … ══▶ embedding bwd_i
 
 the second sub-batch's embedding all-reduce runs behind the first sub-batch's first block, the
@@ -34,9 +35,11 @@ supplied to its reduction (:func:`.comm.supplied_reduction`); its backward re-ru
 the forward's RNG snapshot while deferring. The forward is affine in the lookup (add positions, scale,
 dropout), so the gradients are exact although the re-run's value is not reduced — the all-reduce's
 backward is the identity, as in Megatron. The output layer runs with its input-gradient all-reduce
-deferred (:mod:`.comm`), which the program issues; the loss is Megatron's
-``compute_language_model_loss`` per sub-batch. The output layer's graph is kept from forward to
-backward, as stock Megatron keeps it (no recomputation of the output layer).
+deferred (:mod:`.comm`), which the program issues. The loss is Megatron's vocab-parallel
+cross-entropy cut at its max and sum all-reduces (:mod:`.loss`), so those hide behind the other
+sub-batch too; any other loss is Megatron's ``compute_language_model_loss`` as one op. The output
+layer's graph is kept from forward to backward, as stock Megatron keeps it (no recomputation of
+the output layer).
 """
 
 import contextlib
@@ -44,6 +47,7 @@ import threading
 
 import torch
 
+from . import loss
 from .comm import cut_at_scatter, supplied_reduction
 from .executor import Comm, Compute
 from .regather import GradSink
@@ -195,25 +199,41 @@ class OutputEnd:
         one s·b·h tensor per sub-batch until backward."""
         return self.model.config.sequence_parallel
 
+    @property
+    def staged_loss(self):
+        """The loss is Megatron's unfused vocab-parallel cross-entropy: it runs as ops around its
+        collectives (:mod:`.loss`), so its all-reduces hide behind the other sub-batch."""
+        return loss.qualifies(self.model, self.group)
+
     def forward_ops(self, sb, anchor, grad_slot):
         """``anchor``: the schedule's grad anchor (:class:`.regather.GradSink`); the gradient of
         the layers' output lands in ``grad_slot(g)``."""
         labels = dict(**{"pass": "forward"}, **self.LABELS)
         norm = lambda: self._final_norm(sb, anchor, grad_slot)  # noqa: E731
-        logits = lambda: self._loss(sb, anchor, sb.end.pop("x"))  # noqa: E731
-        if not self.sequence_parallel:
-            return [Compute(lambda: (norm(), logits()), **labels)]
-        return [
-            Compute(norm, **labels),
-            Comm(
-                get=lambda: sb.end.pop("x").detach(),
-                done=lambda t: sb.end.__setitem__("x", t),
-                group=self.group,
-                kind="all_gather",
-                **labels,
-            ),
-            Compute(logits, **labels),
-        ]
+        ops = []
+
+        def head():  # the logits: final norm (under SP it ran before the gather), output layer
+            if not self.sequence_parallel:
+                norm()
+            return self._logits(sb, anchor)
+
+        if self.sequence_parallel:
+            ops = [
+                Compute(norm, **labels),
+                Comm(
+                    get=lambda: sb.end.pop("x").detach(),
+                    done=lambda t: sb.end.__setitem__("x", t),
+                    group=self.group,
+                    kind="all_gather",
+                    **labels,
+                ),
+            ]
+        deliver = lambda t: self._delivered(sb, t)  # noqa: E731
+        if self.staged_loss:
+            return ops + loss.cross_entropy_ops(
+                self.group, head, self.labels_of[sb.index], deliver, **labels
+            )
+        return ops + [Compute(lambda: deliver(self._stock_loss(sb, head())), **labels)]
 
     def _final_norm(self, sb, anchor, grad_slot):
         with torch.enable_grad():
@@ -222,10 +242,11 @@ class OutputEnd:
         sb.end["ln"], sb.end["x"] = ln, ln.detach()
         sb.output = None
 
-    def _loss(self, sb, anchor, gathered):
+    def _logits(self, sb, anchor):
+        """The output layer (and 0.19's logit scaling) on the final norm's output, [s, b, v/t]."""
         model = self.model
         with torch.enable_grad():
-            x = GradSink.apply(anchor, gathered, lambda g: sb.end.__setitem__("gout", g))
+            x = GradSink.apply(anchor, sb.end.pop("x"), lambda g: sb.end.__setitem__("gout", g))
             weight = None
             if model.share_embeddings_and_output_weights:
                 weight = model.shared_embedding_or_output_weight()
@@ -233,10 +254,15 @@ class OutputEnd:
                 x, weight=weight, runtime_gather_output=self.runtime_gather_output
             )
             scale = getattr(model, "_scale_logits", None)  # 0.19; checked at install time
-            if scale is not None:
-                logits = scale(logits)
-            loss = model.compute_language_model_loss(self.labels_of[sb.index], logits)
-        sb.end["loss"], sb.loss = loss, loss.detach()
+            return logits if scale is None else scale(logits)
+
+    def _stock_loss(self, sb, logits):
+        with torch.enable_grad():
+            return self.model.compute_language_model_loss(self.labels_of[sb.index], logits)
+
+    @staticmethod
+    def _delivered(sb, per_token):
+        sb.end["loss"], sb.loss = per_token, per_token.detach()
 
     def backward_ops(self, sb):
         """Loss and output-layer backward (input gradient unreduced), its all-reduce (under SP

@@ -38,6 +38,7 @@ from ..validation import SUB_BATCHES, split_kind, sub_batches
 from .blocks import LayerBlocks
 from .comm import make_all_reduce, make_column_forward, make_deferred_reduction, make_scatter
 from .engine import ScheduledLayers, ScheduledLayersFunction
+from .loss import check_megatron as check_cross_entropy
 from .stage import StageEnds
 
 logger = logging.getLogger(__name__)
@@ -222,6 +223,7 @@ def _stage_end_replacements(ends):
         require_call(GPTModel._postprocess, name)
     if hasattr(GPTModel, "_scale_logits"):
         require_call(GPTModel._postprocess, "self._scale_logits(")
+    check_cross_entropy()  # the loss's steps (.loss) are Megatron's cross-entropy
     require_symbol(LanguageModelEmbedding, "forward", parameters=("input_ids", "position_ids"))
     require_call(LanguageModelEmbedding.forward, "self.word_embeddings(input_ids)")
     # under SP the embedding's split, whose backward all-gather the schedule issues (.comm)
