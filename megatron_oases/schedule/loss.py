@@ -46,9 +46,12 @@ def check_megatron():
     require_symbol(ce, "_VocabParallelCrossEntropy", called_by=[ce.vocab_parallel_cross_entropy])
     forward = ce._VocabParallelCrossEntropy.forward
     helpers = ce.VocabParallelCrossEntropy
-    for name in ("calculate_logits_max", "calculate_predicted_logits"):
+    for name in (
+        "calculate_logits_max",
+        "calculate_predicted_logits",
+        "calculate_cross_entropy_loss",
+    ):
         require_symbol(helpers, name, called_by=[forward])
-    require_symbol(helpers, "calculate_cross_entropy_loss", called_by=[forward])
     require_call(forward, "ctx.save_for_backward(exp_logits, target_mask, masked_target_1d)")
     require_call(forward, "ctx.label_smoothing, ctx.vocab_size = label_smoothing, vocab_size")
 
