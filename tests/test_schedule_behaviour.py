@@ -14,6 +14,7 @@ from helpers.traces import (
 )
 
 from megatron_oases.launch import run_distributed
+from megatron_oases.schedule.engine import TAIL_PIECES
 
 BASE = (
     GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
@@ -122,8 +123,14 @@ def traces(tmp_path_factory):
     return traced_runs(BASE, variants, out)
 
 
-def _count(trace, pass_):
-    return sum(1 for e in block_comms(trace) if e["args"]["pass"] == pass_)
+def _count(trace, pass_, split=False):
+    """The pass's block collectives; for a split schedule, the forward's last block of the last
+    sub-batch counts once though it runs in TAIL_PIECES runs (see the next test)."""
+    events = [e for e in block_comms(trace) if e["args"]["pass"] == pass_]
+    if split and pass_ == "forward":
+        microbatches = len({e["args"]["microbatch"] for e in events})
+        return len(events) - microbatches * (TAIL_PIECES - 1)
+    return len(events)
 
 
 @pytest.mark.timeout(300)
@@ -138,7 +145,7 @@ def test_communication_accounting(traces):
         assert per_block == [1, 1, 1]  # 3 TMP all-reduces per block
     for rank_trace in traces["oases"]:
         per_block = [
-            _count(rank_trace, p) / (blocks * microbatches * sub_batches)
+            _count(rank_trace, p, split=True) / (blocks * microbatches * sub_batches)
             for p in ("forward", "recompute", "backward")
         ]
         assert per_block == [1, 0, 1]  # 2 per block: no all-reduce in recomputation
@@ -149,10 +156,42 @@ def test_communication_accounting(traces):
     ):
         for rank_trace in traces[name]:
             per_block = [
-                _count(rank_trace, p) / (blocks * microbatches * sub_batches)
+                _count(rank_trace, p, split=True) / (blocks * microbatches * sub_batches)
                 for p in ("forward", "recompute", "backward")
             ]
             assert per_block == expected, name
+
+
+@pytest.mark.timeout(300)
+def test_the_forward_ends_on_a_piece_of_the_last_block(traces):
+    """The forward's last collective is 1/TAIL_PIECES of a block's: the last sub-batch runs its
+    last MLP block in TAIL_PIECES runs of tokens and issues each run's all-reduce as soon as it
+    is computed (no other sub-batch's compute in between), the runs' bytes adding up to the
+    other sub-batch's one all-reduce of that block; the last run's all-reduce is in flight while
+    the other sub-batch computes (its output layer and loss)."""
+    for name in ("oases", "cross-pass", "overlap", "overlap-recompute", "oases-block"):
+        for trace in traces[name]:
+            computes = [e for e in trace["traceEvents"] if e["cat"] == "compute"]
+            forward = [e for e in block_comms(trace) if e["args"]["pass"] == "forward"]
+            for mb in {e["args"]["microbatch"] for e in forward}:
+                last = [
+                    e
+                    for e in forward
+                    if e["args"]["microbatch"] == mb
+                    and e["args"]["layer"] == 1
+                    and e["args"]["block"] == "mlp"
+                ]
+                whole = [e for e in last if e["args"]["sub_batch"] == 0]
+                runs = sorted(
+                    (e for e in last if e["args"]["sub_batch"] == 1), key=lambda e: e["ts"]
+                )
+                assert len(whole) == 1 and len(runs) == TAIL_PIECES, name
+                assert sum(e["args"]["bytes"] for e in runs) == whole[0]["args"]["bytes"], name
+                first, end = runs[0]["ts"], runs[-1]["ts"]
+                assert not [
+                    c for c in computes if c["args"]["sub_batch"] == 0 and first <= c["ts"] <= end
+                ], name
+                assert overlapped_by_other(runs[-1], computes), name
 
 
 @pytest.mark.timeout(300)

@@ -174,6 +174,59 @@ def test_collectives_queue_in_issue_order(fake):
         assert [e[0] for e in mine] == ["issue", "wait"] * 3
 
 
+def test_a_comm_that_does_not_switch_lets_its_sub_batch_go_on(fake):
+    """``Comm(switch=False)`` (a block's output in runs of tokens): the sub-batch issues it and
+    goes on with its next compute, switching only at its next ordinary collective; when it
+    resumes it takes all its results in issue order, each waited once, before its next compute
+    reads them."""
+    g, got = FakeGroup(2), {}
+    b, _ = program(fake, "b", 1, g)
+
+    def piece(name, value):
+        def get():
+            t = torch.full((2,), value)
+            fake.name_of[id(t)] = name
+            return t
+
+        def done(t):
+            fake.log.append(("done", name))
+            got[name] = t.clone()
+
+        return get, done
+
+    def step(name):
+        return Compute(lambda: fake.log.append(("compute", name)))
+
+    def read():
+        fake.log.append(("compute", "a-tail"))
+        got["seen"] = got["P0"] + got["P1"]
+
+    a = [step("a-run0")]
+    a.append(Comm(*piece("P0", 1.0), g, switch=False))
+    a.append(step("a-run1"))
+    a.append(Comm(*piece("P1", 2.0), g))
+    a.append(Compute(read))
+    run_programs([a, b])
+    assert fake.log == [
+        ("compute", "a-run0"),
+        ("issue", "P0"),
+        ("compute", "a-run1"),  # no switch: the same sub-batch goes on
+        ("issue", "P1"),
+        ("compute", "b0"),  # switched after P1: b hides both
+        ("issue", "B0"),
+        ("wait", "P0"),
+        ("done", "P0"),
+        ("wait", "P1"),
+        ("done", "P1"),
+        ("compute", "a-tail"),
+        ("wait", "B0"),
+        ("done", "B0"),
+        ("compute", "b1"),
+    ]
+    torch.testing.assert_close(got["seen"], torch.full((2,), 6.0))
+    assert [w.waits for w in fake.works] == [1, 1, 1]
+
+
 def test_results_are_waited_before_use(fake):
     """A compute after a comm sees the all-reduced value (the fake only reduces on wait)."""
     a, sa = program(fake, "a", 2, FakeGroup(3))

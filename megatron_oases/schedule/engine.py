@@ -45,12 +45,16 @@ import torch
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
 from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
-from .comm import EarlyReductions
+from .comm import EarlyReductions, deferred_tmp_comm
 from .executor import Comm, Compute, Interleave, run_programs
 from .regather import GradSink, shard_saved
 from .rng import replay as _rng
 from .rng import snapshot as _snapshot
 from .split import make_split
+
+#: Token runs the forward's last collective of a stage (the last sub-batch's last MLP block's
+#: all-reduce) is cut into, see :meth:`ScheduledLayers._pieces`.
+TAIL_PIECES = 4
 
 
 def _leaf(t):
@@ -79,8 +83,9 @@ def _backward_freed(outputs, grads):
 class SubBatch:
     """Everything one sub-batch carries through a micro-batch's forward and backward."""
 
-    def __init__(self, index, hidden, mask, rotary):
+    def __init__(self, index, hidden, mask, rotary, rows):
         self.index, self.input, self.mask, self.rotary = index, hidden, mask, rotary
+        self.rows = rows  # dim 0 (sequence) of its [s, b, h] hidden states
         self.H, self.Lout, self.P, self.B, self.R, self.hout = ({} for _ in range(6))
         self.G = {}  # sequence parallelism: the all-gathered ln output of block j
         self.buf, self.rng, self.gR, self.gL, self.gH = ({} for _ in range(5))
@@ -233,11 +238,13 @@ class ScheduledLayers:
             if end is not None:
                 end.split(split)
         with grad_ctx:
+            cut = split.hidden(hidden.detach())
             if self.embedding is None:
-                pieces = [self._as_input(p) for p in split.hidden(hidden.detach())]
+                pieces = [self._as_input(p) for p in cut]
             else:  # a placeholder: the embedding ops deliver each sub-batch's input
                 pieces = [None] * len(split.sizes)
-            self.sbs = [SubBatch(i, *a) for i, a in enumerate(zip(pieces, masks, rotary))]
+            rows = [p.size(0) for p in cut]
+            self.sbs = [SubBatch(i, *a) for i, a in enumerate(zip(pieces, masks, rotary, rows))]
             self._run(
                 [self._forward_program(sb) for sb in self.sbs], dict(microbatch=self.microbatch)
             )
@@ -254,6 +261,10 @@ class ScheduledLayers:
         if self.embedding is not None:
             ops += self.embedding.forward_ops(sb, lambda h: setattr(sb, "input", self._as_input(h)))
         for j in range(J):
+            n = self._tail_pieces(sb, j)
+            if n > 1:
+                ops += self._pieces(sb, j, n)
+                continue
             ops += self._to_main(
                 sb,
                 j,
@@ -290,7 +301,9 @@ class ScheduledLayers:
         out = sb.hout[j] = self.blocks.bda(j, R, sb.B[j], sb.H[j])
         return out
 
-    def _fwd_block(self, sb, j):
+    def _fwd_block(self, sb, j, main=None):
+        """bda_{j-1}, ln_j, then ``main`` on ln_j's output (default: main_j; under SP it runs
+        after the all-gather instead)."""
         if j == 0:
             H = sb.input
         else:
@@ -305,7 +318,7 @@ class ScheduledLayers:
                     sb.norm_checkpoint[j] = checkpoint
             else:
                 Lout = self.blocks.ln(j, H)
-            self._after_ln(sb, j, Lout, lambda x: self._fwd_main(sb, j, x))
+            self._after_ln(sb, j, Lout, main or (lambda x: self._fwd_main(sb, j, x)))
 
     def _fwd_main(self, sb, j, x):
         """main_j on its (gathered) input; the RNG snapshot is taken right before it, as the
@@ -326,6 +339,69 @@ class ScheduledLayers:
         if self._keeps(j):  # backward needs P's grad_fn only; its data goes to the reduction
             deallocate_output_tensor(P, deallocate_pipeline_outputs=P._base is None)
             sb.P[j] = P
+
+    def _tail_pieces(self, sb, j):
+        """Pieces block j of ``sb`` runs in forward: :data:`TAIL_PIECES` for the stage's last
+        block of the last sub-batch (the pass's last collective), one elsewhere. Not under SP:
+        a piece's reduce-scatter would not give a rank its own run of the sequence."""
+        last = self.blocks.num_blocks - 1
+        if self.sp or j != last or sb.index != len(self.sbs) - 1:
+            return 1
+        assert self.blocks.kind(j) == "mlp", j
+        return min(TAIL_PIECES, sb.rows)
+
+    def _pieces(self, sb, j, n):
+        """Forward ops of MLP block j on ``n`` runs of tokens, each run's all-reduce issued as
+        soon as its main op is done while the sub-batch goes on with the next run
+        (``Comm(switch=False)``), so the other sub-batch resumes only after the last run, as
+        for a whole block. The pass then ends on 1/n of the block's all-reduce, which the other
+        sub-batch's output layer and loss (or a stage's last bda) can hide: they are often
+        shorter than a whole one (a small vocabulary, a middle pipeline stage).
+
+        Exact because Megatron's MLP is per token and draws no random numbers (dropout is in
+        the bda): the runs' outputs joined are the block's, and a recomputation of the whole
+        block from the RNG snapshot taken before the first run gives the same values."""
+        keeps, runs, reduced = self._keeps(j), [], [None] * n
+
+        def start(x):  # ln_j's output
+            if keeps:
+                x = self._input(x, sb.gL, j)
+            else:
+                sb.rng[("main", j)] = _snapshot()
+            runs.extend(torch.tensor_split(x, n, dim=0))
+            piece(0)
+
+        def piece(i):
+            # A kept graph's fc1 must not start its input-gradient all-reduce in backward
+            # (.comm's early reductions): each run's would cover a slice of what the block's
+            # collective reduces. Switched off, the schedule reduces the joined gradient.
+            with torch.set_grad_enabled(keeps), deferred_tmp_comm(early=None):
+                P, sb.B[j] = self._main(sb, j, runs[i])
+            runs[i] = None
+            sb.buf[(j, i)] = P.detach()
+            if keeps:  # backward needs the runs' grad_fn only (see _fwd_main_op)
+                deallocate_output_tensor(P, deallocate_pipeline_outputs=P._base is None)
+                sb.P.setdefault(j, []).append(P)
+
+        def done(i, t):  # the runs' results arrive in issue order
+            reduced[i] = t
+            if i == n - 1:
+                sb.R[j] = torch.cat(reduced)
+
+        ops = [self._compute(lambda: self._fwd_block(sb, j, main=start), j, "forward")]
+        for i in range(n):
+            if i:
+                ops.append(self._compute(lambda i=i: piece(i), j, "forward"))
+            ops.append(
+                Comm(
+                    get=lambda i=i: sb.buf.pop((j, i)),
+                    done=lambda t, i=i: done(i, t),
+                    group=self.blocks.tp_group(j),
+                    switch=i == n - 1,
+                    **self._labels(j, "forward"),
+                )
+            )
+        return ops
 
     def _fwd_tail(self, sb):
         sb.output = self._bda_forward(sb, self.blocks.num_blocks - 1)
@@ -442,14 +518,18 @@ class ScheduledLayers:
 
     def _ov_main(self, sb, j):
         P, g = sb.P.pop(j), sb.gR.pop(j)
+        if isinstance(P, list):  # forward ran it in runs of tokens (_pieces), data freed
+            P, g, freed = P, list(torch.tensor_split(g, len(P), dim=0)), True
+        else:  # data freed in forward (kept graph) unless a stock-like caller kept it
+            P, g, freed = [P], [g], P.numel() != g.numel()
         roots, grads = [], []
         if self.prefix is not None and j % 2 == 0:  # the later chunks' key/value gradients
             roots, grads = self.prefix.backward_roots(j // 2, sb.index)
         with self._chunk(sb):  # Megatron's selective recompute re-runs core attention in here
-            if P.numel() != g.numel():  # data freed in forward (kept graph): grad_fn only
-                _backward_freed([P] + roots, [g] + grads)
+            if freed:  # grad_fn only
+                _backward_freed(P + roots, g + grads)
             else:
-                _backward([P] + roots, [g] + grads)
+                _backward(P + roots, g + grads)
         if self.prefix is not None and j % 2 == 0:
             self.prefix.collect(j // 2, sb.index)
         if self._regathers(j):

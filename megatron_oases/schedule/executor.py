@@ -54,15 +54,20 @@ class Comm:
     reduce-scatter along the sequence dim into a new tensor; ``done(result)`` runs when it has
     completed. An all-gather's ``get()`` may return a tuple of same-shaped tensors: they travel
     in one collective, and ``done`` gets the tuple of gathered tensors. ``reduce_op``: the
-    reduction of an all-reduce (None: a sum, which a column linear may have started early)."""
+    reduction of an all-reduce (None: a sum, which a column linear may have started early).
 
-    __slots__ = ("get", "done", "group", "kind", "reduce_op", "labels")
+    ``switch=False``: the sub-batch's next computes do not need this result, so it keeps running
+    them instead of handing over to the other sub-batch; its results are then taken, in issue
+    order, where it next waits (a block's output cut into pieces, see
+    :meth:`.engine.ScheduledLayers._pieces`)."""
 
-    def __init__(self, get, done, group, kind="all_reduce", reduce_op=None, **labels):
+    __slots__ = ("get", "done", "group", "kind", "reduce_op", "switch", "labels")
+
+    def __init__(self, get, done, group, kind="all_reduce", reduce_op=None, switch=True, **labels):
         assert kind in KINDS, kind
         assert reduce_op is None or kind == "all_reduce", kind
         self.get, self.done, self.group, self.kind = get, done, group, kind
-        self.reduce_op, self.labels = reduce_op, labels
+        self.reduce_op, self.switch, self.labels = reduce_op, switch, labels
 
 
 class _InFlight:
@@ -132,7 +137,9 @@ class _Run:
         self.programs, self.tracer, self.early = programs, tracer, early
         self.ids = list(range(len(programs))) if ids is None else list(ids)  # trace labels
         self.pos = [0] * len(programs)
-        self.pending = {}  # sub-batch -> its collective in flight (at most one each), issue order
+        # sub-batch -> its collectives in flight, in issue order (more than one only after a
+        # ``Comm(switch=False)``)
+        self.pending = {}
         self.ran_early = [set() for _ in programs]  # positions of early computes already run
         self.running = []  # (sub-batch, trace key) of the compute ops now running, innermost last
         self.grad = torch.is_grad_enabled()  # a yield point may sit inside a backward hook
@@ -156,8 +163,9 @@ class _Run:
             self.running.pop()
 
     def resume(self, x):
-        """x's pending result, its computes up to its next collective, and that collective's
-        issue. Early computes of the stretch run before the wait (see :class:`Compute`)."""
+        """x's pending results, its computes up to its next collective, and that collective's
+        issue (up to the next one where a ``Comm(switch=False)`` was issued). Early computes of
+        the stretch run before the wait (see :class:`Compute`)."""
         prog, pos = self.programs[x], self.pos
         if x in self.pending:
             k = pos[x]
@@ -166,14 +174,22 @@ class _Run:
                     self.compute(x, prog[k])
                     self.ran_early[x].add(k)
                 k += 1
-            self.pending.pop(x).finish()
-        while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
-            if pos[x] not in self.ran_early[x]:
-                self.compute(x, prog[pos[x]])
+            for op in self.pending.pop(x):
+                op.finish()
+        while pos[x] < len(prog):
+            while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
+                if pos[x] not in self.ran_early[x]:
+                    self.compute(x, prog[pos[x]])
+                pos[x] += 1
+            if pos[x] == len(prog):
+                return
+            comm = prog[pos[x]]  # queue it; the caller then switches, unless told not to
+            self.pending.setdefault(x, []).append(
+                _issue(self.ids[x], comm, self.tracer, self.early)
+            )
             pos[x] += 1
-        if pos[x] < len(prog):  # a Comm: queue it (the caller then switches)
-            self.pending[x] = _issue(self.ids[x], prog[pos[x]], self.tracer, self.early)
-            pos[x] += 1
+            if comm.switch:
+                return
 
     def _light_stretch(self, y):
         prog, k = self.programs[y], self.pos[y]
@@ -228,5 +244,6 @@ def run_programs(programs, labels=None, tracer=None, early=None, interleave=None
             if not remaining:
                 break
             x = next((i for i in remaining if i > x), remaining[0])  # round-robin
-        for op in list(run.pending.values()):
-            op.finish()
+        for ops in list(run.pending.values()):
+            for op in ops:
+                op.finish()
