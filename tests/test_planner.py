@@ -1,5 +1,6 @@
 """Planner: cost model (eq. 3–4, 6), ILP == DP == brute force, plan files, ``oases plan`` end to end."""
 
+import copy
 import json
 import math
 
@@ -21,6 +22,7 @@ from megatron_oases.planner.random_instances import random_problem
 from megatron_oases.planner.time_model import decompose, evaluate, objective
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.profiler.model_config import model_args, read_model_file
+from megatron_oases.validation import TAIL_PIECES
 
 MODELS = "benchmarks/planner/models.yaml"
 
@@ -188,6 +190,25 @@ def test_memory_dp_handles_tight_homogeneous_chain(h2048):
     assert p.peak_memory_bytes(d.ks) * 1.1 <= mem_gb * 1e9
     il = solve_ilp(p, time_limit_s=120)
     assert il.status == "optimal" and il.objective == pytest.approx(d.objective, rel=1e-7)
+
+
+def test_the_forward_ends_on_a_piece_of_its_last_block(h2048):
+    """The split schedules charge 1/TAIL_PIECES of the last block's all-reduce at the forward's
+    end (the runtime's pieces), whole all-reduces everywhere else; stock and SP: no pieces."""
+    for schedule in ("overlap", "cross-pass", "oases"):
+        p = build_problem(h2048, schedule=schedule, global_batch_size=128)
+        last = p.forward[0][-1]
+        assert np.allclose(last.exposed_tail(), last.comm[1] / TAIL_PIECES), schedule
+        assert all(b.tail is None for seg in p.backward for b in seg)
+        assert all(b.tail is None for b in p.forward[0][:-1])
+        k = len(p.degrees) - 1  # the largest degree (degree 1 communicates nothing)
+        ks = [k] * p.num_layers
+        whole = copy.deepcopy(p)
+        whole.forward[0][-1].tail = None
+        saved = p.repeats * (last.comm[1, k] - last.exposed_tail()[k])
+        got = evaluate(whole, ks)["iteration_time_s"] - evaluate(p, ks)["iteration_time_s"]
+        assert saved > 0 and got == pytest.approx(saved), schedule
+    assert build_problem(h2048, schedule="off", global_batch_size=128).forward[0][-1].tail is None
 
 
 # ----------------------------------------------------------------------------- cost model on profiles

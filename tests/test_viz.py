@@ -109,6 +109,25 @@ def test_run_metrics_average_ranks():
     assert analysis.run_metrics([]) is None
 
 
+def test_schedule_exposure_leaves_out_waiting_for_a_late_peer():
+    """Rank 0 reaches both collectives early and blocks until its peer (rank 1) arrives: that
+    is skew between the ranks, not the schedule. Per collective the least blocked time over
+    the ranks is the schedule's own exposure (the first collective: rank 1 blocked 5 us too,
+    the link's own; the second: hidden on rank 1)."""
+    r0 = _trace([_comm(0, 10, 40), _comm(50, 60, 100, p="backward")], T=200, rank=0)
+    r1 = _trace([_comm(30, 35, 40), _comm(80, 100, 100, p="backward")], T=200, rank=1)
+    m = analysis.run_metrics([r0, r1])
+    assert m["exposed_us"] == pytest.approx(((30 + 40) + (5 + 0)) / 2)
+    assert m["schedule_exposed_us"] == pytest.approx(5 + 0)
+    assert m["schedule_exposed_share"] == pytest.approx(5 / 200)
+    # matched by labels and order, not by timestamps: a third collective only rank 0 has
+    # keeps its own blocked time; one rank gives nothing to match
+    r0["traceEvents"].append(_comm(150, 150, 170, p="optimizer"))
+    assert analysis.schedule_exposed_us([r0, r1]) == pytest.approx((2 * 5 + 20) / 2)
+    assert analysis.schedule_exposed_us([r0]) is None
+    assert analysis.run_metrics([r0])["schedule_exposed_share"] is None
+
+
 def _tracer_trace(rank, path_pattern):
     """A trace written by the project's own Tracer (format compatibility)."""
     tr = Tracer(rank=rank, world_size=2, schedule="oases")

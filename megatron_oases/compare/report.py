@@ -63,6 +63,7 @@ def table_rows(results):
                 _num(r.get("speedup"), "{:.2f}x"),
                 f"{1e3 * r['mean_iteration_s']:.1f} ± {1e3 * r['stdev_iteration_s']:.1f}",
                 _pct(t.get("exposed_share")),
+                _pct(t.get("schedule_exposed_share")),
                 _num(t.get("efficiency")),
                 _num(t.get("compute_us") and t["compute_us"] / 1e3, "{:.1f}"),
                 _num(t.get("compute_cpu_us") and t["compute_cpu_us"] / 1e3, "{:.1f}"),
@@ -82,6 +83,7 @@ HEADER = [
     "speedup",
     "iteration ms (mean ± sd)",
     "exposed comm",
+    "schedule exposed",
     "efficiency",
     "compute ms",
     "compute CPU ms",
@@ -157,7 +159,9 @@ def write_markdown(report, path):
         "",
         "exposed comm = time blocked on communication ÷ iteration time; efficiency = "
         "max(compute, communication) ÷ iteration time (overlap bound ÷ measured), both from the "
-        "last iteration's trace, mean over ranks. compute ms = iteration time not blocked on "
+        "last iteration's trace, mean over ranks. schedule exposed = per collective the least "
+        "time any rank was blocked on it (the rest is a rank waiting for a later peer: the "
+        "ranks' compute drifting apart on a shared host), summed, ÷ iteration time. compute ms = iteration time not blocked on "
         "communication; compute CPU ms = the compute thread's CPU time in it (no contention); "
         "run-queue ms = time the compute thread waited for a CPU (host contention, counted in "
         "compute ms and in the iteration time).",

@@ -58,6 +58,7 @@ from ..recompute_settings import RECOMPUTE_MODES, SELECTIVE_MODES
 from ..validation import (
     RECOMPUTE_SCHEDULES,
     SPLIT_SCHEDULES,
+    TAIL_PIECES,
     check_schedule,
     check_schedule_recompute,
     check_split,
@@ -309,6 +310,8 @@ def build_problem(
     for l in range(L):
         forward[0].append(blk(l, "attention.F", F["attention"], fc))
         forward[0].append(blk(l, "mlp.F", F["mlp"], fc))
+    if halves and not sequence_parallel:  # the pass ends on a piece of its last block
+        forward[0][-1].tail = fc[1] / TAIL_PIECES
 
     def kept_backward(l):  # a layer that is not recomputed
         return [blk(l, "mlp.B", B["mlp"], bc), blk(l, "attention.B", B["attention"], bc)]

@@ -14,6 +14,7 @@ those integers and therefore the same feasible set.
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -25,12 +26,18 @@ DEFAULT_GRANULE = 1 << 20  # 1 MiB
 
 @dataclass
 class Block:
-    """One block in a pass chain: ``comp[sub][k]`` and ``comm[sub][k]`` seconds at degree index k."""
+    """One block in a pass chain: ``comp[sub][k]`` and ``comm[sub][k]`` seconds at degree index k.
+    ``tail[k]``: what stays exposed after it where it ends a segment (None: the last sub-batch's
+    whole ``comm[1][k]``; the forward's last block runs in pieces, see ``TAIL_PIECES``)."""
 
     layer: int
     name: str
     comp: np.ndarray
     comm: np.ndarray
+    tail: Optional[np.ndarray] = None
+
+    def exposed_tail(self):
+        return self.comm[1] if self.tail is None else self.tail
 
 
 @dataclass

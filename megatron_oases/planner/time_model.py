@@ -55,7 +55,7 @@ def _segment_time(segment, ks, subs, gather, out):
                     e = g + min(a, c)
             t += max(blk.comp[1, k], blk.comm[0, k])
             if i == last:
-                t += blk.comm[1, k]
+                t += blk.exposed_tail()[k]
         out[blk.layer][0] += t
         out[blk.layer][1] += e
         total += t
@@ -171,7 +171,7 @@ def decompose(problem):
                         term = np.where(grow, c + a + g, np.maximum(a, c))
                         P[b] += term if lp < l else term.T
                 if i == len(seg) - 1:
-                    U[l] += blk.comm[1]
+                    U[l] += blk.exposed_tail()
             prev_last = seg[-1]
     U += problem.boundary
     U[0] += problem.fixed_forward_s + problem.fixed_backward_s  # constant: same for every k

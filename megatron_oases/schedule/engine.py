@@ -30,6 +30,10 @@ reduce-scatter of L_j's); every one is a :class:`~.executor.Comm` like the all-r
 re-gathers in its recomputation (it keeps s/t-sized block inputs); ``overlap`` without recompute
 keeps s/t shards and re-gathers for backward (:mod:`.regather`).
 
+The forward's last collective of a stage is the last sub-batch's last MLP all-reduce; that block
+runs in :data:`TAIL_PIECES` runs of tokens whose all-reduces are issued one by one, so the pass
+ends on a piece of it (:meth:`ScheduledLayers._pieces`).
+
 Inputs whose gradient the schedule collects (R_j, L_j) enter their ops through
 :class:`~.regather.GradSink`, and a kept graph's root P_j has its data freed once reduced
 (Megatron's ``deallocate_output_tensor``/``custom_backward``), so kept graphs hold what stock's do.
@@ -44,17 +48,13 @@ import contextlib
 import torch
 from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
-from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
-from .comm import EarlyReductions, deferred_tmp_comm
+from ..validation import SPLIT_SCHEDULES, SUB_BATCHES, TAIL_PIECES
+from .comm import EarlyReductions
 from .executor import Comm, Compute, Interleave, run_programs
 from .regather import GradSink, shard_saved
 from .rng import replay as _rng
 from .rng import snapshot as _snapshot
 from .split import make_split
-
-#: Token runs the forward's last collective of a stage (the last sub-batch's last MLP block's
-#: all-reduce) is cut into, see :meth:`ScheduledLayers._pieces`.
-TAIL_PIECES = 4
 
 
 def _leaf(t):
@@ -92,6 +92,7 @@ class SubBatch:
         self.end = {}  # the stage ends' working tensors (:mod:`.stage`)
         # --recompute-modules layernorm: the checkpoint that frees ln_j's output until backward
         self.norm_checkpoint = {}
+        self.pieces = {}  # block -> runs of tokens its kept graph was built in (see _pieces)
         self.output = self.loss = None
 
 
@@ -360,22 +361,24 @@ class ScheduledLayers:
 
         Exact because Megatron's MLP is per token and draws no random numbers (dropout is in
         the bda): the runs' outputs joined are the block's, and a recomputation of the whole
-        block from the RNG snapshot taken before the first run gives the same values."""
+        block from the RNG snapshot taken before the first run gives the same values. A kept
+        graph is one graph per run, each run's input its own :class:`.regather.GradSink`, so
+        backward has one input gradient per run, each all-reduced as Megatron's fc1 starts it
+        (:meth:`_input_gradient_reductions`)."""
         keeps, runs, reduced = self._keeps(j), [], [None] * n
 
         def start(x):  # ln_j's output
+            cut = torch.tensor_split(x, n, dim=0)
             if keeps:
-                x = self._input(x, sb.gL, j)
+                runs.extend(self._input(r, sb.gL, (j, i)) for i, r in enumerate(cut))
+                sb.pieces[j] = n
             else:
                 sb.rng[("main", j)] = _snapshot()
-            runs.extend(torch.tensor_split(x, n, dim=0))
+                runs.extend(cut)
             piece(0)
 
         def piece(i):
-            # A kept graph's fc1 must not start its input-gradient all-reduce in backward
-            # (.comm's early reductions): each run's would cover a slice of what the block's
-            # collective reduces. Switched off, the schedule reduces the joined gradient.
-            with torch.set_grad_enabled(keeps), deferred_tmp_comm(early=None):
+            with torch.set_grad_enabled(keeps):
                 P, sb.B[j] = self._main(sb, j, runs[i])
             runs[i] = None
             sb.buf[(j, i)] = P.detach()
@@ -485,8 +488,31 @@ class ScheduledLayers:
         elif self.sp:
             ops.append(self._collective("all_gather", lambda: sb.gR.pop(j), sb.gR, j, "backward"))
         ops.append(self._compute(lambda: self._ov_main(sb, j), j, "backward"))
-        ops.append(self._collective(self.reduction, lambda: sb.gL.pop(j), sb.gL, j, "backward"))
-        return ops
+        return ops + self._input_gradient_reductions(sb, j)
+
+    def _input_gradient_reductions(self, sb, j):
+        """The reduction of main_j's input gradient; for a kept graph built in runs of tokens
+        (:meth:`_pieces`) one per run, queued together, joined when the last is taken."""
+        n = sb.pieces.pop(j, None)
+        if n is None:
+            return [self._collective(self.reduction, lambda: sb.gL.pop(j), sb.gL, j, "backward")]
+        parts = [None] * n
+
+        def done(i, t):
+            parts[i] = t
+            if i == n - 1:
+                sb.gL[j] = torch.cat(parts)
+
+        return [
+            Comm(
+                get=lambda i=i: sb.gL.pop((j, i)),
+                done=lambda t, i=i: done(i, t),
+                group=self.blocks.tp_group(j),
+                switch=i == n - 1,
+                **self._labels(j, "backward"),
+            )
+            for i in range(n)
+        ]
 
     # overlap: graphs kept from forward ------------------------------------------
     def _overlap_backward(self, sb):

@@ -15,6 +15,12 @@ Per rank, over the traced iteration (``T`` = ``metadata.iteration_time_us``):
   communicating until the wait.)
 * ``exposed_us``: length of the union of *blocked* intervals ``[wait_us, done_us]`` (the rank waits in
   a synchronous collective or in ``Work.wait()``); ``exposed_share`` = it ÷ T.
+* Run level only: ``schedule_exposed_us``, per collective the least time any rank was blocked on
+  it (ranks' collectives matched by their labels and order), summed, and averaged per rank. A
+  rank's blocked time beyond that waited for a peer that arrived at the collective later (the
+  ranks' compute drifting apart on a shared host), not for the link: so this is the exposure the
+  schedule itself leaves, and it stays put where ``exposed_us`` swings with host noise.
+  ``schedule_exposed_share`` = it ÷ T.
 * ``efficiency`` = overlap bound ÷ measured time = ``max(compute_us, comm_us) ÷ T`` (1.0: everything
   that could hide did hide; the paper's Table 2 reports SM efficiency, which this approximates).
 
@@ -415,9 +421,36 @@ def run_metrics(traces, comm_model=None):
         vals = [p.get(k) for p in per]
         out[k] = None if any(v is None for v in vals) else sum(vals) / len(vals)
     out.update(_host_metrics(traces, per))
+    least = schedule_exposed_us(traces)
+    out["schedule_exposed_us"] = least
+    T = out["iteration_us"]
+    out["schedule_exposed_share"] = least / T if least is not None and T else None
     out["ranks"] = per
     out["num_ranks"] = len(per)
     return out
+
+
+def _comm_key(ev):
+    a = ev.get("args", {})
+    keys = ("iteration", "microbatch", "pass", "block", "layer", "sub_batch", "op", "bytes")
+    return (ev.get("name"),) + tuple(a.get(k) for k in keys)
+
+
+def schedule_exposed_us(traces):
+    """Blocked time no rank avoided, per rank (module docstring): each collective's least
+    blocked time over the ranks that issued it (a collective only one rank's trace has keeps its
+    own), summed over the ranks' collectives and averaged over ranks; None for one rank."""
+    if len(traces) < 2:
+        return None
+    seen = {}  # (labels, occurrence) -> blocked us of each rank that issued it
+    for trace in traces:
+        count = {}
+        for ev in sorted(comm_events(trace), key=lambda e: e["ts"]):
+            k = _comm_key(ev)
+            n = count[k] = count.get(k, 0) + 1
+            start, end = blocked_interval(ev)
+            seen.setdefault((k, n), []).append(max(0.0, end - start))
+    return sum(min(v) * len(v) for v in seen.values()) / len(traces)
 
 
 def _host_metrics(traces, per):
