@@ -14,7 +14,7 @@ from helpers.traces import (
 )
 
 from megatron_oases.launch import run_distributed
-from megatron_oases.schedule.engine import TAIL_PIECES
+from megatron_oases.validation import TAIL_PIECES
 
 BASE = (
     GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
@@ -364,6 +364,36 @@ def test_norm_recompute_frees_what_stock_frees():
     stock_saves = peaks["stock"] - peaks["stock-ln"]
     assert stock_saves > 0, peaks
     assert peaks["overlap"] - peaks["overlap-ln"] >= stock_saves, peaks
+
+
+def _peaks_by_tail_pieces(configs):
+    """Activation peaks with the forward's last block in TAIL_PIECES runs and in one."""
+    from megatron_oases.schedule import engine
+    from megatron_oases.training.measure import activation_peaks
+
+    peaks = {}
+    for n in (1, TAIL_PIECES):
+        engine.TAIL_PIECES = n  # this spawned process only
+        peaks[n] = activation_peaks(configs)
+    return peaks
+
+
+@pytest.mark.timeout(300)
+def test_tail_pieces_hold_no_more_than_a_whole_block():
+    """Running the forward's last block in runs of tokens costs no memory: the runs' partial sums
+    are reduced in one block-sized buffer (no concatenation), and a kept graph's runs are
+    back-propagated one at a time (one call over all runs held several weight gradients at once,
+    +16 % of the sequence-chunk setting's metered activations at H=2048)."""
+    variants = [
+        ("overlap", "--oases-schedule overlap"),
+        ("overlap-seq", "--oases-split sequence --oases-schedule overlap"),
+        ("oases", RECOMPUTE + "--oases-schedule oases"),
+    ]
+    configs = [(name, MEMORY_BASE + " " + extra) for name, extra in variants]
+    peaks = run_distributed(_peaks_by_tail_pieces, 2, configs, timeout=280)[0]
+    print({n: {k: f"{v / 2**20:.3f} MiB" for k, v in p.items()} for n, p in peaks.items()})
+    for name, _ in variants:
+        assert peaks[TAIL_PIECES][name] <= 1.005 * peaks[1][name], (name, peaks)
 
 
 def _uninstall_worker(base):

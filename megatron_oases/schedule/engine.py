@@ -364,11 +364,16 @@ class ScheduledLayers:
         block from the RNG snapshot taken before the first run gives the same values. A kept
         graph is one graph per run, each run's input its own :class:`.regather.GradSink`, so
         backward has one input gradient per run, each all-reduced as Megatron's fc1 starts it
-        (:meth:`_input_gradient_reductions`)."""
-        keeps, runs, reduced = self._keeps(j), [], [None] * n
+        (:meth:`_input_gradient_reductions`).
+
+        Memory as for a whole block: each run's partial sum is copied into its rows of one
+        block-sized buffer at once and reduced there in place, so the joined result needs no
+        second copy (a concatenation would hold the block's output twice)."""
+        keeps, runs, rows, out = self._keeps(j), [], [], []
 
         def start(x):  # ln_j's output
             cut = torch.tensor_split(x, n, dim=0)
+            rows.extend(r.size(0) for r in cut)
             if keeps:
                 runs.extend(self._input(r, sb.gL, (j, i)) for i, r in enumerate(cut))
                 sb.pieces[j] = n
@@ -381,15 +386,17 @@ class ScheduledLayers:
             with torch.set_grad_enabled(keeps):
                 P, sb.B[j] = self._main(sb, j, runs[i])
             runs[i] = None
-            sb.buf[(j, i)] = P.detach()
+            if not out:
+                out.append(P.new_empty((sum(rows),) + tuple(P.shape[1:])))
+            start_row = sum(rows[:i])
+            sb.buf[(j, i)] = out[0][start_row : start_row + rows[i]].copy_(P.detach())
             if keeps:  # backward needs the runs' grad_fn only (see _fwd_main_op)
                 deallocate_output_tensor(P, deallocate_pipeline_outputs=P._base is None)
                 sb.P.setdefault(j, []).append(P)
 
-        def done(i, t):  # the runs' results arrive in issue order
-            reduced[i] = t
+        def done(i, t):  # the runs' results arrive in issue order, reduced in place in out
             if i == n - 1:
-                sb.R[j] = torch.cat(reduced)
+                sb.R[j] = out.pop()
 
         ops = [self._compute(lambda: self._fwd_block(sb, j, main=start), j, "forward")]
         for i in range(n):
@@ -545,17 +552,21 @@ class ScheduledLayers:
     def _ov_main(self, sb, j):
         P, g = sb.P.pop(j), sb.gR.pop(j)
         if isinstance(P, list):  # forward ran it in runs of tokens (_pieces), data freed
-            P, g, freed = P, list(torch.tensor_split(g, len(P), dim=0)), True
-        else:  # data freed in forward (kept graph) unless a stock-like caller kept it
-            P, g, freed = [P], [g], P.numel() != g.numel()
+            # one backward call per run: each run's weight gradient is accumulated before the
+            # next run's is computed (one call over all runs could hold several at once), and
+            # each run's input-gradient all-reduce starts before the next run's backward
+            for p, gi in zip(P, torch.tensor_split(g, len(P), dim=0)):
+                _backward_freed([p], [gi])
+            return
+        freed = P.numel() != g.numel()  # data freed in forward (kept graph) unless kept
         roots, grads = [], []
         if self.prefix is not None and j % 2 == 0:  # the later chunks' key/value gradients
             roots, grads = self.prefix.backward_roots(j // 2, sb.index)
         with self._chunk(sb):  # Megatron's selective recompute re-runs core attention in here
             if freed:  # grad_fn only
-                _backward_freed(P + roots, g + grads)
+                _backward_freed([P] + roots, [g] + grads)
             else:
-                _backward(P + roots, g + grads)
+                _backward([P] + roots, [g] + grads)
         if self.prefix is not None and j % 2 == 0:
             self.prefix.collect(j // 2, sb.index)
         if self._regathers(j):
