@@ -398,20 +398,28 @@ class ScheduledLayers:
             if i == n - 1:
                 sb.R[j] = out.pop()
 
+        comms = self._queued(j, "forward", n, lambda i: sb.buf.pop((j, i)), done)
         ops = [self._compute(lambda: self._fwd_block(sb, j, main=start), j, "forward")]
         for i in range(n):
             if i:
                 ops.append(self._compute(lambda i=i: piece(i), j, "forward"))
-            ops.append(
-                Comm(
-                    get=lambda i=i: sb.buf.pop((j, i)),
-                    done=lambda t, i=i: done(i, t),
-                    group=self.blocks.tp_group(j),
-                    switch=i == n - 1,
-                    **self._labels(j, "forward"),
-                )
-            )
+            ops.append(comms[i])
         return ops
+
+    def _queued(self, j, pass_, n, get, done):
+        """``n`` all-reduces of block j's runs of tokens (:meth:`_pieces`): ``get(i)``, then
+        ``done(i, result)`` in issue order. The sub-batch goes on after each but the last
+        (``Comm(switch=False)``), which hands over as a whole block's would."""
+        return [
+            Comm(
+                get=lambda i=i: get(i),
+                done=lambda t, i=i: done(i, t),
+                group=self.blocks.tp_group(j),
+                switch=i == n - 1,
+                **self._labels(j, pass_),
+            )
+            for i in range(n)
+        ]
 
     def _fwd_tail(self, sb):
         sb.output = self._bda_forward(sb, self.blocks.num_blocks - 1)
@@ -510,16 +518,7 @@ class ScheduledLayers:
             if i == n - 1:
                 sb.gL[j] = torch.cat(parts)
 
-        return [
-            Comm(
-                get=lambda i=i: sb.gL.pop((j, i)),
-                done=lambda t, i=i: done(i, t),
-                group=self.blocks.tp_group(j),
-                switch=i == n - 1,
-                **self._labels(j, "backward"),
-            )
-            for i in range(n)
-        ]
+        return self._queued(j, "backward", n, lambda i: sb.gL.pop((j, i)), done)
 
     # overlap: graphs kept from forward ------------------------------------------
     def _overlap_backward(self, sb):
