@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from ..validation import TAIL_PIECES
 from .problem import Block, ChainProblem
 
 
@@ -45,7 +46,7 @@ def random_problem(
 
     forward = [[b for l in range(L) for b in (blk(l, "a.F"), blk(l, "m.F"))]]
     if subs == 2:  # the forward ends on a piece of its last block, as the builder has it
-        forward[0][-1].tail = forward[0][-1].comm[1] / 4
+        forward[0][-1].tail = forward[0][-1].comm[1] / TAIL_PIECES
     if backward == "oases":
         back = [[b for l in reversed(range(L)) for b in (blk(l, "m.RB"), blk(l, "a.RB"))]]
     elif backward == "cross-pass":
