@@ -307,3 +307,14 @@ def test_tracer_records_thread_cpu_time(tmp_path):
     worker.start()
     worker.join()
     assert got == {"cpu": None}
+
+
+def test_intervals_are_cut_to_the_iteration():
+    # The gradient all-reduce completes after the iteration's end stamp (the tracer records it
+    # until it writes): only its part inside the iteration counts, so nothing exceeds T.
+    ev = [_ev("compute", 0, 100, sub_batch=-1), _comm(0, 90, 130)]
+    m = analysis.rank_metrics(_trace(ev, 110))
+    assert m["comm_us"] == 110 and m["exposed_us"] == 20
+    assert m["efficiency"] == pytest.approx(1.0) and m["exposed_share"] == pytest.approx(20 / 110)
+    run = analysis.run_metrics([_trace(ev, 110, rank=r) for r in (0, 1)])
+    assert run["schedule_exposed_us"] == pytest.approx(20)

@@ -1,6 +1,7 @@
 """Metrics from schedule traces (:mod:`megatron_oases.instrument.trace` format), per rank and per run.
 
-Per rank, over the traced iteration (``T`` = ``metadata.iteration_time_us``):
+Per rank, over the traced iteration (``T`` = ``metadata.iteration_time_us``; every interval is cut
+to ``[0, T]``, since a collective can complete after the iteration's end stamp):
 
 * ``compute_us``: the rank's busy time ``T − exposed_us``. A CPU rank runs one thread: whenever it is
   not blocked in a communication it is computing (layers, embedding, loss, optimizer, host overhead).
@@ -71,6 +72,13 @@ def union(intervals):
 
 def length(intervals):
     return sum(e - s for s, e in union(intervals))
+
+
+def clip(intervals, lo, hi):
+    """``intervals`` cut to the window ``[lo, hi]``: a collective that completes after the
+    iteration's end stamp (the tracer keeps recording until it writes) counts only inside it, so no
+    share or efficiency exceeds 1."""
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if min(e, hi) > max(s, lo)]
 
 
 def subtract(intervals, minus):
@@ -342,11 +350,11 @@ def rank_metrics(trace, comm_model=None):
     """Metrics of one rank's trace (see module docstring); ``comm_model``: see
     :func:`modelled_ends`."""
     T = iteration_us(trace)
-    comp = [(e["ts"], e["ts"] + e["dur"]) for e in compute_events(trace)]
+    comp = clip([(e["ts"], e["ts"] + e["dur"]) for e in compute_events(trace)], 0.0, T)
     comms = comm_events(trace)
     ends = modelled_ends(comms, comm_model) if comm_model else [None] * len(comms)
-    comm = [comm_interval(e, end) for e, end in zip(comms, ends)]
-    blocked = [blocked_interval(e) for e in comms]
+    comm = clip([comm_interval(e, end) for e, end in zip(comms, ends)], 0.0, T)
+    blocked = clip([blocked_interval(e) for e in comms], 0.0, T)
     exposed = length(blocked)
     traced_compute = length(comp)
     compute = max(0.0, T - exposed)
@@ -444,12 +452,11 @@ def schedule_exposed_us(traces):
         return None
     seen = {}  # (labels, occurrence) -> blocked us of each rank that issued it
     for trace in traces:
-        count = {}
+        count, T = {}, iteration_us(trace)
         for ev in sorted(comm_events(trace), key=lambda e: e["ts"]):
             k = _comm_key(ev)
             n = count[k] = count.get(k, 0) + 1
-            start, end = blocked_interval(ev)
-            seen.setdefault((k, n), []).append(max(0.0, end - start))
+            seen.setdefault((k, n), []).append(length(clip([blocked_interval(ev)], 0.0, T)))
     return sum(min(v) * len(v) for v in seen.values()) / len(traces)
 
 
