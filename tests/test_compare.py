@@ -366,3 +366,26 @@ def test_compare_memory_budget_tiny_model(tmp_path):
     again = json.loads((out / "results.json").read_text())["memory_budget"]
     assert again == [{"budget_gb": between, "stock": "megatron", "oases": None, "speedup": None}]
     assert "budgets chosen after the run" in (out / "results.md").read_text()
+
+
+def test_code_version_is_dirty_only_for_code_changes(tmp_path):
+    """A run's own results (and the report, written before the version is asked) do not make
+    the recorded commit ``+dirty``; a changed source file does."""
+    from megatron_oases.compare.cli import _code_version
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "benchmarks" / "results" / "row").mkdir(parents=True)
+    (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "results" / "row" / "results.json").write_text("{}\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    clean = _code_version(str(tmp_path))["commit"]
+    assert clean and not clean.endswith("+dirty")
+    (tmp_path / "benchmarks" / "results" / "row" / "results.json").write_text("{1}\n")
+    assert _code_version(str(tmp_path))["commit"] == clean
+    (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
+    assert _code_version(str(tmp_path))["commit"] == clean + "+dirty"

@@ -342,13 +342,15 @@ def main(argv):
     return finalize(report, out)
 
 
-def _code_version():
-    """megatron-oases version and, in a git checkout, the commit (``+dirty`` with local changes)."""
+def _code_version(root=None):
+    """megatron-oases version and, in a git checkout, the commit (``+dirty`` with local changes
+    to the code: a run's own results, written under ``benchmarks/results`` before this is asked,
+    do not count)."""
     import subprocess
 
     from .. import __version__ as version
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = root or os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def git(*args):
         return subprocess.run(
@@ -357,7 +359,7 @@ def _code_version():
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!*/results/*")
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", ""
     return {"version": version, "commit": (commit + ("+dirty" if dirty else "")) or None}

@@ -77,9 +77,13 @@ class _InFlight:
         self.sub_batch, self.work, self.result, self.op = sub_batch, work, result, op
 
     def finish(self):
-        if self.work is not None:
-            self.work.wait()
-        self.op.done(self.result())
+        """Wait, hand the result to ``done``, and drop every reference to it (the work and the
+        result closure): the executor's frame that called this runs the sub-batch's next computes,
+        often a whole backward op, and must not keep the collective's buffer alive meanwhile."""
+        work, result, self.work, self.result = self.work, self.result, None, None
+        if work is not None:
+            work.wait()
+        self.op.done(result())
 
 
 def _issue(sub_batch, op, tracer, early):
