@@ -2,6 +2,11 @@
 benchmarks, tests) and that spawns gloo ranks in-process (``oases profile``, memory measurement,
 tests).
 
+One-rank runs (``--one-rank``): only global rank 0 of a job of N ranks runs, in one process, on
+PyTorch's fake process group (Megatron's own ``--fake-process-group``): every collective returns at
+once without reducing anything, so the run is for timing only (with the link emulator giving each
+collective its modelled time). :func:`one_rank_command` and ``run_distributed(one_rank=True)``.
+
 :func:`run_distributed` is modelled on nanotron's test helpers: spawn, a free port, a hard timeout
 so a hang fails fast, and each rank's return value (or traceback) sent back through a queue.
 """
@@ -12,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -41,7 +47,29 @@ def torchrun_command(argv, nproc, module="megatron_oases", program=None):
     ]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def one_rank_command(argv, world_size, module="megatron_oases"):
+    """``(command, env)`` running only rank 0 of a ``world_size``-rank job: ``python -m <module>
+    argv --fake-process-group`` with the torchrun variables Megatron reads for a fake job."""
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": "1",  # one process on this host (the emulator's CPU share)
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(find_free_port()),
+    }
+    return [sys.executable, "-m", module, *argv, "--fake-process-group"], env
+
+
+def init_fake_process_group(world_size):
+    """Rank 0 of ``world_size`` on PyTorch's fake backend (collectives return at once)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def _worker(rank, world_size, port, fn, args, queue, one_rank=False):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -50,14 +78,21 @@ def _worker(rank, world_size, port, fn, args, queue):
         WORLD_SIZE=str(world_size),
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
+    import faulthandler
+
+    faulthandler.enable()  # a rank that crashes hard (signal) still says where
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-        )
+        if one_rank:
+            os.environ["LOCAL_WORLD_SIZE"] = "1"
+            init_fake_process_group(world_size)
+        else:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+            )
         result = fn(*args)
         # Serialise here: tensors sent through a Queue use shared-memory fds that die with us.
         buf = io.BytesIO()
@@ -75,17 +110,19 @@ def _worker(rank, world_size, port, fn, args, queue):
             pass
 
 
-def run_distributed(fn, world_size, *args, timeout=300):
+def run_distributed(fn, world_size, *args, timeout=300, one_rank=False):
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the list of per-rank results.
+    ``one_rank``: only rank 0 runs, on the fake process group (a list of one result).
 
     Raises ``RuntimeError`` with the failing rank's traceback, or on timeout (all ranks killed).
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = find_free_port()
+    ranks = 1 if one_rank else world_size
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
-        for r in range(world_size)
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, one_rank))
+        for r in range(ranks)
     ]
     for p in procs:
         p.start()
@@ -93,10 +130,20 @@ def run_distributed(fn, world_size, *args, timeout=300):
     import queue as queue_mod
 
     try:
-        while len(results) + len(errors) < world_size:
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < ranks:
             try:
-                rank, ok, payload = queue.get(timeout=timeout)
+                rank, ok, payload = queue.get(timeout=min(5.0, max(0.1, timeout)))
             except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                dead = [r for r in dead if r not in results]
+                if dead:  # killed by a signal (segfault, OOM killer): it reported nothing
+                    errors.append(
+                        (dead[0], f"the process died with exit code {procs[dead[0]].exitcode}")
+                    )
+                    break
+                if time.monotonic() < deadline:
+                    continue
                 raise RuntimeError(
                     f"distributed run timed out after {timeout}s "
                     f"(ranks done: {sorted(results)}, failed: {[r for r, _ in errors]})"
@@ -116,7 +163,7 @@ def run_distributed(fn, world_size, *args, timeout=300):
     if errors:
         rank, tb = errors[0]
         raise RuntimeError(f"rank {rank} failed:\n{tb}")
-    return [results[r] for r in range(world_size)]
+    return [results[r] for r in range(ranks)]
 
 
 def run_torchrun(argv, nproc, timeout=300, env=None, module="megatron_oases"):

@@ -121,11 +121,13 @@ def test_schedule_exposure_leaves_out_waiting_for_a_late_peer():
     assert m["schedule_exposed_us"] == pytest.approx(5 + 0)
     assert m["schedule_exposed_share"] == pytest.approx(5 / 200)
     # matched by labels and order, not by timestamps: a third collective only rank 0 has
-    # keeps its own blocked time; one rank gives nothing to match
+    # keeps its own blocked time; one rank alone (a one-rank run: its peers are virtual and
+    # never late) keeps all of its own
     r0["traceEvents"].append(_comm(150, 150, 170, p="optimizer"))
     assert analysis.schedule_exposed_us([r0, r1]) == pytest.approx((2 * 5 + 20) / 2)
-    assert analysis.schedule_exposed_us([r0]) is None
-    assert analysis.run_metrics([r0])["schedule_exposed_share"] is None
+    assert analysis.schedule_exposed_us([r0]) == pytest.approx(30 + 40 + 20)
+    assert analysis.run_metrics([r0])["schedule_exposed_share"] == pytest.approx(90 / 200)
+    assert analysis.schedule_exposed_us([]) is None
 
 
 def _tracer_trace(rank, path_pattern):

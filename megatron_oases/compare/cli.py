@@ -64,6 +64,14 @@ def build_parser():
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     p.add_argument(
+        "--one-rank",
+        action="store_true",
+        help="run only rank 0 of the --nproc ranks, in one process, the others virtual "
+        "(Megatron's --fake-process-group): every collective takes its emulated time but reduces "
+        "nothing, so the runs are timing-only (no loss check); needs --emulate-link and PP=1. "
+        "Emulates TMP=4/8 on a host with fewer CPUs than ranks",
+    )
+    p.add_argument(
         "--emulate-link",
         default=None,
         metavar="PROFILE",
@@ -146,6 +154,11 @@ def main(argv):
             raise OasesConfigError(f"oases compare sets {flag} itself; drop it from the flags")
     if own.nproc < 1 or own.iters < 1 or own.warmup < 0 or own.repeats < 1:
         raise OasesConfigError("--nproc, --iters and --repeats must be >= 1 and --warmup >= 0")
+    if own.one_rank and not own.emulate_link:
+        raise OasesConfigError(
+            "--one-rank needs --emulate-link PROFILE: without it the virtual ranks' collectives "
+            "take no time and the comparison means nothing"
+        )
     budgets = None
     if own.memory_budget is not None:
         from .memory import parse_budgets
@@ -172,6 +185,12 @@ def main(argv):
     if not _has_flag(train_argv, "--num-workers"):  # no data-loader processes competing for CPUs
         train_argv += ["--num-workers", "0"]
     base = _validate(VARIANTS["megatron"], train_argv, own.nproc)
+    if own.one_rank and base.pipeline_model_parallel_size > 1:
+        raise OasesConfigError(
+            "--one-rank runs pipeline stage 0 alone, whose timeline misses the other stages' "
+            "work (the 1F1B bubble); use --pipeline-model-parallel-size 1 or run all ranks "
+            "without --one-rank"
+        )
     resolved = [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
     parsed = {v.name: _validate(v, train_argv, own.nproc) for v in resolved}
     rtol = own.loss_rtol
@@ -180,7 +199,8 @@ def main(argv):
         rtol = 5e-2 if any_dropout else 1e-3
     from ..testbed.calibrate import host_cpus
 
-    threads = own.threads_per_rank or max(1, host_cpus() // own.nproc)
+    processes = 1 if own.one_rank else own.nproc  # processes on this host
+    threads = own.threads_per_rank or max(1, host_cpus() // processes)
     env = {"OMP_NUM_THREADS": str(threads)}
     out = os.path.abspath(own.out)
     os.makedirs(out, exist_ok=True)
@@ -199,7 +219,7 @@ def main(argv):
     if profile is not None:
         from ..viz.analysis import emulated_comm_model
 
-        emulation = _emulation_info(profile, threads, env, own.nproc)
+        emulation = _emulation_info(profile, threads, env, processes)
         comm_model = emulated_comm_model(emulation)
     first = base
     tokens = first.global_batch_size * first.seq_length
@@ -208,6 +228,7 @@ def main(argv):
         f"seq={first.seq_length}, micro-batch={first.micro_batch_size}, global batch="
         f"{first.global_batch_size}, TP={first.tensor_model_parallel_size}, "
         f"PP={first.pipeline_model_parallel_size}, {own.nproc} ranks"
+        + (" (rank 0 run alone, the others virtual)" if own.one_rank else "")
     )
     progress(
         f"oases compare: {model}; variants {', '.join(v.name for v in variants)}; "
@@ -278,6 +299,7 @@ def main(argv):
             tokens=tokens,
             subdir=f"run{k + 1}" if own.repeats > 1 else None,
             comm_model=comm_model,
+            one_rank=own.one_rank,
         )
         if r["status"] == "ok":
             progress(
@@ -313,7 +335,16 @@ def main(argv):
         from .memory import measure
 
         measured = [v for v, r in zip(variants, results) if r["status"] == "ok"]
-        memory = measure(measured, train_argv, parsed, own.nproc, out, own.timeout, progress)
+        memory = measure(
+            measured,
+            train_argv,
+            parsed,
+            own.nproc,
+            out,
+            own.timeout,
+            progress,
+            one_rank=own.one_rank,
+        )
         for r in results:
             if r["name"] in memory:
                 r["memory"] = memory[r["name"]]
@@ -327,6 +358,7 @@ def main(argv):
             "model": model,
             "train_argv": train_argv,
             "nproc": own.nproc,
+            "one_rank": own.one_rank,
             "repeats": own.repeats,
             "threads_per_rank": threads,
             "warmup": own.warmup,
@@ -371,8 +403,8 @@ def _progress(msg):
 
 def _emulation_info(profile, threads, env, nproc):
     """Fix the host rate once for all variants (so that every variant gets the same D). The rate is
-    that of one rank alone, scaled down when ``nproc`` ranks × ``threads`` oversubscribe the CPUs
-    (the ranks' emulator does the same from ``LOCAL_WORLD_SIZE``)."""
+    that of one rank alone, scaled down when ``nproc`` processes × ``threads`` oversubscribe the
+    CPUs (the ranks' emulator does the same from ``LOCAL_WORLD_SIZE``)."""
     from ..testbed.calibrate import oversubscription_share
 
     share = 1.0

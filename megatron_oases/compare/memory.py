@@ -66,11 +66,12 @@ def _worker(configs, log_pattern):
     return out
 
 
-def measure(variants, train_argv, parsed, nproc, out_dir, timeout, progress=print):
+def measure(variants, train_argv, parsed, nproc, out_dir, timeout, progress=print, one_rank=False):
     """``{name: memory}`` for the (resolved) ``variants``: ``peak_bytes_per_rank``,
     ``activation_bytes``, ``state_bytes`` and ``params`` of the worst rank, every rank's under
     ``ranks``; ``{'error': line}`` where the pass failed. ``parsed``: each variant's Megatron
-    args (for the state bytes)."""
+    args (for the state bytes). ``one_rank``: rank 0 alone on the fake process group (its peak
+    stands for every TMP rank's: they hold the same shapes)."""
     from ..launch import run_distributed
     from ..training.measure import state_bytes
 
@@ -80,11 +81,17 @@ def measure(variants, train_argv, parsed, nproc, out_dir, timeout, progress=prin
         f"memory pass (untimed, no link emulation): {len(variants)} variant(s), one metered "
         f"forward+backward per rank; Megatron's output in {os.path.relpath(log_dir, out_dir)}/"
     )
-    configs = [(v.name, list(train_argv) + list(v.flags)) for v in variants]
+    fake = ["--fake-process-group"] if one_rank else []
+    configs = [(v.name, list(train_argv) + list(v.flags) + fake) for v in variants]
     log_pattern = os.path.join(log_dir, "log.rank{rank}.txt")
     try:
         per_rank = run_distributed(
-            _worker, nproc, configs, log_pattern, timeout=timeout * max(len(configs), 1)
+            _worker,
+            nproc,
+            configs,
+            log_pattern,
+            timeout=timeout * max(len(configs), 1),
+            one_rank=one_rank,
         )
     except RuntimeError as exc:
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]

@@ -125,8 +125,12 @@ def write_markdown(report, path):
         "",
         f"- date: {report['date']}",
         f"- host: {report['host']['cpu']} ({report['host']['logical_cpus']} logical CPUs), "
-        f"torch {report['host']['torch']}, {cfg['nproc']} ranks x {cfg['threads_per_rank']} "
-        "thread(s)",
+        f"torch {report['host']['torch']}, "
+        + (
+            f"rank 0 of {cfg['nproc']} run alone (one-rank) x {cfg['threads_per_rank']} thread(s)"
+            if cfg.get("one_rank")
+            else f"{cfg['nproc']} ranks x {cfg['threads_per_rank']} thread(s)"
+        ),
         f"- command: `{report['command']}`"
         + (f" ({report['rebudgeted']})" if report.get("rebudgeted") else ""),
         f"- iterations: {cfg['warmup']} warm-up + {cfg['iters']} timed per variant"
@@ -151,6 +155,13 @@ def write_markdown(report, path):
     else:
         lines.append(
             "- no link emulation: plain gloo on this host (not representative of a GPU " "cluster)"
+        )
+    if cfg.get("one_rank"):
+        lines.append(
+            f"- **one-rank, timing-only**: only rank 0 of the {cfg['nproc']} ranks ran; the others "
+            "are virtual (Megatron's --fake-process-group), so collectives take their emulated "
+            "time but reduce nothing: losses and gradients are not those of training and are not "
+            "checked. Rank 0's timeline stands for the group's (its ranks do the same work)."
         )
     lines += [
         f"- losses: {report['loss_check']['summary']}",

@@ -9,15 +9,16 @@ import subprocess
 import threading
 import time
 
-from ..launch import torchrun_command
+from ..launch import one_rank_command, torchrun_command
 from ..viz.analysis import load_traces, run_metrics, trace_files
 
 _SHARE = re.compile(r"\[oases\] emulator rank (\d+):.*CPU share while not blocked ([\d.]+)")
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+).*?elapsed time per iteration \(ms\): ([\d.]+)")
 
 
-def train_command(variant, train_argv, vdir, nproc, iters, emulate_link=None):
-    """The torchrun command line of one variant."""
+def train_command(variant, train_argv, vdir, nproc, iters, emulate_link=None, one_rank=False):
+    """The command line of one variant and the environment it adds: torchrun over ``nproc``
+    ranks, or (``one_rank``) one process standing for rank 0 of ``nproc``."""
     argv = [
         "train",
         *train_argv,
@@ -33,7 +34,9 @@ def train_command(variant, train_argv, vdir, nproc, iters, emulate_link=None):
     ]
     if emulate_link:
         argv += ["--emulate-link", emulate_link]
-    return torchrun_command(argv, nproc)
+    if one_rank:
+        return one_rank_command(argv, nproc)
+    return torchrun_command(argv, nproc), {}
 
 
 _ERROR = re.compile(r"^(?:\[rank\d+\]: )?(?:oases train: error: .*|[\w.]*(?:Error|Exception)\b.*)$")
@@ -70,6 +73,7 @@ def run_variant(
     tokens=None,
     subdir=None,
     comm_model=None,
+    one_rank=False,
 ):
     """Run one variant; returns its result dict (status ok/failed, timings, losses, trace metrics)."""
     vdir = os.path.join(out_dir, variant.name, *([subdir] if subdir else []))
@@ -80,7 +84,9 @@ def run_variant(
         if os.path.exists(f):
             os.remove(f)
     total = warmup + iters
-    cmd = train_command(variant, train_argv, vdir, nproc, total, emulate_link)
+    cmd, launch_env = train_command(
+        variant, train_argv, vdir, nproc, total, emulate_link, one_rank=one_rank
+    )
     result = {
         "name": variant.name,
         "label": variant.label,
@@ -108,7 +114,7 @@ def run_variant(
             progress(f"  [{variant.name}] {line[8:]}")
 
     t0 = time.time()
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}), **launch_env)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

@@ -241,6 +241,7 @@ RESERVED = (
     "--oases-plan",
     "--oases-sub-batches",
     "--oases-split",
+    "--fake-process-group",
 )
 
 

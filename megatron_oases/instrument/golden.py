@@ -63,7 +63,11 @@ def _scalar(value):
 
 
 def _is_last_rank():
-    return not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1
+    """The rank Megatron logs the loss on; on a fake process group (one-rank runs) the one rank
+    there is, as in Megatron's ``print_rank_last``."""
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return True
+    return dist.get_rank() == dist.get_world_size() - 1
 
 
 def make_patch(args, built=None):

@@ -4,6 +4,7 @@
     oases profile --model X.yaml --emulate-link rtx3090-pcie --out profile.json  # measured, emulated
     oases profile --model X.yaml --analytic --cluster rtx3090-nvlink --out profile.json
     oases profile ... --sequence-parallel   # also SP all-gather/reduce-scatter and SP memory
+    oases profile --model X.yaml --emulate-link rtx3090-pcie --one-rank --out p.json  # rank 0 only
 
 Measured profiles time one Megatron TransformerLayer per degree on real process groups (spawning
 ``--nproc`` gloo ranks unless already launched by torchrun) and are cached by hardware fingerprint
@@ -77,6 +78,13 @@ def build_parser():
         default=None,
         help="measured: ranks to spawn (default T); ignored under torchrun",
     )
+    p.add_argument(
+        "--one-rank",
+        action="store_true",
+        help="measured: run only rank 0, the other --nproc ranks virtual (fake process group); "
+        "collectives take their --emulate-link time (needed) but reduce nothing. For TMP degrees "
+        "beyond this host's CPUs",
+    )
     p.add_argument("--repeats", type=int, default=3, help="measured: timed repetitions (median)")
     p.add_argument(
         "--cache-dir",
@@ -142,8 +150,10 @@ def main(argv):
                 f"--analytic needs --cluster PROFILE ({', '.join(available_clusters())} or a "
                 "YAML path)"
             )
-        if args.emulate_link:
-            raise OasesConfigError("--emulate-link applies to measured profiles; drop --analytic")
+        if args.emulate_link or args.one_rank:
+            raise OasesConfigError(
+                "--emulate-link and --one-rank apply to measured profiles; drop --analytic"
+            )
         from .analytic import analytic_profile
 
         data = analytic_profile(margs, args.cluster, degrees=degrees)
@@ -163,6 +173,7 @@ def main(argv):
             cache_dir=args.cache_dir,
             use_cache=not args.no_cache,
             timeout=args.timeout,
+            one_rank=args.one_rank,
         )
     if data is None:  # a non-zero rank under torchrun: rank 0 writes the file
         return 0

@@ -38,7 +38,7 @@ from .worker import profile_worker
 MEASUREMENT_REVISION = 4
 
 
-def hardware_fingerprint(world_size, emulate_link=None):
+def hardware_fingerprint(world_size, emulate_link=None, one_rank=False):
     import torch
 
     cpu = _platform.processor() or _platform.machine()
@@ -63,6 +63,7 @@ def hardware_fingerprint(world_size, emulate_link=None):
         "world_size": int(world_size),
         "threads_per_rank": int(os.environ.get("OMP_NUM_THREADS", "1")),
         "emulate_link": emulate_link,
+        **({"one_rank": True} if one_rank else {}),  # only then: earlier caches stay valid
         "emulate_dilation_env": os.environ.get("OASES_EMULATE_DILATION"),
         "host_flops_env": os.environ.get("OASES_HOST_FLOPS"),
     }
@@ -96,9 +97,11 @@ def measured_profile(
     cache_dir=None,
     use_cache=True,
     timeout=3600,
+    one_rank=False,
 ):
     """Measure (or load from cache) a profile for ``margs``; returns the profile dict (on rank 0
-    under torchrun; None on the other ranks)."""
+    under torchrun; None on the other ranks). ``one_rank``: rank 0 alone on the fake process
+    group, the other ranks virtual (timing-only; needs ``emulate_link``)."""
     import json
 
     T = margs.tensor_model_parallel_size
@@ -129,7 +132,12 @@ def measured_profile(
         if d < T and T <= world and T % d == 0:
             gathers.setdefault(ranks_key(gather_ranks(d, T)), (d, T))
     del top
-    fp = hardware_fingerprint(world, emulate_link)
+    if one_rank and not emulate_link:
+        raise OasesConfigError(
+            "--one-rank needs --emulate-link PROFILE: the virtual ranks' collectives take no "
+            "time otherwise"
+        )
+    fp = hardware_fingerprint(world, emulate_link, one_rank)
     settings = {
         "shape": shape,
         "T": T,
@@ -167,6 +175,8 @@ def measured_profile(
         "emulate_link": emulate_link,
         "t0": time.time(),
     }
+    if in_torchrun and one_rank:
+        raise OasesConfigError("--one-rank starts its own process; run it without torchrun")
     if in_torchrun:
         import torch.distributed as dist
 
@@ -182,7 +192,9 @@ def measured_profile(
         old = {k: os.environ.get(k) for k in quiet}
         os.environ.update(quiet)  # spawned ranks inherit it: no Megatron import warnings
         try:
-            result = run_distributed(profile_worker, world, payload, timeout=timeout)[0]
+            result = run_distributed(
+                profile_worker, world, payload, timeout=timeout, one_rank=one_rank
+            )[0]
         finally:
             for k, v in old.items():
                 if v is None:

@@ -53,7 +53,10 @@ def profile_worker(payload):
     platform.install_cpu_shims()
     world, rank = dist.get_world_size(), dist.get_rank()
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    # no gloo side groups on the fake process group of a one-rank run (gloo cannot join it)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=1, create_gloo_process_groups=dist.get_backend() != "fake"
+    )
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     patch = None
     if payload.get("emulate_link"):

@@ -447,8 +447,9 @@ def _comm_key(ev):
 def schedule_exposed_us(traces):
     """Blocked time no rank avoided, per rank (module docstring): each collective's least
     blocked time over the ranks that issued it (a collective only one rank's trace has keeps its
-    own), summed over the ranks' collectives and averaged over ranks; None for one rank."""
-    if len(traces) < 2:
+    own), summed over the ranks' collectives and averaged over ranks. One rank (a one-rank run,
+    whose peers are virtual) has no peer to wait for: all its blocked time is the link's."""
+    if not traces:
         return None
     seen = {}  # (labels, occurrence) -> blocked us of each rank that issued it
     for trace in traces:
