@@ -45,10 +45,11 @@ SHAPES = {
     # unfused attention's softmax/mask/dropout over s^2 scores is far slower on a CPU than the
     # fused kernels on a GPU; a shorter sequence halves its weight in the emulated compute.
     "h2048s512": shape(2, 2048, 32, 512, 4),
-    # TMP=4 on 4 ranks, as in the paper's Figure 2 / Table 3 set-up. Run it on a host with at
-    # least 8 CPUs (2 threads per rank): on a 2-CPU host the ranks time-share the CPUs, and host
-    # contention, not the schedule, sets the efficiency (CPU share ~0.65 there).
+    # TMP=4, as in the paper's Figure 2 / Table 3 set-up, and TMP=8: rank 0 alone (--one-rank,
+    # the other ranks virtual) with every CPU of the host, so a 2-CPU host runs them without
+    # time-sharing the CPUs between ranks.
     "h2048tp4": shape(2, 2048, 32, 1024, 2),
+    "h2048tp8": shape(2, 2048, 32, 1024, 2),
     # 4 layers: the per-iteration communication outside the layers (embedding all-reduce, output
     # layer's input-gradient all-reduce) weighs half as much as with 2.
     "h2048l4": shape(4, 2048, 32, 1024, 2),
@@ -57,7 +58,8 @@ SHAPES = {
     "h2048sp": shape(2, 2048, 32, 1024, 2) + ["--sequence-parallel"],
 }
 COMMON = ["--vocab-size", "512"]
-TP = {"h2048tp4": 4}  # TMP degree (= ranks) per shape; default 2
+TP = {"h2048tp4": 4, "h2048tp8": 8}  # TMP degree (= ranks) per shape; default 2
+ONE_RANK = {"h2048tp4", "h2048tp8"}  # shapes run as rank 0 alone (oases compare --one-rank)
 # Variants and memory pass per shape (default: oases compare's variants, no memory pass). The SP
 # rows run every memory setting, so the report can set speed against peak memory per rank.
 SP_VARIANTS = (
@@ -80,12 +82,6 @@ SHAPE_OPTIONS = {
         "--variants",
         "megatron,megatron-block,megatron-norecompute,cross-pass,oases,oases-block",
     ],
-    "h2048tp4": [
-        "--variants",
-        "megatron,megatron-norecompute,cross-pass,oases",
-        "--threads-per-rank",
-        "2",
-    ],
 }
 MATRIX = [
     ("rtx3090-pcie", "h1024"),
@@ -93,11 +89,13 @@ MATRIX = [
     ("rtx3090-pcie", "h2048s512"),
     ("rtx3090-pcie", "h2048l4"),
     ("rtx3090-pcie", "h2048tp4"),
+    ("rtx3090-pcie", "h2048tp8"),
     ("rtx3090-pcie", "h2048sp"),
     ("rtx3090-nvlink", "h1024"),
     ("rtx3090-nvlink", "h2048"),
     ("h100-nvlink", "h2048"),  # a very fast link: the split must cost little
     ("h100-nvlink", "h2048sp"),
+    ("h100-nvlink", "h2048tp8"),
 ]
 
 
@@ -121,6 +119,8 @@ def compare_argv(profile, shape, args):
         "--out",
         os.path.join(OUT, config_name(profile, shape)),
     ]
+    if shape in ONE_RANK:
+        argv.append("--one-rank")
     options = list(SHAPE_OPTIONS.get(shape, []))
     if args.variants:
         options = _drop_option(options, "--variants") + ["--variants", args.variants]

@@ -37,6 +37,9 @@ class ClusterProfile:
     nvlink: Link = None
     nvlink_pairs: tuple = field(default_factory=tuple)
     dtype: str = "fp16"
+    # SMs NCCL's kernels take during a collective (one per channel): the one-rank emulator on CUDA
+    # runs that many one-block spin kernels per collective (a documented default, not measured)
+    comm_sms: int = 2
 
     def link_for(self, ranks):
         ranks = sorted(ranks)
@@ -97,4 +100,5 @@ def load_cluster(name_or_path):
         nvlink=Link(**raw["nvlink"]) if raw.get("nvlink") else None,
         nvlink_pairs=tuple(tuple(p) for p in raw.get("nvlink_pairs") or ()),
         dtype=raw.get("dtype", "fp16"),
+        comm_sms=int(raw.get("comm_sms", 2)),
     )

@@ -98,6 +98,16 @@ def _collective_cost(emu, kind, ba):
     raise ValueError(kind)
 
 
+def _device(*candidates):
+    """The device of the first tensor among ``candidates`` (tensors or lists of them)."""
+    for c in candidates:
+        if isinstance(c, (list, tuple)):
+            c = c[0] if c else None
+        if c is not None and hasattr(c, "device"):
+            return c.device
+    return None
+
+
 def wrap_collective(emu, name, orig, kind):
     """The collective ``orig`` (cost ``kind`` of :data:`COLLECTIVES`), completing when ``emu`` says."""
     sig = _sig(orig)
@@ -109,7 +119,9 @@ def wrap_collective(emu, name, orig, kind):
         if cost is None:
             return orig(*args, **kwargs)
         model_kind, nbytes, ranks = cost
-        done, info = emu.issue(name, model_kind, nbytes, ranks, ("coll", tuple(ranks)))
+        a = ba.arguments
+        device = _device(a.get("tensor"), a.get("output_tensor"), a.get("input"))
+        done, info = emu.issue(name, model_kind, nbytes, ranks, ("coll", tuple(ranks)), device)
         if done is None:
             return orig(*args, **kwargs)
         result = orig(*args, **kwargs)
@@ -156,7 +168,7 @@ def wrap_p2p(emu, name, orig):
         else:
             peer = _global_peer(group, a.get("src"), a.get("group_src"))
         nbytes, ranks, channel = _p2p_cost(emu, send, a["tensor"], peer, group)
-        done, info = emu.issue(name, "p2p", nbytes, ranks, channel)
+        done, info = emu.issue(name, "p2p", nbytes, ranks, channel, a["tensor"].device)
         if done is None:
             return orig(*args, **kwargs)
         result = orig(*args, **kwargs)
@@ -177,7 +189,8 @@ def wrap_batch_isend_irecv(emu, orig):
         for op in p2p_op_list:
             send = _unwrap(op.op) is c10d.isend
             nbytes, ranks, channel = _p2p_cost(emu, send, op.tensor, op.peer, op.group)
-            done, info = emu.issue("isend" if send else "irecv", "p2p", nbytes, ranks, channel)
+            kind = "isend" if send else "irecv"
+            done, info = emu.issue(kind, "p2p", nbytes, ranks, channel, op.tensor.device)
             issued.append((done, info))
         works = orig(p2p_op_list)
         if works is None:
@@ -186,11 +199,11 @@ def wrap_batch_isend_irecv(emu, orig):
         if len(works) == len(issued):
             pairs = list(zip(works, issued))
         else:  # coalesced: every handle completes with the slowest op of the batch
-            last = max(
-                ((d, i) for d, i in issued if d is not None),
-                default=(None, None),
-                key=lambda x: x[0],
-            )
+            booked = [(d, i) for d, i in issued if d is not None]
+            if booked and not isinstance(booked[0][0], float):  # CUDA events: the last issued
+                last = booked[-1]
+            else:
+                last = max(booked, default=(None, None), key=lambda x: x[0])
             pairs = [(w, last) for w in works]
         out = []
         for work, (done, info) in pairs:

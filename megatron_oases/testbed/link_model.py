@@ -19,6 +19,13 @@ so it can be driven with a fake clock:
   completion. Compute done between issue and ``wait()`` therefore hides the modelled transfer, exactly as
   a GPU communication stream would; a synchronous op blocks until its modelled completion.
 
+* On CUDA tensors the host clock says nothing about when the GPU gets there (the host runs
+  ahead of the device), so an op is instead a spin kernel of ``dilation × t_model`` on its
+  channel's CUDA stream (:class:`CudaLink`), ordered after the work issued before it, with
+  ``profile.comm_sms`` blocks as NCCL's channels would take SMs (:mod:`.spin`); waiting on it
+  makes the caller's stream wait for its event (:class:`CudaEmulatedWork`). The host never
+  blocks. Unverified until a GPU check report (``benchmarks/gpu/check.sh``) exists.
+
 ``EmulatedWork`` behaves like a ``torch.distributed.Work`` (``wait``, ``is_completed``, ``is_success``,
 ``exception``, …; only ``get_future()`` is the real work's future, not delayed).
 ``EmulatedWork.done_at`` is the modelled completion on the ``time.perf_counter`` clock, for tracers
@@ -92,6 +99,112 @@ class EmulatedWork:
         return f"EmulatedWork({self._work!r}, done_at={self.done_at:.6f})"
 
 
+class CudaLink:
+    """Emulated collectives on a CUDA device: a spin kernel on a stream per channel (a channel's
+    ops queue in issue order), one launch per op: a Triton kernel of ``sms`` programs spinning on
+    the GPU's global timer, or where Triton cannot build it ``torch.cuda._sleep`` (one block, a
+    spin of SM clock cycles). ``kernel`` says which ran."""
+
+    #: the kernel the last emulator in this process used, and why Triton's was not (reports)
+    last_kernel = None
+    fallback_reason = None
+
+    def __init__(self, sms=1):
+        self.sms = max(1, int(sms))
+        self._streams = {}
+        self._cycles_per_s = None
+        self.kernel = None  # "triton-globaltimer" or "torch.cuda._sleep", after the first op
+
+    def _cycles(self, seconds, device):
+        """SM clock cycles of ``seconds``, timed once on a spin of known cycles (after a warm-up:
+        the clock rises under load)."""
+        import torch
+
+        if self._cycles_per_s is None:
+            cycles = 2_000_000
+            with torch.cuda.device(device):
+                for _ in range(2):
+                    start = torch.cuda.Event(enable_timing=True)
+                    end = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    torch.cuda._sleep(cycles)
+                    end.record()
+                    end.synchronize()
+            self._cycles_per_s = cycles / (start.elapsed_time(end) * 1e-3)
+        return max(1, int(seconds * self._cycles_per_s))
+
+    def launch(self, channel, seconds, device):
+        """Enqueue ``seconds`` of link time on ``channel`` after the caller's stream's work;
+        returns the CUDA event of its completion."""
+        import torch
+
+        key = (channel, str(device))
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # starts once its input is ready
+        if self.kernel != "torch.cuda._sleep":
+            try:
+                from .spin import spin
+
+                with torch.cuda.stream(stream):
+                    spin(int(seconds * 1e9), self.sms, device)
+                self.kernel = CudaLink.last_kernel = "triton-globaltimer"
+            except Exception as exc:  # noqa: BLE001 - no Triton, or it cannot build the kernel
+                if self.kernel is not None:
+                    raise
+                self.kernel = CudaLink.last_kernel = "torch.cuda._sleep"
+                CudaLink.fallback_reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if self.kernel == "torch.cuda._sleep":
+            cycles = self._cycles(seconds, device)  # calibrated once, off the channel's stream
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(cycles)
+        done = torch.cuda.Event()
+        done.record(stream)
+        return done
+
+
+class CudaEmulatedWork:
+    """A ``Work`` of an emulated op on CUDA: ``wait()`` makes the current stream wait for the spin
+    kernel's event, without blocking the host (as ``Work.wait`` on NCCL does)."""
+
+    def __init__(self, work, event):
+        self._work = work
+        self.event = event
+        self.done_at = None  # no host-clock completion on CUDA
+
+    def wait(self, timeout=None):
+        import torch
+
+        torch.cuda.current_stream().wait_event(self.event)
+        return True
+
+    def synchronize(self):
+        self.wait()
+
+    def block_current_stream(self):
+        self.wait()
+
+    def is_completed(self):
+        return self.event.query()
+
+    def is_success(self):
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        self.wait()
+        return [] if self._work is None else self._work.result()
+
+    def __getattr__(self, name):
+        work = self.__dict__.get("_work")
+        if work is None:
+            raise AttributeError(name)
+        return getattr(work, name)
+
+
 class LinkEmulator:
     """Models op times on ``profile``'s links and delays completion to ``dilation ×`` that time."""
 
@@ -112,6 +225,7 @@ class LinkEmulator:
         self.blocked_cpu_s = 0.0  # CPU time the blocked threads used meanwhile (~0: they sleep)
         self.ops = 0
         self._t0 = None
+        self.cuda = CudaLink(getattr(profile, "comm_sms", 1))
 
     # -- host usage --------------------------------------------------------------------------
     def start_usage(self):
@@ -213,18 +327,28 @@ class LinkEmulator:
         return rec
 
     # -- issue and completion (called by the wrappers of :mod:`.collectives`) --------------
-    def issue(self, op, kind, nbytes, ranks, channel):
-        """Model and book one op; returns (done_at, record fields) or (None, None) when it is free."""
+    def issue(self, op, kind, nbytes, ranks, channel, device=None):
+        """Model and book one op; returns (done_at, record fields) or (None, None) when it is free.
+        On a CUDA ``device`` ``done_at`` is the CUDA event of the op's spin kernel."""
         model_s = self.model_seconds(kind, nbytes, ranks)
         if model_s <= 0.0:
             return None, None
         issue = self.clock()
+        if device is not None and device.type == "cuda":
+            done = self.cuda.launch(channel, model_s * self.dilation, device)
+            return done, (op, nbytes, ranks, model_s, issue, None, None)
         start, done = self.reserve(channel, model_s * self.dilation, issue)
         return done, (op, nbytes, ranks, model_s, issue, start, done)
 
     def finish_sync(self, result, done, info):
-        """A synchronous op: record it and block until its modelled completion ``done``."""
+        """A synchronous op: record it and block until its modelled completion ``done`` (on CUDA:
+        the current stream waits for it; the host goes on)."""
         rec = self._record(*info, is_async=False)
+        if not isinstance(done, float):
+            import torch
+
+            torch.cuda.current_stream().wait_event(done)
+            return result
         c0 = time.thread_time()
         self.sleep_until(done)
         rec["returned"] = self.clock()
@@ -235,6 +359,8 @@ class LinkEmulator:
     def wrap_async(self, work, done, info):
         """An async op: record it; its handle's ``wait()`` returns no earlier than ``done``."""
         rec = self._record(*info, is_async=True)
+        if not isinstance(done, float):
+            return CudaEmulatedWork(work, done)
         return EmulatedWork(work, done, self, rec)
 
     # -- reporting ---------------------------------------------------------------------------

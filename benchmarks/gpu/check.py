@@ -1,0 +1,610 @@
+"""The GPU check: what a lent GPU machine must tell us, in one command of a few minutes.
+
+Steps (each in its own process, under its own time limit, its result kept when a later one fails):
+
+* ``env``: torch, CUDA, the GPU, megatron-core, Triton/TE, and the GPU's GEMM rate (the host rate
+  the link emulator divides by).
+* ``parity``: every schedule against stock Megatron on this device (loss and every gradient), two
+  ranks sharing it through gloo with device tensors; fp32, ``--bf16``, sequence parallelism and
+  ``--attention-backend flash``.
+* ``timing``: ``--one-rank`` iteration times of stock, ``oases`` and ``overlap-norecompute`` at the
+  report's shape under the ``rtx3090-pcie`` and ``h100-nvlink`` link models, TMP 2/4/8 (rank 0
+  alone on the fake process group; each collective a spin kernel on its stream on CUDA).
+* ``host``: the host-issue floor: aten calls per layer per micro-batch (8 layers − 4 layers), the
+  host's time per call at a negligible shape, and the GPU's idle time inside a step at the report's
+  shape (``torch.profiler``), for stock and ``oases``.
+* ``split``: the compute cost of splitting: one micro-batch of 2 against two of 1, no
+  communication (stock, no recompute).
+
+``--dry-run`` runs the same steps on the CPU with tiny shapes (CI runs it). Writes
+``report.json`` and ``report.md`` (and ``check.log``) into ``--out``: by default
+``benchmarks/results/gpu/<date>-<device>/``; on the device tool's machine pass ``--out $OUT/...``.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+#: Megatron fusions that need Apex / TE kernels: off, so the check runs on a bare CUDA torch too.
+KERNEL_FLAGS = [
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+]
+FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+
+def shapes(dry):
+    """Model flags of the parity, timing and host steps (the report's H=2048 shape on a GPU)."""
+    if dry:
+        small = (
+            "--hidden-size 64 --num-attention-heads 8 --seq-length 32 --max-position-embeddings 32"
+        )
+        return {"parity": small, "timing": small, "host": small, "probe": small, "vocab": 512}
+    return {
+        "parity": "--hidden-size 256 --num-attention-heads 8 --seq-length 128 "
+        "--max-position-embeddings 128",
+        "timing": "--hidden-size 2048 --num-attention-heads 32 --seq-length 1024 "
+        "--max-position-embeddings 1024",
+        "host": "--hidden-size 2048 --num-attention-heads 32 --seq-length 1024 "
+        "--max-position-embeddings 1024",
+        "probe": "--hidden-size 64 --num-attention-heads 8 --seq-length 32 "
+        "--max-position-embeddings 32",
+        "vocab": 512,
+    }
+
+
+def _cuda():
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _argv(text):
+    import shlex
+
+    return shlex.split(text)
+
+
+# -- env -------------------------------------------------------------------------------------
+
+
+def gemm_tflops(dtype_name, dry):
+    """Sustained GEMM rate of this device (TFLOP/s): median of a few square products."""
+    import torch
+
+    cuda = _cuda()
+    n = 512 if dry or not cuda else 8192
+    dtype = getattr(torch, dtype_name)
+    dev = "cuda" if cuda else "cpu"
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    times = []
+    for i in range(6):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def step_env(dry):
+    import torch
+
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda_available": _cuda(),
+        "cuda": torch.version.cuda,
+    }
+    try:
+        from importlib.metadata import version
+
+        out["megatron_core"] = version("megatron-core")
+    except Exception as exc:  # noqa: BLE001
+        out["megatron_core"] = f"missing: {exc}"
+    for mod in ("triton", "transformer_engine", "apex"):
+        try:
+            m = __import__(mod)
+            out[mod] = getattr(m, "__version__", "present")
+        except Exception:  # noqa: BLE001
+            out[mod] = None
+    if _cuda():
+        p = torch.cuda.get_device_properties(0)
+        out.update(device=p.name, sms=p.multi_processor_count, memory_gb=p.total_memory / 1e9)
+        try:
+            out["nvidia_smi"] = subprocess.run(
+                ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    else:
+        out["device"] = "cpu (" + (platform.processor() or platform.machine()) + ")"
+    out["gemm_tflops"] = {d: gemm_tflops(d, dry) for d in ("float32", "bfloat16")}
+    return out
+
+
+# -- parity ----------------------------------------------------------------------------------
+
+
+def parity_configs(dry):
+    s = shapes(dry)
+    base = (
+        f"--num-layers 2 {s['parity']} --vocab-size {s['vocab']} --mock-data --lr 1e-2 "
+        "--tensor-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 4 "
+        "--train-iters 2 --hidden-dropout 0 --attention-dropout 0 " + " ".join(KERNEL_FLAGS)
+    )
+    llama = (
+        " --swiglu --normalization RMSNorm --group-query-attention --num-query-groups 4 "
+        "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights"
+    )
+    all4 = ["off", "overlap", "cross-pass", "oases"]
+    # tolerances: fp32 on a GPU, a split's GEMMs may take other kernels (reassociated sums, ~1e-6
+    # relative; 1e-4 leaves room); bf16 rounds at 2^-8 = 3.9e-3, and a reassociated gradient sum
+    # differs by a few such units: 3e-2.
+    cfgs = [
+        ("gpt-fp32", base, all4, 1e-4),
+        ("gpt-bf16", base + " --bf16", ["off", "oases", "overlap"], 3e-2),
+        ("gpt-sp-fp32", base + " --sequence-parallel", ["off", "oases"], 1e-4),
+        ("llama-fp32", base + llama, ["off", "oases"], 1e-4),
+    ]
+    if _cuda():  # PyTorch's flash kernel: CUDA and bf16 only
+        cfgs.append(
+            (
+                "llama-bf16-flash",
+                base + llama + " --bf16 --attention-backend flash",
+                ["off", "oases"],
+                3e-2,
+            )
+        )
+    return cfgs
+
+
+def step_parity(dry):
+    from helpers.runs import max_rel_diff, variants_worker
+
+    from megatron_oases.launch import run_distributed
+
+    results = {}
+    for name, base, schedules, tol in parity_configs(dry):
+        variants = [(sch, f"--oases-schedule {sch} {FULL_RECOMPUTE}") for sch in schedules]
+        t0 = time.time()
+        try:
+            ranks = run_distributed(variants_worker, 2, base, variants, timeout=300)
+        except Exception as exc:  # noqa: BLE001 - one config's failure is a result
+            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+            results[name] = {"status": "failed", "error": lines[-1] if lines else repr(exc)}
+            continue
+        worst = {}
+        for res in ranks:
+            stock = res["off"]
+            for sch in schedules[1:]:
+                got = res[sch]
+                diffs = [max_rel_diff(got["losses"], stock["losses"])]
+                diffs += [max_rel_diff(got["grads"][k], g) for k, g in stock["grads"].items()]
+                worst[sch] = max(worst.get(sch, 0.0), *diffs)
+        ok = all(v < tol for v in worst.values())
+        results[name] = {
+            "status": "ok" if ok else "mismatch",
+            "tolerance": tol,
+            "worst_rel_diff": worst,
+            "seconds": round(time.time() - t0, 1),
+        }
+    return results
+
+
+# -- one-rank jobs (timing, host, split) --------------------------------------------------------
+
+
+def _fake_group(world):
+    import torch.distributed as dist
+
+    from megatron_oases.launch import init_fake_process_group
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(world), LOCAL_WORLD_SIZE="1")
+    init_fake_process_group(world)
+
+
+def _profiled_step(record, at_call):
+    """A Patch: the ``at_call``-th ``train_step`` runs under ``torch.profiler``; records its aten
+    calls, wall time and (CUDA) the union of its kernels' intervals."""
+    import torch
+    from megatron.training import training
+
+    from megatron_oases.patching import Patch
+
+    original = training.train_step
+    calls = {"n": 0}
+
+    def train_step(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] != at_call:
+            return original(*args, **kwargs)
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
+        if _cuda():
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            out = original(*args, **kwargs)
+            if _cuda():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        aten = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+        record.update(aten_calls=aten, wall_s=wall)
+        if _cuda():
+            spans = sorted(
+                (e.time_range.start, e.time_range.end)
+                for e in prof.events()
+                if e.device_type.name == "CUDA"
+            )
+            busy, end = 0.0, float("-inf")
+            for a, b in spans:
+                if b > end:
+                    busy += b - max(a, end)
+                    end = b
+            record.update(gpu_busy_s=busy * 1e-6, kernels=len(spans))
+        return out
+
+    return Patch("gpu-check-profiler", [(training, "train_step", train_step)])
+
+
+def one_rank_job(argv, iters, profile_at=None):
+    """One Megatron job on the current fake group; iteration times (s) and the profile record."""
+    from megatron_oases.training.pretrain import run_in_process
+
+    record = {}
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "golden.json")
+        argv = list(argv) + ["--train-iters", str(iters), "--log-interval", "1"]
+        argv += ["--log-json", path, "--fake-process-group"] + KERNEL_FLAGS
+        extra = [_profiled_step(record, profile_at)] if profile_at else []
+        run_in_process(argv, demo=True, extra_patches=extra)
+        with open(path) as f:
+            times = json.load(f)["iteration-time"]["values"]
+    return {"iteration_s": times, "median_s": statistics.median(times[1:] or times), **record}
+
+
+def _variant_flags(name, micro_batch, layers):
+    from megatron_oases.compare.variants import VARIANTS
+
+    base = argparse.Namespace(
+        micro_batch_size=micro_batch,
+        global_batch_size=micro_batch,
+        num_layers=layers,
+        pipeline_model_parallel_size=1,
+    )
+    return list(VARIANTS[name].resolved_flags(base))
+
+
+def step_timing(dry, gemm_rate=None):
+    import torch
+
+    s = shapes(dry)
+    dtype = ["--bf16"] if _cuda() else []
+    if gemm_rate:  # the emulator's "host" rate: this device's, in the run's dtype
+        os.environ["OASES_HOST_FLOPS"] = repr(gemm_rate * 1e12)
+    grid = [(p, tp) for p in ("rtx3090-pcie", "h100-nvlink") for tp in (2, 4, 8)]
+    if dry:  # both links and both ends of the TMP range, in CI's time
+        grid = [("rtx3090-pcie", 8), ("h100-nvlink", 2)]
+    results = {}
+    for profile, tp in grid:
+        _fake_group(tp)
+        row = {}
+        for name in ("megatron", "oases", "overlap-norecompute"):
+            argv = _argv(
+                f"--num-layers 2 {s['timing']} --vocab-size {s['vocab']} --mock-data "
+                f"--tensor-model-parallel-size {tp} --micro-batch-size 2 "
+                "--global-batch-size 2 --hidden-dropout 0 --attention-dropout 0 "
+                f"--emulate-link {profile}"
+            )
+            argv += dtype + _variant_flags(name, 2, 2)
+            try:
+                row[name] = one_rank_job(argv, 2 if dry else 5)["median_s"]
+            except Exception as exc:  # noqa: BLE001
+                row[name] = f"failed: {str(exc).strip().splitlines()[-1][:300]}"
+        if isinstance(row.get("megatron"), float):
+            row["speedup"] = {
+                n: row["megatron"] / v for n, v in row.items() if isinstance(v, float)
+            }
+        results[f"{profile}-tp{tp}"] = row
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    from megatron_oases.testbed.link_model import CudaLink
+
+    # which stand-in the collectives were on CUDA (None on the CPU: host-clock waits)
+    results["collective_kernel"] = {
+        "kernel": CudaLink.last_kernel,
+        "fallback_reason": CudaLink.fallback_reason,
+    }
+    return results
+
+
+def step_host(dry):
+    """Calls per layer (8 − 4 layers) ÷ 4 at the probe shape (negligible tensors: step time ≈ the
+    host's issue time) and at the report's shape (GPU busy vs step wall)."""
+    s = shapes(dry)
+    _fake_group(2)
+    out = {}
+    for shape_name in ("probe", "host"):
+        rows = {}
+        for name in ("megatron", "oases"):
+            per = {}
+            for layers in (4, 8):
+                argv = _argv(
+                    f"--num-layers {layers} {s[shape_name]} --vocab-size {s['vocab']} "
+                    "--mock-data --tensor-model-parallel-size 2 --micro-batch-size 2 "
+                    "--global-batch-size 2 --hidden-dropout 0 --attention-dropout 0"
+                )
+                argv += (["--bf16"] if _cuda() else []) + _variant_flags(name, 2, layers)
+                per[layers] = one_rank_job(argv, 3, profile_at=3)
+            a4, a8 = per[4]["aten_calls"], per[8]["aten_calls"]
+            row = {
+                "aten_calls_per_layer": (a8 - a4) / 4,
+                "aten_calls_per_step_8_layers": a8,
+                "step_wall_s_8_layers": per[8]["wall_s"],
+                "host_us_per_call": 1e6 * per[8]["wall_s"] / a8,
+            }
+            if "gpu_busy_s" in per[8]:
+                busy = per[8]["gpu_busy_s"]
+                row.update(
+                    gpu_busy_s_8_layers=busy,
+                    gpu_idle_share=max(0.0, 1 - busy / per[8]["wall_s"]),
+                    gpu_us_per_layer=1e6 * (busy - per[4]["gpu_busy_s"]) / 4,
+                    kernels_per_layer=(per[8]["kernels"] - per[4]["kernels"]) / 4,
+                )
+            rows[name] = row
+        out[shape_name] = rows
+    probe = out["probe"]["megatron"]["host_us_per_call"]
+    out["host_us_per_call"] = probe  # negligible tensors: the step is the host's issue time
+    for name, row in out["host"].items():
+        row["host_floor_us_per_layer"] = row["aten_calls_per_layer"] * probe
+        if "gpu_us_per_layer" in row:
+            row["host_bound"] = row["host_floor_us_per_layer"] > row["gpu_us_per_layer"]
+    return out
+
+
+def step_split(dry):
+    """Compute cost of the split: stock without recompute at micro-batch 2 against micro-batch 1
+    twice, no communication cost (the fake group's collectives return at once)."""
+    s = shapes(dry)
+    _fake_group(2)
+    out = {}
+    for name in ("megatron-norecompute", "megatron-halfmb-norecompute"):
+        argv = _argv(
+            f"--num-layers 2 {s['timing']} --vocab-size {s['vocab']} --mock-data "
+            "--tensor-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 2 "
+            "--hidden-dropout 0 --attention-dropout 0"
+        )
+        argv += (["--bf16"] if _cuda() else []) + _variant_flags(name, 2, 2)
+        out[name] = one_rank_job(argv, 3 if dry else 6)["median_s"]
+    out["half_x2_over_full"] = out["megatron-halfmb-norecompute"] / out["megatron-norecompute"]
+    return out
+
+
+STEPS = {
+    "env": (step_env, 60),
+    "parity": (step_parity, 240),
+    "timing": (step_timing, 240),
+    "host": (step_host, 120),
+    "split": (step_split, 60),
+}
+
+
+# -- driver ----------------------------------------------------------------------------------
+
+
+def _run_step(name, dry, limit, log, extra):
+    """Run one step in its own process (a crash or hang loses that step only)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result_path = f.name
+    cmd = [sys.executable, __file__, "--step", name, "--result", result_path]
+    cmd += (["--dry-run"] if dry else []) + extra
+    t0 = time.time()
+    log.write(f"\n===== step {name}: {' '.join(cmd)}\n")
+    log.flush()
+    try:
+        proc = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, timeout=limit, cwd=ROOT, env=os.environ
+        )
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = None
+    seconds = round(time.time() - t0, 1)
+    try:
+        with open(result_path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        result = None
+    finally:
+        if os.path.exists(result_path):
+            os.remove(result_path)
+    if rc == 0 and result is not None:
+        return {"status": "ok", "seconds": seconds, "result": result}
+    why = f"timed out after {limit} s" if rc is None else f"exit code {rc}"
+    return {"status": "failed", "seconds": seconds, "error": f"{why}; see check.log"}
+
+
+def _slug(text):
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-")[:60] or "device"
+
+
+def _fmt(x, spec="{:.3f}"):
+    return spec.format(x) if isinstance(x, (int, float)) else str(x)
+
+
+def write_report(report, out):
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    steps = report["steps"]
+    lines = [
+        f"# GPU check: {report['device']}",
+        "",
+        f"- date: {report['date']}; code: {report['commit']}; mode: "
+        + ("**dry run on the CPU (tiny shapes): no GPU figure**" if report["dry_run"] else "GPU"),
+        f"- command: `{report['command']}`",
+        "- timing rows are **one-rank emulations**: rank 0 alone, the other TMP ranks virtual, each "
+        "collective a modelled wait (on CUDA a spin kernel on its stream) of D x its time on the "
+        "named link, D = target GPU rate / this device's GEMM rate; not a measured cluster.",
+        "",
+        "| step | status | seconds |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {n} | {s['status']} | {s['seconds']} |" for n, s in steps.items()]
+    env = (steps.get("env") or {}).get("result")
+    if env:
+        lines += ["", "## Environment", "", "```", json.dumps(env, indent=1), "```"]
+    par = (steps.get("parity") or {}).get("result")
+    if par:
+        lines += ["", "## Parity against stock (loss and every gradient, 2 ranks on gloo)", ""]
+        lines += [
+            "| config | status | tolerance | worst relative difference |",
+            "|---|---|---|---|",
+        ]
+        for n, r in par.items():
+            worst = ", ".join(f"{k} {v:.1e}" for k, v in (r.get("worst_rel_diff") or {}).items())
+            lines.append(
+                f"| {n} | {r['status']} | {r.get('tolerance', '')} | {worst or r.get('error')} |"
+            )
+    tim = (steps.get("timing") or {}).get("result")
+    if tim:
+        lines += ["", "## One-rank timing (median iteration s; speed-up over stock)", ""]
+        lines += ["| link, TMP | megatron | oases | overlap-norecompute |", "|---|---|---|---|"]
+        kernel = tim.get("collective_kernel") or {}
+        for n, r in tim.items():
+            if n == "collective_kernel":
+                continue
+            sp = r.get("speedup", {})
+            cells = [
+                f"{_fmt(r.get(v), '{:.4f}')}" + (f" ({sp[v]:.2f}x)" if v in sp else "")
+                for v in ("megatron", "oases", "overlap-norecompute")
+            ]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        lines += ["", f"collectives stood in for by: {kernel.get('kernel') or 'host-clock waits'}"
+                  + (f" (Triton's kernel failed: {kernel['fallback_reason']})"
+                     if kernel.get("fallback_reason") else "")]  # fmt: skip
+    host = (steps.get("host") or {}).get("result")
+    if host:
+        lines += ["", "## Host floor", ""]
+        lines.append(
+            f"host time per aten call (negligible tensors): {_fmt(host['host_us_per_call'], '{:.1f}')} µs"
+        )
+        lines += ["", "| shape | variant | calls/layer | host floor µs/layer | GPU µs/layer | "
+                  "GPU idle share | host-bound |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for shape in ("probe", "host"):
+            for v, r in host[shape].items():
+                lines.append(
+                    f"| {shape} | {v} | {_fmt(r['aten_calls_per_layer'], '{:.0f}')} | "
+                    f"{_fmt(r.get('host_floor_us_per_layer'), '{:.0f}')} | "
+                    f"{_fmt(r.get('gpu_us_per_layer'), '{:.0f}')} | "
+                    f"{_fmt(r.get('gpu_idle_share'), '{:.2f}')} | {r.get('host_bound', '')} |"
+                )
+    split = (steps.get("split") or {}).get("result")
+    if split:
+        lines += [
+            "",
+            "## Split cost",
+            "",
+            f"micro-batch 1 twice ÷ micro-batch 2 once (stock, no recompute, no communication): "
+            f"{split['half_x2_over_full']:.3f}",
+        ]
+    for n, s in steps.items():
+        if s["status"] != "ok":
+            lines += ["", f"**{n} failed**: {s['error']}"]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _commit():
+    try:
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+            or "unknown"
+        )
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, tiny shapes")
+    p.add_argument("--out", default=None, help="report directory")
+    p.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset of the steps")
+    p.add_argument("--budget-s", type=float, default=480, help="stop starting steps after this")
+    p.add_argument("--step", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--gemm-tflops", type=float, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.step:  # inside a step's own process
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        fn = STEPS[args.step][0]
+        kwargs = {"gemm_rate": args.gemm_tflops} if args.step == "timing" else {}
+        result = fn(args.dry_run, **kwargs)
+        with open(args.result, "w") as f:
+            json.dump(result, f, default=str)
+        return 0
+    names = [n.strip() for n in args.steps.split(",") if n.strip()]
+    unknown = [n for n in names if n not in STEPS]
+    if unknown:
+        p.error(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
+    t_start = time.time()
+    date = datetime.date.today().isoformat()
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", "gpu", f"{date}-{_slug(device)}")
+    os.makedirs(out, exist_ok=True)
+    report = {
+        "date": date,
+        "commit": _commit(),
+        "dry_run": args.dry_run,
+        "command": "benchmarks/gpu/check.sh "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "device": device,
+        "steps": {},
+    }
+    with open(os.path.join(out, "check.log"), "w") as log:
+        for name in names:
+            limit = min(STEPS[name][1], args.budget_s - (time.time() - t_start))
+            if limit < 10:
+                report["steps"][name] = {"status": "failed", "seconds": 0,
+                                         "error": f"not run: budget of {args.budget_s:g} s spent"}  # fmt: skip
+                continue
+            extra = []
+            env = report["steps"].get("env", {}).get("result") or {}
+            if name == "timing" and env.get("gemm_tflops"):
+                rate = env["gemm_tflops"]["bfloat16" if env.get("cuda_available") else "float32"]
+                extra = ["--gemm-tflops", repr(rate)]
+            print(f"[gpu-check] {name} (limit {limit:.0f} s) ...", flush=True)
+            report["steps"][name] = r = _run_step(name, args.dry_run, limit, log, extra)
+            print(f"[gpu-check] {name}: {r['status']} in {r['seconds']} s", flush=True)
+            write_report(report, out)  # after every step: a later crash keeps what was found
+    failed = [n for n, s in report["steps"].items() if s["status"] != "ok"]
+    print(f"[gpu-check] wrote {out}/report.md; {len(names) - len(failed)}/{len(names)} steps ok"
+          + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)  # fmt: skip
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
