@@ -57,6 +57,25 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path):
     assert not (tmp_path / "o" / "megatron").exists()
 
 
+def test_host_projection_and_layer_override():
+    from megatron_oases.compare.host import _with_layers, project
+    from megatron_oases.testbed.clusters import load_cluster
+
+    argv = _with_layers(["--num-layers", "2", "--hidden-size", "64", "--train-iters=9"], 4)
+    assert argv == ["--hidden-size", "64", "--num-layers", "4", "--train-iters", "2",
+                    "--fake-process-group"]  # fmt: skip
+    prof = load_cluster("rtx3090-pcie")
+    host = {"aten_calls_per_iteration": 2000}
+    # 2000 calls x 3 us = 6 ms of issue; 1 s emulated at D=100 = 10 ms of GPU: not host-bound
+    project(host, {"mean_iteration_s": 1.0}, {"dilation": 100.0}, prof)
+    assert host["issue_ms_per_iteration"] == pytest.approx(6.0)
+    assert host["device_ms_per_iteration"] == pytest.approx(10.0)
+    assert host["host_bound"] is False and host["host_floor_s"] == pytest.approx(0.6)
+    project(host, {"mean_iteration_s": 0.5}, {"dilation": 100.0}, prof)
+    assert host["host_bound"] is True  # 5 ms of GPU < 6 ms of issue
+    assert project({"error": "x"}, {}, {"dilation": 1}, prof) == {"error": "x"}
+
+
 def test_variants_and_flags():
     assert [v.name for v in parse_variants(None)] == [
         "megatron",
@@ -212,12 +231,25 @@ def test_compare_end_to_end_tiny_model(tmp_path):
         assert t["num_ranks"] == 2 and 0 < t["exposed_share"] < 1 and 0 < t["efficiency"] <= 1.0
         assert v["loss_max_rel_diff"] <= 1e-3
     assert by_name["megatron"]["speedup"] == 1.0
+    # The host pass: aten calls counted per variant; the split schedule issues more per layer;
+    # the tiny model's GPU time (emulated time / D) is far below its issue time: host-bound.
+    hosts = {n: by_name[n]["host"] for n in ("megatron", "oases")}
+    assert 0 < hosts["megatron"]["aten_calls_per_layer"] < hosts["oases"]["aten_calls_per_layer"]
+    for name, h in hosts.items():
+        v = by_name[name]
+        assert h["issue_ms_per_iteration"] == pytest.approx(h["aten_calls_per_iteration"] * 3e-3)
+        assert h["device_ms_per_iteration"] == pytest.approx(1e3 * v["mean_iteration_s"] / 420)
+        assert h["host_bound"] is True and h["host_floor_s"] == pytest.approx(
+            h["issue_ms_per_iteration"] * 420 / 1e3
+        )
+    assert "host pass (untimed, rank 0 alone" in proc.stdout
     # Communication-bound tiny model under the emulated PCIe link: most of the time is exposed.
     assert by_name["megatron"]["trace"]["exposed_share"] > 0.5
     md = (out / "results.md").read_text()
     assert "| megatron |" in md and "| oases |" in md and "emulated" in md
     # Paths in results.json are relative to the output directory; --reanalyze rebuilds from them.
     assert all(not os.path.isabs(f) for v in report["variants"] for f in v["trace_files"])
+    assert "aten calls/layer" in md and "host floor ms" in md and "**yes**" in md
     (out / "timeline-oases.png").unlink()
     assert oases_main(["compare", "--reanalyze", str(out)]) == 0
     assert (out / "timeline-oases.png").read_bytes().startswith(PNG)
@@ -226,6 +258,16 @@ def test_compare_end_to_end_tiny_model(tmp_path):
         assert again["variants"][1]["trace"][key] == pytest.approx(
             report["variants"][1]["trace"][key]
         )
+    # a run without counts gets them afterwards (they do not depend on timing), the same counts
+    for v in again["variants"]:
+        del v["host"]
+    (out / "results.json").write_text(json.dumps(again))
+    assert oases_main(["compare", "--reanalyze", str(out), "--host-pass"]) == 0
+    recounted = json.loads((out / "results.json").read_text())
+    for v, old in zip(recounted["variants"], report["variants"]):
+        assert v["host"]["aten_calls_per_layer"] == old["host"]["aten_calls_per_layer"]
+        assert v["host"]["aten_calls_per_iteration"] == old["host"]["aten_calls_per_iteration"]
+    assert "--host-pass" in recounted["host_recounted"]
 
 
 def _synthetic(name, ms, peak_gb):

@@ -140,7 +140,7 @@ def main(argv=None):
         f"{'model, testbed shape, with the compute time measured there':62s} "
         f"{100 * o_share_busy:11.1f} %",
     ]
-    tp4 = None
+    tp4, how4 = None, None
     if args.tp4_results and os.path.exists(args.tp4_results):
         with open(args.tp4_results) as f:
             rep4 = json.load(f)
@@ -148,10 +148,16 @@ def main(argv=None):
         if st4 and st4.get("trace"):
             tp4 = st4["trace"]["exposed_share"]
             t4_share, _, _ = modelled_stock_share(prof, **dict(ours_cfg, tp=4))
+            how4 = "rank 0 alone (one-rank)" if rep4["config"].get("one_rank") else "4 ranks"
+            label = "measured, TMP=4, %s, %d CPUs, %d thread(s) (CPU share %.2f)" % (
+                how4,
+                rep4["host"]["logical_cpus"],
+                rep4["config"].get("threads_per_rank", 1),
+                st4.get("host_cpu_share", float("nan")),
+            )
             lines += [
                 f"{'model, testbed shape at TMP=4':62s} {100 * t4_share:11.1f} %",
-                f"{'measured, TMP=4, %d CPUs, %d thread(s)/rank (CPU share %.2f)' % (rep4['host']['logical_cpus'], rep4['config'].get('threads_per_rank', 1), st4.get('host_cpu_share', float('nan'))):62s} "  # noqa: E501
-                f"{100 * tp4:11.1f} %",
+                f"{label:62s} {100 * tp4:11.1f} %",
             ]
     lines += [
         "",
@@ -171,9 +177,8 @@ def main(argv=None):
         "profile's link and GPU numbers are consistent with the paper."
         + (
             f" Run at TMP=4 the testbed measures {100 * tp4:.0f} % against the model's "
-            f"{100 * t4_share:.0f} % for that shape (a host with more CPUs, ranks of 2 threads): "
-            "lower for the reason given above, the non-GEMM compute the model does not count; "
-            "not separated further here."
+            f"{100 * t4_share:.0f} % for that shape ({how4}): lower for the reason given above, "
+            "the non-GEMM compute the model does not count; not separated further here."
             if tp4 is not None
             else ""
         ),

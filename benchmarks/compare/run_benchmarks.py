@@ -280,7 +280,13 @@ def summary_table(reports):
         shares = [v["host_cpu_share"] for v in rep["variants"] if v.get("host_cpu_share")]
         cells.append(f"{min(shares):.2f}-{max(shares):.2f}" if shares else "n/a")
         threads = rep["config"].get("threads_per_rank", 1)
-        cells.append(f"{rep['host']['logical_cpus']} CPUs, {threads} thread(s)/rank")
+        if rep["config"].get("one_rank"):
+            cells.append(
+                f"{rep['host']['logical_cpus']} CPUs, rank 0 of {rep['config']['nproc']} alone "
+                f"(one-rank), {threads} thread(s)"
+            )
+        else:
+            cells.append(f"{rep['host']['logical_cpus']} CPUs, {threads} thread(s)/rank")
         out.append("| " + " | ".join(cells) + " |")
     return out
 
@@ -350,7 +356,13 @@ def write_report(args):
             f"{rep['config']['model']}; emulated `{rep['emulation']['profile']}`"
             f", D = {rep['emulation']['dilation']:.1f}; host {rep['host']['cpu']}, "
             f"{rep['host']['logical_cpus']} CPUs, torch {rep['host']['torch']}, "
-            f"{rep['config'].get('threads_per_rank', 1)} thread(s) per rank",
+            f"{rep['config'].get('threads_per_rank', 1)} thread(s) per rank"
+            + (
+                f"; **one-rank**: rank 0 of {rep['config']['nproc']} alone, the others virtual "
+                "(timing-only, no loss check)"
+                if rep["config"].get("one_rank")
+                else ""
+            ),
             "",
             f"`{rep['command']}`",
             "",

@@ -223,53 +223,9 @@ def _fake_group(world):
     init_fake_process_group(world)
 
 
-def _profiled_step(record, at_call):
-    """A Patch: the ``at_call``-th ``train_step`` runs under ``torch.profiler``; records its aten
-    calls, wall time and (CUDA) the union of its kernels' intervals."""
-    import torch
-    from megatron.training import training
-
-    from megatron_oases.patching import Patch
-
-    original = training.train_step
-    calls = {"n": 0}
-
-    def train_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] != at_call:
-            return original(*args, **kwargs)
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if _cuda() else [])
-        if _cuda():
-            torch.cuda.synchronize()
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            out = original(*args, **kwargs)
-            if _cuda():
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-        aten = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
-        record.update(aten_calls=aten, wall_s=wall)
-        if _cuda():
-            spans = sorted(
-                (e.time_range.start, e.time_range.end)
-                for e in prof.events()
-                if e.device_type.name == "CUDA"
-            )
-            busy, end = 0.0, float("-inf")
-            for a, b in spans:
-                if b > end:
-                    busy += b - max(a, end)
-                    end = b
-            record.update(gpu_busy_s=busy * 1e-6, kernels=len(spans))
-        return out
-
-    return Patch("gpu-check-profiler", [(training, "train_step", train_step)])
-
-
 def one_rank_job(argv, iters, profile_at=None):
     """One Megatron job on the current fake group; iteration times (s) and the profile record."""
+    from megatron_oases.instrument.host_calls import profiled_step_patch
     from megatron_oases.training.pretrain import run_in_process
 
     record = {}
@@ -277,7 +233,7 @@ def one_rank_job(argv, iters, profile_at=None):
         path = os.path.join(d, "golden.json")
         argv = list(argv) + ["--train-iters", str(iters), "--log-interval", "1"]
         argv += ["--log-json", path, "--fake-process-group"] + KERNEL_FLAGS
-        extra = [_profiled_step(record, profile_at)] if profile_at else []
+        extra = [profiled_step_patch(record, profile_at)] if profile_at else []
         run_in_process(argv, demo=True, extra_patches=extra)
         with open(path) as f:
             times = json.load(f)["iteration-time"]["values"]

@@ -106,6 +106,18 @@ def build_parser():
         help="run the variant list N times, rotating the order; each variant reports "
         "its fastest run (noisy shared hosts)",
     )
+    p.add_argument(
+        "--no-host-pass",
+        action="store_true",
+        help="skip the untimed pass that counts each variant's aten calls per iteration and per "
+        "layer (the host floor: results.json 'host')",
+    )
+    p.add_argument(
+        "--host-pass",
+        action="store_true",
+        help="with --reanalyze DIR: run the host pass now for a run that has none (counts do not "
+        "depend on timing)",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds per variant run")
     p.add_argument(
         "--reanalyze",
@@ -141,7 +153,10 @@ def main(argv):
             from .memory import parse_budgets
 
             budgets = parse_budgets(own.memory_budget)
-        return reanalyze(own.reanalyze, budgets)
+        recount = _recount_host if own.host_pass else None
+        return reanalyze(own.reanalyze, budgets, recount=recount)
+    if own.host_pass:
+        raise OasesConfigError("--host-pass goes with --reanalyze DIR (a new run counts anyway)")
     if train_argv and train_argv[0] == "--":
         train_argv = train_argv[1:]
     for flag in RESERVED:
@@ -331,6 +346,7 @@ def main(argv):
                 for r in runs[v.name]
             ]
         results.append(best)
+    _host_pass(variants, results, train_argv, parsed, own, out, base, progress)
     if budgets:
         from .memory import measure
 
@@ -372,6 +388,42 @@ def main(argv):
         "variants": results,
     }
     return finalize(report, out)
+
+
+def _host_pass(variants, results, train_argv, parsed, own, out, base, progress):
+    """Each variant's aten calls (``host``), unless ``--no-host-pass`` or pipeline parallelism
+    (rank 0 alone sees stage 0's calls only)."""
+    if own.no_host_pass:
+        return
+    if base.pipeline_model_parallel_size > 1:
+        progress("host pass skipped: it counts one rank's calls, and PP > 1 splits the layers")
+        return
+    from .host import count_calls
+
+    ok = [v for v, r in zip(variants, results) if r["status"] == "ok"]
+    counts = count_calls(ok, train_argv, parsed, own.nproc, out, own.timeout, progress)
+    for r in results:
+        if r["name"] in counts:
+            r["host"] = counts[r["name"]]
+
+
+def _recount_host(report, out):
+    """``--reanalyze DIR --host-pass``: the host pass for a finished run, from its results.json."""
+    from .variants import VARIANTS
+
+    cfg = report["config"]
+    train_argv = list(cfg["train_argv"])
+    cwd = os.getcwd()
+    os.chdir(out)  # results.json's paths are relative to DIR
+    try:
+        ok = [r for r in report["variants"] if r["status"] == "ok"]
+        variants = [dataclasses.replace(VARIANTS[r["name"]], flags=tuple(r["flags"])) for r in ok]
+        parsed = {v.name: _validate(v, train_argv, cfg["nproc"]) for v in variants}
+        own = argparse.Namespace(no_host_pass=False, nproc=cfg["nproc"], timeout=3600)
+        base = next(iter(parsed.values()))
+        _host_pass(variants, ok, train_argv, parsed, own, out, base, _progress)
+    finally:
+        os.chdir(cwd)
 
 
 def _code_version(root=None):

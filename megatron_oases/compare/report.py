@@ -71,9 +71,20 @@ def table_rows(results):
                 _num(t.get("comm_us") and t["comm_us"] / 1e3, "{:.1f}"),
                 _num(r.get("loss_max_rel_diff"), "{:.1e}"),
                 _num(r.get("host_cpu_share")),
+                _num((r.get("host") or {}).get("aten_calls_per_layer"), "{:.0f}"),
+                _num(_ms((r.get("host") or {}).get("host_floor_s")), "{:.1f}"),
+                _bound((r.get("host") or {}).get("host_bound")),
             ]
         )
     return rows
+
+
+def _ms(seconds):
+    return None if seconds is None else 1e3 * seconds
+
+
+def _bound(flag):
+    return "n/a" if flag is None else ("**yes**" if flag else "no")
 
 
 HEADER = [
@@ -91,6 +102,9 @@ HEADER = [
     "comm ms",
     "loss rel. diff",
     "host CPU share",
+    "aten calls/layer",
+    "host floor ms",
+    "host-bound",
 ]
 
 
@@ -132,7 +146,8 @@ def write_markdown(report, path):
             else f"{cfg['nproc']} ranks x {cfg['threads_per_rank']} thread(s)"
         ),
         f"- command: `{report['command']}`"
-        + (f" ({report['rebudgeted']})" if report.get("rebudgeted") else ""),
+        + (f" ({report['rebudgeted']})" if report.get("rebudgeted") else "")
+        + (f" ({report['host_recounted']})" if report.get("host_recounted") else ""),
         f"- iterations: {cfg['warmup']} warm-up + {cfg['iters']} timed per variant"
         + (f", best of {cfg['repeats']} runs (rotated order)" if cfg.get("repeats", 1) > 1 else "")
         + "; tokens/s = global batch x seq / mean timed iteration time",
@@ -175,7 +190,11 @@ def write_markdown(report, path):
         "ranks' compute drifting apart on a shared host), summed, ÷ iteration time. compute ms = iteration time not blocked on "
         "communication; compute CPU ms = the compute thread's CPU time in it (no contention); "
         "run-queue ms = time the compute thread waited for a CPU (host contention, counted in "
-        "compute ms and in the iteration time).",
+        "compute ms and in the iteration time). aten calls/layer = aten calls per layer per "
+        "micro-batch, counted (not timed) in an untimed pass; host floor ms = those calls per "
+        "iteration x the target profile's host_us_per_call, in this table's dilated units (x D); "
+        "host-bound = that floor exceeds the emulated iteration, i.e. on the target GPU the host, "
+        "not the GPU, would set the pace and the emulated time is not reachable.",
         "",
     ]
     if report.get("memory_budget") is not None:
@@ -232,6 +251,19 @@ def plot_summary(results, path, title=""):
         busy.append(T * (1 - share))
     ax2.bar(names, busy, color="#4c9f70", label="computing")
     ax2.bar(names, exposed, bottom=busy, color="#d62728", label="exposed communication")
+    floors = [((r.get("host") or {}).get("host_floor_s"), i) for i, r in enumerate(ok)]
+    floors = [(1e3 * f, i) for f, i in floors if f is not None]
+    if floors:  # the host's issue time at the target's per-call cost, in the same units
+        ax2.scatter(
+            [i for _, i in floors],
+            [f for f, _ in floors],
+            marker="_",
+            s=900,
+            linewidths=2.5,
+            color="black",
+            zorder=3,
+            label="host floor (issue time)",
+        )
     ax2.set_ylabel("iteration time (ms, host)")
     ax2.set_title("iteration breakdown (Figure 2 style)")
     ax2.tick_params(axis="x", labelrotation=20, labelsize=8)

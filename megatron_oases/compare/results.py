@@ -52,6 +52,7 @@ def finalize(report, out):
             r["timeline"] = rel(path)
     rtol = report["loss_check"]["rtol"]
     ref = add_derived(results)
+    _project_host(results, emulation)
     one_rank = report["config"].get("one_rank")
     bad = [] if one_rank else check_losses(results, ref, rtol)
     chart = None
@@ -107,6 +108,21 @@ def finalize(report, out):
     return 1 if failed or bad else 0
 
 
+def _project_host(results, emulation):
+    """Issue and device time per iteration and ``host_bound`` from each variant's counted calls
+    and the emulated profile (:func:`.host.project`)."""
+    from .host import project
+
+    profile = None
+    if emulation:
+        from ..testbed.clusters import load_cluster
+
+        profile = load_cluster(emulation["profile"])
+    for r in results:
+        if r.get("host"):
+            project(r["host"], r, emulation, profile)
+
+
 def _relative_to(out):
     """Absolute path -> relative to ``out`` (anything else as is): what results.json records."""
 
@@ -152,9 +168,10 @@ def _relative_report(report, rel):
             r["command"] = [os.path.basename(interpreter)] + _relative_argv(r["command"][1:], rel)
 
 
-def reanalyze(out, budgets=None):
+def reanalyze(out, budgets=None, recount=None):
     """``--reanalyze DIR``: recompute metrics, timelines and charts of a finished run; with
-    ``budgets`` (GB per rank) the memory comparison is made at those budgets instead."""
+    ``budgets`` (GB per rank) the memory comparison is made at those budgets instead; with
+    ``recount(report, dir)`` the host pass is run again first."""
     import json
 
     path = os.path.join(out, "results.json")
@@ -173,4 +190,7 @@ def reanalyze(out, budgets=None):
         report["rebudgeted"] = "budgets chosen after the run: --reanalyze . --memory-budget " + (
             ",".join(f"{b:g}" for b in budgets)
         )
+    if recount is not None:
+        recount(report, os.path.abspath(out))
+        report["host_recounted"] = "aten calls counted after the run: --reanalyze . --host-pass"
     return finalize(report, os.path.abspath(out))
