@@ -4,8 +4,9 @@ The emulator dilates compute by D but not the host's cost of issuing ops, which 
 price: an iteration cannot finish sooner than its host can issue it. After the timed runs, an
 untimed pass (rank 0 alone on the fake process group, no link emulator: one process) runs each
 variant twice in-process, at the run's layer count L and at 2L, and counts the aten calls of its
-second iteration (:mod:`megatron_oases.instrument.host_calls`). Counted, not timed: exact on any
-host. Then, per variant, ``host``:
+second iteration (:mod:`megatron_oases.instrument.host_calls`). Counted, not timed: the same on
+every CPU host for the run's shape (a GPU's CUDA path issues its own count). Then, per variant,
+``host``:
 
 * ``aten_calls_per_iteration`` (at L), ``aten_calls_per_layer`` (per micro-batch:
   (calls at 2L − calls at L) ÷ L ÷ micro-batches per iteration);

@@ -1,5 +1,6 @@
-"""What one training step costs the host: its aten calls (counted, so exact on any host), its wall
-time and, on CUDA, how long the GPU was busy inside it (``torch.profiler``).
+"""What one training step costs the host: its aten calls (counted, so the same on every host of one
+kind for one shape; some kernels issue nested calls by shape), its wall time and, on CUDA, how long
+the GPU was busy inside it (``torch.profiler``).
 
 :func:`profiled_step_patch` wraps Megatron-LM's ``train_step`` so that one chosen call runs under
 the profiler. Calls are the ``count`` of every ``aten::`` entry of ``key_averages()``, nested ones

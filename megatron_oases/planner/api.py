@@ -190,10 +190,13 @@ def make_plan(
     distributed_optimizer=False,
     sequence_parallel=False,
     split="batch",
+    host_us_per_call=None,
 ):
     """Returns (plan dict, problem, solution). With ``sequence_parallel`` or ``split="sequence"``
     every layer runs at T (:func:`~.build.build_problem`): the plan is uniform and its
-    ``predicted`` is the point."""
+    ``predicted`` is the point. ``host_us_per_call``: the host's issue cost per aten call
+    (:mod:`.host_model`; default: the analytic profile's cluster's, none for a measured profile,
+    whose times were taken on its own host; 0: no host term)."""
     if not isinstance(profile, Profile):
         profile_path = profile_path or profile
         profile = load_profile(profile)
@@ -237,6 +240,11 @@ def make_plan(
         speedup["best_fitting_uniform"] = min(fitting) / res["iteration_time_s"]
     shape = profile.shape
     tokens = global_batch_size * shape["seq_length"]
+    host = host_term(profile, problem, schedule, split, host_us_per_call)
+    device_s = res["iteration_time_s"]
+    iteration_s = max(device_s, host["issue_s"]) if host else device_s
+    if host:
+        host["host_bound"] = host["issue_s"] > device_s
     inputs = {
         "profile_sha256": profile.sha256,
         "schedule": schedule,
@@ -281,7 +289,10 @@ def make_plan(
         "micro_batch_size": problem.meta["micro_batch_size"],
         "num_microbatches": problem.meta["num_microbatches"],
         "predicted": {
-            "iteration_time_s": res["iteration_time_s"],
+            # the longer of the device's and the host's timelines (planner/host_model.py)
+            "iteration_time_s": iteration_s,
+            "device_time_s": device_s,
+            "host": host,
             "forward_s": res["forward_s"],
             "backward_s": res["backward_s"],
             "edges_s": res["edges_s"],
@@ -290,7 +301,7 @@ def make_plan(
             "peak_memory_bytes_per_rank": res["peak_memory_bytes"],
             "peak_memory_with_margin_bytes": res["peak_memory_bytes"] * (1 + margin),
             "memory_breakdown_bytes": memory_breakdown(problem, sol.ks),
-            "tokens_per_s": tokens / res["iteration_time_s"],
+            "tokens_per_s": tokens / iteration_s,
             "per_layer": res["per_layer"],
         },
         "uniform": {str(d): u for d, u in uniform.items()},
@@ -320,3 +331,29 @@ def make_plan(
     }
     assert math.isclose(plan["objective"], res["iteration_time_s"], rel_tol=1e-9, abs_tol=1e-12)
     return plan, problem, sol
+
+
+def host_term(profile, problem, schedule, split, host_us_per_call):
+    """The host's issue time of the planned iteration (:mod:`.host_model`), or None without a
+    per-call cost (a measured profile: its times were taken on its own host)."""
+    from .host_model import host_time
+
+    us = host_us_per_call
+    if us is None and profile.data.get("kind") == "analytic" and profile.data.get("cluster"):
+        from ..testbed.clusters import load_cluster
+
+        us = load_cluster(profile.data["cluster"]).host_us_per_call
+    if not us:
+        return None
+    meta = problem.meta
+    issue_s, calls = host_time(
+        schedule,
+        meta["recompute"],
+        split,
+        problem.subs,
+        problem.num_layers,
+        meta["num_microbatches"],
+        us,
+        recompute_num_layers=meta["recompute_num_layers"],
+    )
+    return {"issue_s": issue_s, "calls": calls, "host_us_per_call": us}

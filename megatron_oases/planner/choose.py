@@ -21,6 +21,10 @@ Each overlapped setting is also planned with sub-batches of sequence chunks (``-
 sequence``, every layer at T): the only split of a micro-batch of one sample, and a lighter one
 where causal attention is a large share (the earlier chunk attends to half as many keys).
 ``split`` restricts the search to one kind.
+
+Every setting's predicted iteration is the longer of the device's and the host's timelines
+(:mod:`.host_model`): a split that makes the host issue more calls than the device can keep up with
+loses to stock, and the alternatives table marks such settings host-bound.
 """
 
 from ..errors import OasesConfigError
@@ -112,6 +116,8 @@ def choose_plan(profile, split=None, **kwargs):
             iteration_time_s=p["iteration_time_s"],
             peak_memory_bytes_per_rank=p["peak_memory_bytes_per_rank"],
         )
+        if p.get("host"):  # the iteration is the longer of the device's and host's timelines
+            entry.update(device_time_s=p["device_time_s"], host_bound=p["host"]["host_bound"])
         return entry, result
 
     for schedule, recompute in SETTINGS:
@@ -178,6 +184,11 @@ def alternatives_table(plan):
             lines.append(
                 f"{name:<{w}} {t['iteration_time_s'] * 1e3:>12.2f}  "
                 f"{t['peak_memory_bytes_per_rank'] / 1e9:>12.2f}  {degrees}"
+                + (
+                    f"  host-bound (device {t['device_time_s'] * 1e3:.2f} ms)"
+                    if t.get("host_bound")
+                    else ""
+                )
             )
         else:
             lines.append(f"{name:<{w}} {'does not fit':>12}")

@@ -155,6 +155,15 @@ def build_parser():
     p.add_argument(
         "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="ILP time limit in seconds"
     )
+    p.add_argument(
+        "--host-us-per-call",
+        type=float,
+        default=None,
+        metavar="US",
+        help="the host's issue cost per aten call in microseconds: the iteration is the longer of "
+        "the device's and the host's timelines (default: the analytic profile's cluster's "
+        "host_us_per_call; none for a measured profile; 0 = no host term)",
+    )
     p.add_argument("--out", default=None, help="write the plan JSON here")
     p.add_argument(
         "--evaluate",
@@ -210,6 +219,14 @@ def _evaluate(args):
         micro_batch=args.micro_batch_size or plan.get("micro_batch_size"),
         **common,
     )
+    from .api import host_term
+    from .explain import host_line
+
+    host = host_term(profile, problem, schedule, common["split"], args.host_us_per_call)
+    device_s = res["iteration_time_s"]
+    iteration_s = max(device_s, host["issue_s"]) if host else device_s
+    if host:
+        host["host_bound"] = host["issue_s"] > device_s
     sp = ", sequence parallel" if common["sequence_parallel"] else ""
     sp += ", sequence chunks" if common["split"] == "sequence" else ""
     print(
@@ -217,10 +234,11 @@ def _evaluate(args):
         f"{recompute_label(recompute, common['recompute_layers'])} recompute{sp})"
     )
     print(
-        f"predicted iteration {res['iteration_time_s'] * 1e3:.2f} ms (forward "
+        f"predicted iteration {iteration_s * 1e3:.2f} ms (device {device_s * 1e3:.2f}: forward "
         f"{res['forward_s'] * 1e3:.2f}, backward {res['backward_s'] * 1e3:.2f}, re-shard "
         f"{res['edges_s'] * 1e3:.2f}); peak memory {res['peak_memory_bytes'] / 1e9:.2f} GB per rank"
     )
+    print(host_line(dict(host=host, device_time_s=device_s, iteration_time_s=iteration_s)))
     if res["peak_memory_bytes"] * (1 + problem.margin) > problem.memory_bytes:
         print(
             f"warning: needs more than {problem.memory_bytes / 1e9:g} GB with the "
@@ -230,7 +248,9 @@ def _evaluate(args):
     if not args.quiet:
         print(explanation_table(problem, ks, res, max_rows=args.max_rows or None))
     if args.json:
-        print(json.dumps({k: v for k, v in res.items() if k != "per_layer"}, indent=1))
+        out = {k: v for k, v in res.items() if k != "per_layer"}
+        out.update(iteration_time_s=iteration_s, device_time_s=device_s, host=host)
+        print(json.dumps(out, indent=1))
     return 0
 
 
@@ -253,6 +273,8 @@ def main(argv):
         raise OasesConfigError("--margin must be ≥ 0")
     if args.granule_mb <= 0:
         raise OasesConfigError("--granule-mb must be positive")
+    if args.host_us_per_call is not None and args.host_us_per_call < 0:
+        raise OasesConfigError("--host-us-per-call must be >= 0 (0: no host term)")
     from ..formats.plan import save_plan
     from .api import PlannerVerificationError, make_plan, parse_degrees, parse_pins
     from .choose import alternatives_table, choose_plan
@@ -290,6 +312,7 @@ def main(argv):
             allow_unsplit=args.allow_unsplit,
             distributed_optimizer=args.distributed_optimizer,
             sequence_parallel=args.sequence_parallel,
+            host_us_per_call=args.host_us_per_call,
         )
     except PlannerVerificationError as exc:
         print(f"oases plan: error: {exc}", file=sys.stderr)

@@ -131,8 +131,8 @@ def summary(plan):
         f"schedule {plan['schedule']}, {recompute} recompute, "
         f"global batch {plan['global_batch_size']}, micro-batch "
         f"{plan['micro_batch_size']} × {plan['num_microbatches']})",
-        f"predicted iteration {p['iteration_time_s'] * 1e3:.2f} ms = forward "
-        f"{p['forward_s'] * 1e3:.2f} + backward {p['backward_s'] * 1e3:.2f} + re-shard "
+        f"predicted iteration {p.get('device_time_s', p['iteration_time_s']) * 1e3:.2f} ms = "
+        f"forward {p['forward_s'] * 1e3:.2f} + backward {p['backward_s'] * 1e3:.2f} + re-shard "
         f"{p['edges_s'] * 1e3:.2f} ms"
         + (
             f" + DP grad sync {p['grad_sync_s'] * 1e3:.2f} ms"
@@ -140,6 +140,7 @@ def summary(plan):
             else ""
         )
         + f"; {p['tokens_per_s'] / 1e3:.1f} k tokens/s (whole job)",
+        host_line(p),
         f"peak memory per rank {p['peak_memory_bytes_per_rank'] / 1e9:.2f} GB "
         f"(+{plan['memory_margin']:.0%} margin = {p['peak_memory_with_margin_bytes'] / 1e9:.2f} GB"
         f" ≤ {plan['memory_gb']:g} GB)",
@@ -201,3 +202,20 @@ def summary(plan):
             line += f"; verification {v['agree']}: {v.get('note', '')}"
     lines.append(line)
     return "\n".join(lines)
+
+
+def host_line(p):
+    """The host term of a prediction (:mod:`.host_model`), one line; '' without one."""
+    h = p.get("host")
+    if not h:
+        return "host issue time: not modelled (a measured profile: its times include its host's)"
+    issue = (
+        f"host issue {h['issue_s'] * 1e3:.2f} ms ({h['calls']:,.0f} aten calls x "
+        f"{h['host_us_per_call']:g} us)"
+    )
+    if h["host_bound"]:
+        return (
+            f"{issue} > device {p['device_time_s'] * 1e3:.2f} ms: HOST-BOUND, the iteration takes "
+            f"the host's {p['iteration_time_s'] * 1e3:.2f} ms"
+        )
+    return f"{issue} < device {p['device_time_s'] * 1e3:.2f} ms: device-bound"
