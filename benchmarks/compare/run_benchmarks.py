@@ -254,9 +254,10 @@ def summary_table(reports):
     head = (
         "| config | stock tokens/s | stock exposed comm | "
         + " | ".join(f"{n} speedup" for n in names[1:])
-        + " | oases efficiency | peak GB/rank stock → oases | host CPU share | host |"
+        + " | oases efficiency | peak GB/rank stock → oases | host-bound at the target "
+        "(stock / oases) | host CPU share | host |"
     )
-    out = [head, "|" + "---|" * (len(names) + 6)]
+    out = [head, "|" + "---|" * (len(names) + 7)]
     for cfg, rep in reports.items():
         stock = _variant(rep, "megatron")
         cells = [cfg]
@@ -276,6 +277,10 @@ def summary_table(reports):
         peaks = [(v or {}).get("memory", {}).get("peak_bytes_per_rank") for v in (stock, o)]
         cells.append(
             f"{peaks[0] / 1e9:.3f} → {peaks[1] / 1e9:.3f}" if all(peaks) else "not measured"
+        )
+        bound = [((v or {}).get("host") or {}).get("host_bound") for v in (stock, o)]
+        cells.append(
+            "not counted" if None in bound else " / ".join("**yes**" if b else "no" for b in bound)
         )
         shares = [v["host_cpu_share"] for v in rep["variants"] if v.get("host_cpu_share")]
         cells.append(f"{min(shares):.2f}-{max(shares):.2f}" if shares else "n/a")
@@ -330,7 +335,10 @@ def write_report(args):
         "sustained FLOP/s / host matmul FLOP/s. Throughputs are host tokens/s (divide the times by "
         "D for target-GPU times); only ratios between variants are meaningful, and only within "
         "one `oases compare` call: the host is a 2-core VM whose speed drifts between calls "
-        "(see the notes; the `host CPU share` column shows contention the emulator saw).",
+        "(see the notes; the `host CPU share` column shows contention the emulator saw). "
+        "*Host-bound at the target*: the iteration's aten calls x the profile's host_us_per_call "
+        "(3 us, a default not yet measured on a GPU host) exceed the emulated time / D; such a "
+        "row's speed-ups would not hold on the target GPUs (`oases compare`'s host pass).",
         "",
         "## Summary",
         "",
