@@ -72,6 +72,13 @@ def report_stop(message):
     print(message, file=sys.stderr, flush=True)
 
 
+def last_line(exc):
+    """The last non-empty line of an exception's text (a spawned rank's traceback ends with the
+    error itself): what a one-line report of a failed step says."""
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else repr(exc)
+
+
 def is_peer_lost(exc):
     """``exc`` is a collective's failure because another rank died or stopped responding."""
     return isinstance(exc, RuntimeError) and any(s in str(exc) for s in PEER_LOST)

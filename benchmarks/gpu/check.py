@@ -179,6 +179,7 @@ def parity_configs(dry):
 def step_parity(dry):
     from helpers.runs import max_rel_diff, variants_worker
 
+    from megatron_oases.errors import last_line
     from megatron_oases.launch import run_distributed
 
     results = {}
@@ -188,8 +189,7 @@ def step_parity(dry):
         try:
             ranks = run_distributed(variants_worker, 2, base, variants, timeout=300)
         except Exception as exc:  # noqa: BLE001 - one config's failure is a result
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-            results[name] = {"status": "failed", "error": lines[-1] if lines else repr(exc)}
+            results[name] = {"status": "failed", "error": last_line(exc)}
             continue
         worst = {}
         for res in ranks:
@@ -255,6 +255,8 @@ def _variant_flags(name, micro_batch, layers):
 def step_timing(dry, gemm_rate=None):
     import torch
 
+    from megatron_oases.errors import last_line
+
     s = shapes(dry)
     dtype = ["--bf16"] if _cuda() else []
     if gemm_rate:  # the emulator's "host" rate: this device's, in the run's dtype
@@ -277,7 +279,7 @@ def step_timing(dry, gemm_rate=None):
             try:
                 row[name] = one_rank_job(argv, 2 if dry else 5)["median_s"]
             except Exception as exc:  # noqa: BLE001
-                row[name] = f"failed: {str(exc).strip().splitlines()[-1][:300]}"
+                row[name] = f"failed: {last_line(exc)[:300]}"
         if isinstance(row.get("megatron"), float):
             row["speedup"] = {
                 n: row["megatron"] / v for n, v in row.items() if isinstance(v, float)

@@ -20,6 +20,8 @@ every CPU host for the run's shape (a GPU's CUDA path issues its own count). The
 import os
 import sys
 
+from ..errors import last_line
+
 
 def _worker(configs, log_path):
     """A one-rank :func:`~megatron_oases.launch.run_distributed` process: aten calls of each
@@ -40,8 +42,7 @@ def _worker(configs, log_path):
             run_in_process(argv, demo=True, extra_patches=[profiled_step_patch(record, 2)])
             out[(name, layers)] = record["aten_calls"]
         except Exception as exc:  # noqa: BLE001 - one variant's failure is its result
-            lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-            out[(name, layers)] = {"error": lines[-1] if lines else repr(exc)}
+            out[(name, layers)] = {"error": last_line(exc)}
         console.write(f"  [host] {name}, {layers} layers: counted\n")
     return out
 
@@ -89,8 +90,7 @@ def count_calls(variants, train_argv, parsed, nproc, out_dir, timeout, progress=
             one_rank=True,
         )[0]
     except RuntimeError as exc:
-        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-        why = f"host pass failed: {lines[-1] if lines else exc}"
+        why = f"host pass failed: {last_line(exc)}"
         progress(why)
         return {v.name: {"error": why} for v in variants}
     out = {}

@@ -14,7 +14,7 @@ GPU. Budgets are in GB = 1e9 bytes.
 import os
 import sys
 
-from ..errors import OasesConfigError
+from ..errors import OasesConfigError, last_line
 from .variants import VARIANTS
 
 GB = 1e9
@@ -94,8 +94,7 @@ def measure(variants, train_argv, parsed, nproc, out_dir, timeout, progress=prin
             one_rank=one_rank,
         )
     except RuntimeError as exc:
-        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-        why = f"memory pass failed: {lines[-1] if lines else exc}"
+        why = f"memory pass failed: {last_line(exc)}"
         progress(why)
         return {v.name: {"error": why} for v in variants}
     memory = {}

@@ -164,14 +164,13 @@ class CudaLink:
         return done
 
 
-class CudaEmulatedWork:
+class CudaEmulatedWork(EmulatedWork):
     """A ``Work`` of an emulated op on CUDA: ``wait()`` makes the current stream wait for the spin
     kernel's event, without blocking the host (as ``Work.wait`` on NCCL does)."""
 
     def __init__(self, work, event):
-        self._work = work
+        super().__init__(work, None, None, None)  # no host-clock completion on CUDA
         self.event = event
-        self.done_at = None  # no host-clock completion on CUDA
 
     def wait(self, timeout=None):
         import torch
@@ -179,30 +178,11 @@ class CudaEmulatedWork:
         torch.cuda.current_stream().wait_event(self.event)
         return True
 
-    def synchronize(self):
-        self.wait()
-
-    def block_current_stream(self):
-        self.wait()
-
     def is_completed(self):
         return self.event.query()
 
-    def is_success(self):
-        return True
-
-    def exception(self):
-        return None
-
-    def result(self):
-        self.wait()
-        return [] if self._work is None else self._work.result()
-
-    def __getattr__(self, name):
-        work = self.__dict__.get("_work")
-        if work is None:
-            raise AttributeError(name)
-        return getattr(work, name)
+    def __repr__(self):
+        return f"CudaEmulatedWork({self._work!r}, event={self.event!r})"
 
 
 class LinkEmulator:
