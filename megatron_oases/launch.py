@@ -110,6 +110,18 @@ def _worker(rank, world_size, port, fn, args, queue, one_rank=False):
             pass
 
 
+def output_to(log_path):
+    """In a spawned rank: send this process's stdout and stderr (Megatron's output) to
+    ``log_path``; returns a line-buffered file on the original stdout for the rank's progress."""
+    console = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    return console
+
+
 def run_distributed(fn, world_size, *args, timeout=300, one_rank=False):
     """Run ``fn(*args)`` on ``world_size`` gloo ranks; return the list of per-rank results.
     ``one_rank``: only rank 0 runs, on the fake process group (a list of one result).

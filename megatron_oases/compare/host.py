@@ -18,7 +18,6 @@ every CPU host for the run's shape (a GPU's CUDA path issues its own count). The
 """
 
 import os
-import sys
 
 from ..errors import last_line
 
@@ -27,14 +26,10 @@ def _worker(configs, log_path):
     """A one-rank :func:`~megatron_oases.launch.run_distributed` process: aten calls of each
     (name, layers, argv) job's second iteration; Megatron's output goes to ``log_path``."""
     from ..instrument.host_calls import profiled_step_patch
+    from ..launch import output_to
     from ..training.pretrain import run_in_process
 
-    console = os.fdopen(os.dup(1), "w", buffering=1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    console = output_to(log_path)
     out = {}
     for name, layers, argv in configs:
         record = {}

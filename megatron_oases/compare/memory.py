@@ -12,7 +12,6 @@ GPU. Budgets are in GB = 1e9 bytes.
 """
 
 import os
-import sys
 
 from ..errors import OasesConfigError, last_line
 from .variants import VARIANTS
@@ -46,15 +45,11 @@ def _worker(configs, log_pattern):
     rank's log file (it would bury compare's progress); rank 0 reports each variant done."""
     import torch.distributed as dist
 
+    from ..launch import output_to
     from ..training.measure import memory_per_rank
 
     rank = dist.get_rank()
-    console = os.fdopen(os.dup(1), "w", buffering=1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(log_pattern.format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    console = output_to(log_pattern.format(rank=rank))
     out = {}
     for name, argv in configs:
         m = memory_per_rank([(name, argv)], breakdown=True)[name]
