@@ -1,50 +1,61 @@
 """The ``oases`` command: one subcommand per concern, each implemented in its own module.
 
-Subcommands are registered in :data:`COMMANDS` as ``name: ("module:function", help)``; the module is
-imported only when its subcommand runs. Each function takes the remaining argv.
+:data:`COMMANDS` names the subcommands and their help; :func:`command` imports the one that runs
+(explicit imports, inside the function so that ``oases --help`` imports none of them and, for
+:data:`QUIET_COMMANDS`, Megatron-Core comes after :mod:`.training.quiet`). Each entry function
+takes the remaining argv.
+
+Layering: this module is the top of the package; nothing in ``megatron_oases`` imports it except
+``__main__``. ``oases compare`` starts ``python -m megatron_oases train`` as a subprocess, not
+through an import.
 """
 
 import argparse
-import importlib
 import sys
 
 from .errors import exit_status
 
 COMMANDS = {
-    "train": (
-        "megatron_oases.training.pretrain:train_main",
-        "Megatron-LM's pretrain_gpt.py loop with the --oases-* flags; a tiny demo model and mock "
-        "data where flags are absent",
-    ),
-    "run": (
-        "megatron_oases.training.pretrain:main",
-        "the same as oases-pretrain-gpt: Megatron-LM's pretrain_gpt.py with the --oases-* flags",
-    ),
-    "compare": (
-        "megatron_oases.compare.cli:main",
-        "stock Megatron vs Oases variants side by side (Table 3)",
-    ),
-    "calibrate": (
-        "megatron_oases.testbed.calibrate:main",
-        "host matmul rate and --emulate-link dilation",
-    ),
-    "profile": (
-        "megatron_oases.profiler.cli:main",
-        "profile one layer per TMP degree (measured or --analytic) for the planner",
-    ),
-    "plan": (
-        "megatron_oases.planner.cli:main",
-        "choose a TMP degree per layer (Oases planner: ILP/DP, memory-aware)",
-    ),
+    "train": "Megatron-LM's pretrain_gpt.py loop with the --oases-* flags; a tiny demo model and "
+    "mock data where flags are absent",
+    "run": "the same as oases-pretrain-gpt: Megatron-LM's pretrain_gpt.py with the --oases-* flags",
+    "compare": "stock Megatron vs Oases variants side by side (Table 3)",
+    "calibrate": "host matmul rate and --emulate-link dilation",
+    "profile": "profile one layer per TMP degree (measured or --analytic) for the planner",
+    "plan": "choose a TMP degree per layer (Oases planner: ILP/DP, memory-aware)",
 }
 
 #: Commands that import Megatron-Core (and would print its fallback warnings).
 QUIET_COMMANDS = ("train", "run", "profile")
 
 
-def _resolve(target):
-    module, func = target.split(":")
-    return getattr(importlib.import_module(module), func)
+def command(name):
+    """The entry function of subcommand ``name`` (a key of :data:`COMMANDS`), imported now."""
+    if name == "train":
+        from .training import pretrain
+
+        return pretrain.train_main
+    if name == "run":
+        from .training import pretrain
+
+        return pretrain.main
+    if name == "compare":
+        from .compare import cli as compare_cli
+
+        return compare_cli.main
+    if name == "calibrate":
+        from .testbed import calibrate
+
+        return calibrate.main
+    if name == "profile":
+        from .profiler import cli as profiler_cli
+
+        return profiler_cli.main
+    if name == "plan":
+        from .planner import cli as planner_cli
+
+        return planner_cli.main
+    raise KeyError(name)
 
 
 def main(argv=None):
@@ -54,7 +65,7 @@ def main(argv=None):
         description="megatron-oases: overlapped tensor-model-parallel training for Megatron-Core",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (_, help_) in COMMANDS.items():
+    for name, help_ in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -68,7 +79,7 @@ def main(argv=None):
     from .errors import TrainingStopped
 
     try:
-        rc = _resolve(COMMANDS[argv[0]][0])(argv[1:])
+        rc = command(argv[0])(argv[1:])
     except Exception as exc:  # ours: one line once per job; anything else: raised again
         return exit_status(exc, f"oases {argv[0]}", stopped=(TrainingStopped,))
     return rc or 0
