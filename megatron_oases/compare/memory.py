@@ -277,9 +277,9 @@ def _live_lines(report):
 def plot_memory(report, path, title=""):
     """Time per iteration against peak memory per rank, one point per variant, each side's best
     time under a memory limit as a step line, and the budgets as vertical lines."""
-    from ..viz.timeline import _pyplot
+    from ..viz.plotting import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     ok = [r for r in report["variants"] if is_measured(r)]
     fig, ax = plt.subplots(figsize=(8, 4.8))
     budgets = report.get("memory_budget") or []

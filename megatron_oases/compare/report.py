@@ -221,9 +221,9 @@ def write_markdown(report, path):
 
 def plot_summary(results, path, title=""):
     """Bar chart: tokens/s with speedups (left), iteration breakdown compute vs exposed (right)."""
-    from ..viz.timeline import _pyplot
+    from ..viz.plotting import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     ok = [r for r in results if r["status"] == "ok"]
     names = [r["name"] for r in ok]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))

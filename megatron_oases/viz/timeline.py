@@ -19,6 +19,7 @@ from .analysis import (
     rank_metrics,
     union,
 )
+from .plotting import pyplot
 
 BASE = {-1: (0.46, 0.33, 0.67), 0: (0.12, 0.47, 0.71), 1: (1.0, 0.50, 0.05)}
 SHADE = {"forward": 0.55, "recompute": 0.3, "backward": 0.0}
@@ -39,23 +40,12 @@ def color_for(args):
     return _mix(BASE[sb], SHADE[p])
 
 
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError as exc:  # pragma: no cover - matplotlib is a declared dependency
-        raise RuntimeError("timelines need matplotlib: pip install matplotlib") from exc
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_timeline(traces, path, title=None, comm_model=None):
     """Write a PNG timeline of ``traces`` (one per rank, as loaded by ``load_traces``).
 
     ``comm_model`` (see :func:`.analysis.modelled_ends`) draws each transfer to its modelled end.
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Patch as LegendPatch
 
     n = max(1, len(traces))
