@@ -1,6 +1,5 @@
 """Launch ``oases train`` once per variant (torchrun subprocess) and collect its metrics and trace."""
 
-import json
 import os
 import re
 import signal
@@ -9,6 +8,7 @@ import subprocess
 import threading
 import time
 
+from ..instrument.golden import read_golden
 from ..launch import one_rank_command, torchrun_command
 from ..viz.analysis import load_traces, run_metrics, trace_files
 
@@ -151,8 +151,7 @@ def run_variant(
         return result
     golden_path = os.path.join(vdir, "golden.json")
     try:
-        with open(golden_path) as f:
-            golden = json.load(f)
+        golden = read_golden(golden_path)
     except (OSError, ValueError) as exc:
         why = exc.strerror if isinstance(exc, OSError) else exc  # an OSError names the full path
         result["error"] = f"no metrics in {os.path.relpath(golden_path, out_dir)}: {why}"

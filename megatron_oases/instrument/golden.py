@@ -6,19 +6,26 @@ console line shows a running mean over the log interval; golden values are per i
 patch wraps ``megatron.training.training.train_step`` (timed on the host, after a barrier-free
 ``torch.cuda.synchronize``) and ``training_log`` (this iteration's reduced ``lm loss``). The last
 rank writes; the file is rewritten after every iteration so a run cut short keeps what it reached.
+:func:`read_golden` reads the file back (``oases compare``, the launch scripts' summary table).
+
+torch and Megatron are imported by the patch only, so reading the file does not import them.
 """
 
 import json
 import os
 import time
 
-import torch
-import torch.distributed as dist
-
 from ..compat import require_symbol
 from ..patching import Patch
 
 KEYS = ("lm loss", "iteration-time", "tokens-per-sec", "throughput", "mem-allocated-bytes")
+
+
+def read_golden(path):
+    """The golden values written to ``path`` (the dict above); a missing or unreadable file raises
+    :class:`OSError`, malformed JSON :class:`ValueError`."""
+    with open(path) as f:
+        return json.load(f)
 
 
 class GoldenValuesRecorder:
@@ -52,6 +59,8 @@ class GoldenValuesRecorder:
 
 
 def _scalar(value):
+    import torch
+
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -65,6 +74,8 @@ def _scalar(value):
 def _is_last_rank():
     """The rank Megatron logs the loss on; on a fake process group (one-rank runs) the one rank
     there is, as in Megatron's ``print_rank_last``."""
+    import torch.distributed as dist
+
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return True
     return dist.get_rank() == dist.get_world_size() - 1
@@ -75,6 +86,7 @@ def make_patch(args, built=None):
     path = getattr(args, "log_json", None)
     if not path:
         return None
+    import torch
     from megatron.training import training
 
     orig_step = require_symbol(training, "train_step", called_by=[training.train])

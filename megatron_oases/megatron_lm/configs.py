@@ -8,7 +8,6 @@ section that is never turned into flags. ``true`` becomes a bare flag, ``false``
 a list gives several values.
 """
 
-import json
 import math
 import os
 import shlex
@@ -17,6 +16,7 @@ import yaml
 
 from .. import resources
 from ..errors import OasesConfigError
+from ..instrument.golden import read_golden
 
 FLAG_SECTIONS = ("model", "parallel", "training")
 
@@ -210,8 +210,7 @@ def summarize_run(name, tp, pp, schedule, status, json_path):
     golden = None
     if json_path and os.path.isfile(json_path):
         try:
-            with open(json_path) as f:
-                golden = json.load(f)
+            golden = read_golden(json_path)
         except (OSError, ValueError):
             golden = None
     if status == "ok" and golden is None:
