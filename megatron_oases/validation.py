@@ -69,15 +69,23 @@ def check_splittable(samples, what=None, need=None, parts=SUB_BATCHES):
 SELECTIVE_MODULES = ("core_attn", "layernorm")
 
 
+def check_whole_layer_recompute(
+    schedule,
+    flag="--oases-schedule",
+    fix="use --recompute-granularity full, or --oases-schedule overlap with selective "
+    "recomputation",
+):
+    """``cross-pass``/``oases`` re-run whole layers: a selective recomputation setting is not
+    theirs. ``flag``/``fix`` name the caller's flags (Megatron's, or the planner's)."""
+    if schedule in RECOMPUTE_SCHEDULES:
+        raise OasesConfigError(f"{flag} {schedule} recomputes whole layers; {fix}")
+
+
 def check_selective_recompute(schedule, modules):
     """``--recompute-granularity selective``: ``overlap`` keeps each sub-batch's autograd graph
     and lets Megatron recompute core attention in backward; ``cross-pass``/``oases`` re-run whole
     layers and need full recomputation."""
-    if schedule in RECOMPUTE_SCHEDULES:
-        raise OasesConfigError(
-            f"--oases-schedule {schedule} recomputes whole layers; use --recompute-granularity "
-            "full, or --oases-schedule overlap with selective recomputation"
-        )
+    check_whole_layer_recompute(schedule)
     other = sorted(set(modules or SELECTIVE_MODULES) - set(SELECTIVE_MODULES))
     if other:
         raise OasesConfigError(

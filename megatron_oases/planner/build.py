@@ -56,12 +56,12 @@ from ..errors import OasesConfigError
 from ..formats.profile import gather_ranks, tp_ranks
 from ..recompute_settings import RECOMPUTE_MODES, SELECTIVE_MODES
 from ..validation import (
-    RECOMPUTE_SCHEDULES,
     SPLIT_SCHEDULES,
     TAIL_PIECES,
     check_schedule,
     check_schedule_recompute,
     check_split,
+    check_whole_layer_recompute,
 )
 from .block_comm import block_comm
 from .memory_model import memory_parts
@@ -189,10 +189,11 @@ def build_problem(
     check_schedule(schedule, source="--schedule")
     check_split(split, source="--split")
     recompute = recompute_mode(recompute, source="--recompute")
-    if recompute in SELECTIVE_MODES and schedule in RECOMPUTE_SCHEDULES:
-        raise OasesConfigError(
-            f"--schedule {schedule} recomputes whole layers; use --recompute full, or --schedule "
-            f"off or overlap with --recompute {recompute}"
+    if recompute in SELECTIVE_MODES:
+        check_whole_layer_recompute(
+            schedule,
+            flag="--schedule",
+            fix=f"use --recompute full, or --schedule off or overlap with --recompute {recompute}",
         )
     check_schedule_recompute(
         schedule, recompute == "full", flag="--schedule", fix="use --recompute full"
