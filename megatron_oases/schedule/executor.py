@@ -25,7 +25,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from .comm import deferred_tmp_comm, start_collective
+from .comm import start_collective
 
 
 class Compute:
@@ -59,7 +59,7 @@ class Comm:
     ``switch=False``: the sub-batch's next computes do not need this result, so it keeps running
     them instead of handing over to the other sub-batch; its results are then taken, in issue
     order, where it next waits (a block's output cut into pieces, see
-    :meth:`.engine.ScheduledLayers._pieces`)."""
+    tail pieces in :mod:`.forward`)."""
 
     __slots__ = ("get", "done", "group", "kind", "reduce_op", "switch", "labels")
 
@@ -137,8 +137,9 @@ class Interleave:
 class _Run:
     """The state of one :func:`run_programs` call."""
 
-    def __init__(self, programs, tracer, early, ids=None):
+    def __init__(self, programs, tracer, early, ids=None, compute_context=None):
         self.programs, self.tracer, self.early = programs, tracer, early
+        self.compute_context = compute_context or contextlib.nullcontext
         self.ids = list(range(len(programs))) if ids is None else list(ids)  # trace labels
         self.pos = [0] * len(programs)
         # sub-batch -> its collectives in flight, in issue order (more than one only after a
@@ -153,7 +154,7 @@ class _Run:
         key = (id(self), len(self.running))
         self.running.append((x, key))
         try:
-            with deferred_tmp_comm(early=self.early):
+            with self.compute_context():
                 if self.tracer is None:
                     op.fn()
                 else:
@@ -228,16 +229,20 @@ class _Run:
                 tracer.open_compute(key)
 
 
-def run_programs(programs, labels=None, tracer=None, early=None, interleave=None, ids=None):
+def run_programs(
+    programs, labels=None, tracer=None, early=None, interleave=None, ids=None, compute_context=None
+):
     """Execute the sub-batch programs interleaved (Alg. 1/2); returns when all are done.
     ``tracer`` (an :class:`~megatron_oases.instrument.trace.Tracer`, optional) records each op.
     ``early`` (a :class:`~.comm.EarlyReductions`, optional): input-gradient all-reduces that
     Megatron's column linears start inside compute ops; the all-reduce ``Comm`` of that gradient
     adopts the started work instead of issuing another. ``interleave`` (an :class:`Interleave`,
     optional): the yield points inside compute ops call into this run. ``ids``: each program's
-    sub-batch index for the trace (default its position; the first program leads)."""
+    sub-batch index for the trace (default its position; the first program leads).
+    ``compute_context``: a context manager factory every compute op runs in (the engine's
+    deferral of Megatron's own TMP communication, :func:`.comm.deferred_tmp_comm`)."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
-    run = _Run(programs, tracer, early, ids)
+    run = _Run(programs, tracer, early, ids, compute_context)
     active = interleave.active(run) if interleave is not None else contextlib.nullcontext()
     n = len(programs)
     x = 0

@@ -95,8 +95,8 @@ class EmbeddingEnd:
         return [
             Compute(lambda: self._lookup(sb), **labels),
             Comm(
-                get=lambda: sb.end.pop("emb"),
-                done=lambda t: sb.end.__setitem__("emb", t),
+                get=lambda: sb.ends.take("lookup"),
+                done=lambda t: setattr(sb.ends, "lookup", t),
                 group=self.group,
                 kind="reduce_scatter" if self.sequence_parallel else "all_reduce",
                 **labels,
@@ -115,14 +115,14 @@ class EmbeddingEnd:
             # under SP [s, b_i, h], the layout Megatron scatters along s (and then already has)
             if self.sequence_parallel and not self.scatters_itself:
                 emb = emb.transpose(0, 1)
-            sb.end["emb"] = emb.contiguous()
+            sb.ends.lookup = emb.contiguous()
 
     def _reduced(self, sb):
         """The reduction to supply to Megatron's forward: the all-reduced lookup, the
         reduce-scattered one where Megatron reduce-scatters, or else under SP a lookup-shaped
         tensor holding the reduce-scattered shard where Megatron's split reads (the rest is
         zeros that nothing reads: every op before the split is per token)."""
-        reduced = sb.end.pop("emb")
+        reduced = sb.ends.take("lookup")
         if not self.sequence_parallel or self.scatters_itself:
             return reduced
         b, s = self.ids[sb.index].shape
@@ -133,7 +133,7 @@ class EmbeddingEnd:
 
     def _finish(self, sb):
         reduced = self._reduced(sb)
-        sb.rng["embedding"] = snapshot()
+        sb.ends.rng = snapshot()
         supply = supplied_reduction(reduced) if self.group.size() > 1 else contextlib.nullcontext()
         with torch.no_grad(), supply:
             return self.forward(self.module, self.ids[sb.index], self.pos[sb.index])
@@ -145,23 +145,26 @@ class EmbeddingEnd:
         return [
             Compute(lambda: self._backward_to_scatter(sb), **labels),
             Comm(
-                get=lambda: sb.end.pop("gemb"),
-                done=lambda t: sb.end.__setitem__("gemb", t),
+                get=lambda: sb.ends.take("scatter_grad"),
+                done=lambda t: setattr(sb.ends, "scatter_grad", t),
                 group=self.group,
                 kind="all_gather",
                 **labels,
             ),
-            Compute(lambda: _backward(sb.end.pop("full"), sb.end.pop("gemb")), **labels),
+            Compute(
+                lambda: _backward(sb.ends.take("scatter_input"), sb.ends.take("scatter_grad")),
+                **labels,
+            ),
         ]
 
     def _rerun(self, sb):
         """Megatron's embedding forward again, with the forward's dropout (deferring: affine in
         the unreduced lookup, so its gradients are exact)."""
-        with replay(sb.rng.pop("embedding")):
+        with replay(sb.ends.take("rng")):
             return self.forward(self.module, self.ids[sb.index], self.pos[sb.index])
 
     def _backward(self, sb):
-        _backward(self._rerun(sb), sb.gH.pop(0))
+        _backward(self._rerun(sb), sb[0].take("input_grad"))
 
     def _backward_to_scatter(self, sb):
         """Backward of the ops after Megatron's scatter (dropout, ...): the gradient of the
@@ -169,8 +172,8 @@ class EmbeddingEnd:
         with cut_at_scatter() as cuts:
             out = self._rerun(sb)
         ((full, leaf),) = cuts
-        _backward(out, sb.gH.pop(0))
-        sb.end["full"], sb.end["gemb"] = full, leaf.grad
+        _backward(out, sb[0].take("input_grad"))
+        sb.ends.scatter_input, sb.ends.scatter_grad = full, leaf.grad
 
 
 class OutputEnd:
@@ -221,8 +224,8 @@ class OutputEnd:
             ops = [
                 Compute(norm, **labels),
                 Comm(
-                    get=lambda: sb.end.pop("x").detach(),
-                    done=lambda t: sb.end.__setitem__("x", t),
+                    get=lambda: sb.ends.take("head_input").detach(),
+                    done=lambda t: setattr(sb.ends, "head_input", t),
                     group=self.group,
                     kind="all_gather",
                     **labels,
@@ -239,14 +242,16 @@ class OutputEnd:
         with torch.enable_grad():
             hidden = GradSink.apply(anchor, sb.output.detach(), grad_slot)
             ln = hidden if self.final_layernorm is None else self.final_layernorm(hidden)
-        sb.end["ln"], sb.end["x"] = ln, ln.detach()
+        sb.ends.norm_output, sb.ends.head_input = ln, ln.detach()
         sb.output = None
 
     def _logits(self, sb, anchor):
         """The output layer (and 0.19's logit scaling) on the final norm's output, [s, b, v/t]."""
         model = self.model
         with torch.enable_grad():
-            x = GradSink.apply(anchor, sb.end.pop("x"), lambda g: sb.end.__setitem__("gout", g))
+            x = GradSink.apply(
+                anchor, sb.ends.take("head_input"), lambda g: setattr(sb.ends, "head_input_grad", g)
+            )
             weight = None
             if model.share_embeddings_and_output_weights:
                 weight = model.shared_embedding_or_output_weight()
@@ -262,7 +267,7 @@ class OutputEnd:
 
     @staticmethod
     def _delivered(sb, per_token):
-        sb.end["loss"], sb.loss = per_token, per_token.detach()
+        sb.ends.loss, sb.loss = per_token, per_token.detach()
 
     def backward_ops(self, sb):
         """Loss and output-layer backward (input gradient unreduced), its all-reduce (under SP
@@ -270,15 +275,18 @@ class OutputEnd:
         output gradient."""
         labels = dict(**{"pass": "backward"}, **self.LABELS)
         return [
-            Compute(lambda: _backward(sb.end.pop("loss"), sb.end.pop("gloss")), **labels),
+            Compute(lambda: _backward(sb.ends.take("loss"), sb.ends.take("loss_grad")), **labels),
             Comm(
-                get=lambda: sb.end.pop("gout"),
-                done=lambda t: sb.end.__setitem__("gout", t),
+                get=lambda: sb.ends.take("head_input_grad"),
+                done=lambda t: setattr(sb.ends, "head_input_grad", t),
                 group=self.group,
                 kind="reduce_scatter" if self.sequence_parallel else "all_reduce",
                 **labels,
             ),
-            Compute(lambda: _backward(sb.end.pop("ln"), sb.end.pop("gout")), **labels),
+            Compute(
+                lambda: _backward(sb.ends.take("norm_output"), sb.ends.take("head_input_grad")),
+                **labels,
+            ),
         ]
 
 

@@ -1,0 +1,105 @@
+"""The backward programs of each schedule, as *runs*: a run is one program per sub-batch, executed
+interleaved; runs follow each other with a barrier between them. Design notes:
+``docs/schedules.md``.
+
+- :func:`kept_graphs`: blocks whose graphs forward kept (``overlap`` without recompute, and the
+  blocks after Megatron's ``--recompute-method block`` layers in every schedule);
+- :func:`fine_grained`: ``oases``: forward saved every block's input, so recomputation starts
+  from there and issues no reduction; bda's backward comes from its RNG snapshot alone;
+- :func:`layer_phases`: a recomputed layer's recompute pass (its forward reductions issued
+  again) and backward pass; ``cross-pass`` chains them in one program, ``overlap`` with
+  recompute runs each pass as its own run (the paper's basic pipelined schedule).
+"""
+
+import torch
+
+from .ops import backward
+from .rng import replay
+
+
+def kept_graphs(ops, sb):
+    """Backward of the blocks that kept their graphs (from ``first_kept`` on)."""
+    program = []
+    for j in reversed(range(ops.first_kept, ops.blocks.num_blocks)):
+        program.append(ops.light(lambda j=j: ops.bda_grad(sb, j), j, "backward"))
+        program += ops.main_backward(sb, j)
+        program.append(ops.light(lambda j=j: ops.norm_grad(sb, j), j, "backward"))
+    return program
+
+
+def fine_grained(ops, sb):
+    """``oases``: backward of the recomputed blocks (below ``first_kept``), each recomputed
+    from its saved input H_j only, so the recomputation runs as soon as the previous
+    collective is issued."""
+    J = ops.first_kept
+    program = [ops.light(lambda: _bda_grad_from_rng(ops, sb, J - 1), J - 1, "backward")]
+    for j in reversed(range(J)):
+        norm = lambda j=j: ops.recompute_norm(sb, j)  # noqa: E731
+        program += ops.recompute_to_main(sb, j, norm, early=True)
+        program += ops.main_backward(sb, j)
+        program.append(ops.light(lambda j=j: ops.norm_grad(sb, j), j, "backward"))
+        if j > 0:
+            bda = lambda j=j: _bda_grad_from_rng(ops, sb, j - 1)  # noqa: E731
+            program.append(ops.light(bda, j - 1, "backward"))
+    return program
+
+
+def _bda_grad_from_rng(ops, sb, j):
+    """Backward of bda_j from its RNG snapshot: bda is affine, so a zero probe input gives the
+    exact gradients (dropout mask · g for R_j and bias, identity for the residual)."""
+    block = sb[j]
+    g = sb[j + 1].take("input_grad")
+    probe = torch.zeros_like(g, requires_grad=True)
+    with replay(block.take("rng_bda")):
+        out = ops.blocks.bda(j, probe, block.bias, torch.zeros_like(g))
+    backward(out, g)
+    block.reduced_grad = probe.grad
+    block.input_grad = g  # residual path; ln_j's backward adds its own
+
+
+def layer_phases(ops, sb, layer):
+    """Recompute ops (with the layer's forward reductions) and backward ops of one layer."""
+    a, m = 2 * layer, 2 * layer + 1
+    # the layer's first block from its saved input only (block m needs the recomputed R_a)
+    recompute = ops.recompute_to_main(sb, a, lambda: ops.recompute_norm(sb, a), early=True)
+    recompute.append(_recomputed_reduction(ops, sb, a))
+    recompute += ops.recompute_to_main(sb, m, lambda: _recompute_bda_and_norm(ops, sb, a, m))
+    recompute.append(_recomputed_reduction(ops, sb, m))
+    recompute.append(ops.light(lambda: _recompute_bda(ops, sb, m), m, "recompute"))
+    program = [ops.light(lambda: ops.bda_grad(sb, m), m, "backward")]
+    program += ops.main_backward(sb, m)
+    program.append(ops.light(lambda: ops.norm_grad(sb, m), m, "backward"))
+    program.append(ops.light(lambda: ops.bda_grad(sb, a), a, "backward"))
+    program += ops.main_backward(sb, a)
+    program.append(ops.light(lambda: ops.norm_grad(sb, a), a, "backward"))
+    return recompute, program
+
+
+def cross_pass(ops, sb, layers):
+    """``cross-pass``: each recomputed layer's recompute then backward, in one op sequence."""
+    program = []
+    for layer in reversed(range(layers)):
+        recompute, back = layer_phases(ops, sb, layer)
+        program += recompute + back
+    return program
+
+
+def _recomputed_reduction(ops, sb, j):
+    block = sb[j]
+    get = lambda: block.partial.detach()  # noqa: E731
+    return ops.reduce(get, ops.store(block, "reduced"), j, "recompute")
+
+
+def _recompute_bda(ops, sb, j):
+    """bda_j again from the recomputed reduction, its graph kept for backward."""
+    block = sb[j]
+    R = ops.sink(block.take("reduced"), ops.store(block, "reduced_grad"))
+    with replay(block.take("rng_bda")):
+        block.output = ops.blocks.bda(j, R, block.bias, block.input)
+    return block.output
+
+
+def _recompute_bda_and_norm(ops, sb, a, m):
+    """Recompute bda_a (it needs the recomputed reduction) and block m's ln (and main)."""
+    sb[m].input = _recompute_bda(ops, sb, a)
+    ops.recompute_norm(sb, m)

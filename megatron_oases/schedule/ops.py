@@ -1,0 +1,243 @@
+"""The ops a schedule's programs are made of, for one micro-batch of a stage's blocks.
+
+:class:`BlockOps` knows the micro-batch's settings (which blocks keep their graphs, sequence
+parallelism, the split's chunk attention) and makes the :class:`~.executor.Compute` and
+:class:`~.executor.Comm` ops that the forward (:mod:`.forward`) and backward (:mod:`.backward`)
+program builders put in order. Design notes: ``docs/schedules.md``.
+"""
+
+import contextlib
+
+import torch
+
+from .executor import Comm, Compute
+from .regather import GradSink
+from .rng import replay
+
+
+def leaf(t):
+    return t.detach().requires_grad_()
+
+
+def backward(outputs, grads):
+    torch.autograd.backward(outputs, grads)
+
+
+def backward_freed(outputs, grads):
+    """``torch.autograd.backward`` where ``outputs[0]``'s data was freed in forward (a kept
+    graph's root, see ``deallocate_output_tensor``): Megatron's ``custom_backward`` for several
+    roots, which skips the shape check the freed output would fail."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors=tuple(outputs),
+        grad_tensors=tuple(grads),
+        keep_graph=False,
+        create_graph=False,
+        inputs=tuple(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+class BlockOps:
+    """Op factories over ``blocks`` (a :class:`.blocks.LayerBlocks`) for one micro-batch.
+
+    ``first_kept``: blocks from this one on keep their autograd graphs from forward; the ones
+    before it are recomputed in backward. ``anchor``: a scalar that requires grad, putting
+    :class:`.regather.GradSink` nodes in the graph. ``prefix``: the sequence split's shared
+    chunk attention (:class:`.split.PrefixAttention`), or None."""
+
+    def __init__(self, blocks, microbatch, tracer, first_kept, anchor, prefix):
+        self.blocks, self.microbatch, self.tracer = blocks, microbatch, tracer
+        self.first_kept, self.anchor, self.prefix = first_kept, anchor, prefix
+        # Sequence parallelism: an all-gather before each block's main op, and the block's
+        # reduction is a reduce-scatter (see :mod:`.blocks`).
+        self.sp = blocks.sequence_parallel
+        self.reduction = "reduce_scatter" if self.sp else "all_reduce"
+
+    def keeps(self, j):
+        """Block j keeps its autograd graph from forward (its layer is not recomputed)."""
+        return j >= self.first_kept
+
+    def regathers(self, j):
+        """SP with block j's graph kept: main_j's saved input stays an s/t shard, re-gathered
+        before its backward (:mod:`.regather`), as stock Megatron's SP linears do."""
+        return self.sp and self.keeps(j)
+
+    # ------------------------------------------------------------------ op factories
+    def labels(self, j, pass_):
+        """Tracer labels of block j's ops (``pass`` is a keyword, hence the dict)."""
+        return {"pass": pass_, "layer": self.blocks.global_layer(j), "block": self.blocks.kind(j)}
+
+    def compute(self, fn, j, pass_, early=False, light=False):
+        return Compute(fn, early=early, light=light, **self.labels(j, pass_))
+
+    def light(self, fn, j, pass_):
+        return self.compute(fn, j, pass_, light=True)
+
+    def collective(self, kind, get, done, j, pass_):
+        """``kind`` of ``get()`` on block j's TP group; ``done(result)`` when it completed."""
+        return Comm(
+            get=get, done=done, group=self.blocks.tp_group(j), kind=kind, **self.labels(j, pass_)
+        )
+
+    def reduce(self, get, done, j, pass_):
+        """Block j's reduction (all-reduce; reduce-scatter under SP)."""
+        return self.collective(self.reduction, get, done, j, pass_)
+
+    def queued(self, j, pass_, n, get, done):
+        """``n`` all-reduces of block j's runs of tokens (tail pieces, :mod:`.forward`):
+        ``get(i)``, then ``done(i, result)`` in issue order. The sub-batch goes on after each
+        but the last (``Comm(switch=False)``), which hands over as a whole block's would."""
+        return [
+            Comm(
+                get=lambda i=i: get(i),
+                done=lambda t, i=i: done(i, t),
+                group=self.blocks.tp_group(j),
+                switch=i == n - 1,
+                **self.labels(j, pass_),
+            )
+            for i in range(n)
+        ]
+
+    # ------------------------------------------------------------------ tensors
+    @staticmethod
+    def store(block, name):
+        """A ``done``/sink callback putting its tensor into ``block``'s slot ``name``."""
+        return lambda t: setattr(block, name, t)
+
+    def sink(self, x, store):
+        """``x`` as an op's input whose gradient goes to ``store(g)`` (see
+        :class:`.regather.GradSink`): unlike a leaf, nothing keeps ``x`` alive but the graph's
+        own saved tensors, so a kept graph holds what stock Megatron's would."""
+        return GradSink.apply(self.anchor, x.detach(), store)
+
+    def chunk(self, sb):
+        """Where ``sb``'s core attention may run (sequence chunks: it says which chunk runs)."""
+        return self.prefix.running(sb.index) if self.prefix else contextlib.nullcontext()
+
+    def main(self, sb, j, x):
+        """main_j of sub-batch ``sb`` on ``x``: (partial sum, bias)."""
+        with self.chunk(sb):
+            return self.blocks.main(j, x, sb.mask, sb.rotary)
+
+    def norm_output_ready(self, block, norm_output, main):
+        """Hand ln_j's output to the all-gather (SP) or straight to ``main``."""
+        if self.sp:
+            block.outbox = norm_output.detach()
+        else:
+            main(norm_output)
+
+    def to_main(self, sb, j, pass_, first, main, early=False):
+        """Ops from block j's input to its partial sum: ``first`` (ln; without sequence
+        parallelism also main), then under SP the all-gather of the ln output and ``main(x)``.
+        ``early``: ``first`` needs only saved tensors (see :class:`.executor.Compute`)."""
+        block = sb[j]
+        # under SP ``first`` is only ln (with bda_{j-1} before it): a light op
+        ops = [self.compute(first, j, pass_, early=early, light=self.sp)]
+        if self.sp:
+            done = lambda t: setattr(block, "gathered", t)  # noqa: E731
+            ops.append(self.collective("all_gather", lambda: block.take("outbox"), done, j, pass_))
+            ops.append(self.compute(lambda: main(block.take("gathered")), j, pass_))
+        return ops
+
+    # ------------------------------------------------------------------ recompute
+    def recompute_to_main(self, sb, j, first, early=False):
+        """Recompute block j from its saved input H_j up to its partial sum. Under sequence
+        parallelism this re-gathers the ln output (an all-gather in recompute, overlapped like
+        every collective) rather than keeping the gathered input from forward: that would hold
+        t× the block input per block, undoing SP's activation saving."""
+        main = lambda x: self.recompute_main(sb, j, x)  # noqa: E731
+        return self.to_main(sb, j, "recompute", first, main, early=early)
+
+    def recompute_norm(self, sb, j):
+        block = sb[j]
+        H = block.input = leaf(block.input)
+        norm_output = block.norm_output = self.blocks.ln(j, H)
+        self.norm_output_ready(block, norm_output, lambda x: self.recompute_main(sb, j, x))
+
+    def recompute_main(self, sb, j, x):
+        block = sb[j]
+        with replay(block.take("rng_main")):
+            block.partial, _ = self.main(sb, j, self.sink(x, self.store(block, "norm_grad")))
+
+    # ------------------------------------------------------------------ backward
+    def main_backward(self, sb, j):
+        """Block j's main backward between its collectives: under SP the all-gather of R_j's
+        gradient (the row-parallel reduce-scatter's backward) first; then the input-gradient
+        reduction of the column-parallel linear (all-reduce, or reduce-scatter under SP)."""
+        block, ops = sb[j], []
+        if self.regathers(j):  # main_j's input again, in the same collective
+            ops.append(self.regather(sb, j))
+        elif self.sp:
+            get = lambda: block.take("reduced_grad")  # noqa: E731
+            done = self.store(block, "reduced_grad")
+            ops.append(self.collective("all_gather", get, done, j, "backward"))
+        ops.append(self.compute(lambda: self.main_grad(sb, j), j, "backward"))
+        return ops + self.input_gradient_reductions(sb, j)
+
+    def input_gradient_reductions(self, sb, j):
+        """The reduction of main_j's input gradient; for a kept graph built in runs of tokens
+        (tail pieces) one per run, queued together, joined when the last is taken."""
+        block = sb[j]
+        n, block.pieces = block.pieces, None
+        if n is None:
+            get = lambda: block.take("norm_grad")  # noqa: E731
+            return [self.reduce(get, self.store(block, "norm_grad"), j, "backward")]
+        parts = [None] * n
+
+        def done(i, t):
+            parts[i] = t
+            if i == n - 1:
+                block.norm_grad = torch.cat(parts)
+
+        return self.queued(j, "backward", n, lambda i: block.piece_grads.pop(i), done)
+
+    def regather(self, sb, j):
+        """One all-gather of R_j's gradient and main_j's saved input shard (a collective each
+        would leave the second with no compute to hide behind)."""
+        block = sb[j]
+
+        def done(gathered):
+            block.reduced_grad, block.gathered = gathered
+
+        return Comm(
+            get=lambda: (block.take("reduced_grad"), block.norm_output.detach()),
+            done=done,
+            group=self.blocks.tp_group(j),
+            kind="all_gather",
+            **self.labels(j, "backward"),
+        )
+
+    def bda_grad(self, sb, j):
+        """bda_j's backward through its kept graph: R_j's gradient lands in its sink."""
+        backward(sb[j].take("output"), sb[j + 1].take("input_grad"))
+
+    def main_grad(self, sb, j):
+        block = sb[j]
+        P, g = block.take("partial"), block.take("reduced_grad")
+        if isinstance(P, list):  # forward ran it in runs of tokens (tail pieces), data freed
+            # one backward call per run: each run's weight gradient is accumulated before the
+            # next run's is computed (one call over all runs could hold several at once), and
+            # each run's input-gradient all-reduce starts before the next run's backward
+            for p, gi in zip(P, torch.tensor_split(g, len(P), dim=0)):
+                backward_freed([p], [gi])
+            return
+        freed = P.numel() != g.numel()  # data freed in forward (kept graph) unless kept
+        roots, grads = [], []
+        attention = self.prefix is not None and j % 2 == 0
+        if attention:  # the later chunks' key/value gradients
+            roots, grads = self.prefix.backward_roots(j // 2, sb.index)
+        with self.chunk(sb):  # Megatron's selective recompute re-runs core attention in here
+            (backward_freed if freed else backward)([P] + roots, [g] + grads)
+        if attention:
+            self.prefix.collect(j // 2, sb.index)
+        if self.regathers(j):
+            block.gathered = None  # main_j's input gradient has landed in norm_grad
+
+    def norm_grad(self, sb, j):
+        """ln_j's backward; the block's input gradient (its leaf's grad) adds to the residual
+        path's where a bda backward from its RNG snapshot put that first."""
+        block = sb[j]
+        backward(block.take("norm_output"), block.take("norm_grad"))
+        g = block.take("input").grad
+        block.input_grad = g if block.input_grad is None else block.input_grad + g
