@@ -239,8 +239,3 @@ def trace_path(pattern, rank):
         return pattern.format(rank=rank)
     root, ext = os.path.splitext(pattern)
     return f"{root}.rank{rank}{ext or '.json'}"
-
-
-def load_trace(path):
-    with open(path) as f:
-        return json.load(f)

@@ -35,18 +35,3 @@ def num_floating_point_operations(
             + padded_vocab_size / (2 * num_layers * hidden_size)
         )
     )
-
-
-def flops_from_args(args, batch_size=None):
-    return num_floating_point_operations(
-        batch_size if batch_size is not None else args.global_batch_size,
-        args.seq_length,
-        args.num_layers,
-        args.hidden_size,
-        args.ffn_hidden_size,
-        args.num_attention_heads,
-        args.num_query_groups,
-        args.padded_vocab_size,
-        args.kv_channels,
-        args.swiglu,
-    )

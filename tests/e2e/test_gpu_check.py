@@ -1,0 +1,65 @@
+"""``benchmarks/gpu/check.sh --dry-run``: the GPU check's every step, on the CPU with tiny shapes,
+so that the first lent GPU runs a script that already works end to end."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers.paths import REPO
+
+
+@pytest.mark.timeout(420)
+def test_gpu_check_dry_run_runs_every_step(tmp_path):
+    out = tmp_path / "gpu"
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("OASES_EMULATE_DILATION", None)
+    env.pop("OASES_HOST_FLOPS", None)
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [
+            "bash",
+            os.path.join(REPO, "benchmarks", "gpu", "check.sh"),
+            "--dry-run",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
+    elapsed = time.monotonic() - t0
+    log = (out / "check.log").read_text() if (out / "check.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + log[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["dry_run"] is True
+    steps = report["steps"]
+    assert list(steps) == ["env", "parity", "timing", "host", "split"]
+    assert all(s["status"] == "ok" for s in steps.values()), steps
+    # parity: every configuration ran and matched stock within its stated tolerance
+    parity = steps["parity"]["result"]
+    assert set(parity) >= {"gpt-fp32", "gpt-bf16", "gpt-sp-fp32", "llama-fp32"}
+    for name, r in parity.items():
+        assert r["status"] == "ok", (name, r)
+        assert r["worst_rel_diff"] and max(r["worst_rel_diff"].values()) < r["tolerance"]
+    assert set(parity["gpt-fp32"]["worst_rel_diff"]) == {"overlap", "cross-pass", "oases"}
+    # timing: one-rank rows of both links and both ends of the TMP range, a finite speed-up each
+    timing = steps["timing"]["result"]
+    assert timing.pop("collective_kernel") == {"kernel": None, "fallback_reason": None}  # CPU
+    assert set(timing) == {"rtx3090-pcie-tp8", "h100-nvlink-tp2"}
+    for row in timing.values():
+        assert set(row["speedup"]) == {"megatron", "oases", "overlap-norecompute"}, row
+        assert all(0 < v < 100 for v in row["speedup"].values())
+    # host: calls counted per layer; the split schedule issues more calls than stock
+    host = steps["host"]["result"]
+    probe = host["probe"]
+    assert 0 < probe["megatron"]["aten_calls_per_layer"] < probe["oases"]["aten_calls_per_layer"]
+    assert host["host_us_per_call"] > 0
+    assert steps["split"]["result"]["half_x2_over_full"] > 0
+    md = (out / "report.md").read_text()
+    assert "dry run on the CPU" in md and "## Parity against stock" in md and "## Host floor" in md
+    # the issue's budget for the dry run
+    assert elapsed < 180, f"dry run took {elapsed:.0f} s"
