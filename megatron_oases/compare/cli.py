@@ -23,6 +23,7 @@ import time
 
 from ..arguments import EMULATE_LINK_HELP
 from ..errors import OasesConfigError
+from ..outputs import check_output_dir
 from .results import finalize, reanalyze
 from .variants import (
     DEFAULT_VARIANTS,
@@ -157,6 +158,7 @@ def main(argv):
         return reanalyze(own.reanalyze, budgets, recount=recount)
     if own.host_pass:
         raise OasesConfigError("--host-pass goes with --reanalyze DIR (a new run counts anyway)")
+    check_output_dir(own.out)  # before any run: a finished comparison must have somewhere to go
     if train_argv and train_argv[0] == "--":
         train_argv = train_argv[1:]
     for flag in RESERVED:

@@ -12,9 +12,9 @@ and shape hash; analytic ones come from FLOP counts and a cluster profile.
 """
 
 import argparse
-import os
 
 from ..errors import OasesConfigError
+from ..outputs import check_output_dir, check_output_file, make_parent
 from ..resources import available_clusters, available_models
 
 
@@ -121,6 +121,10 @@ def _overrides(items):
 
 def main(argv):
     args = build_parser().parse_args(argv)
+    # before any profiling: a measured profile must not be lost to a path it cannot be written to
+    check_output_file(args.out, example="profile.json")
+    if args.cache_dir and not args.analytic:
+        check_output_dir(args.cache_dir, flag="--cache-dir")
     from ..formats.profile import save_profile
     from ..planner.api import parse_degrees
     from .model_config import model_args, read_model_file
@@ -177,7 +181,7 @@ def main(argv):
         )
     if data is None:  # a non-zero rank under torchrun: rank 0 writes the file
         return 0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    make_parent(args.out)
     save_profile(data, args.out)
     src = "cache" if data.get("from_cache") else data["kind"]
     print(
