@@ -18,6 +18,23 @@ from . import read_json
 PLAN_VERSION = 1
 
 
+#: The keys every plan has (:func:`validate_plan`).
+REQUIRED_KEYS = ("version", "tensor_model_parallel_size", "degrees")
+_WRITE_ONE = "write one with `oases plan --out PLAN_JSON`"
+
+
+def _missing(keys, plan):
+    """``missing field 'degrees' (found 'degree')``: the keys, each with a near miss of the
+    file's own keys where there is one."""
+    import difflib
+
+    named = []
+    for key in keys:
+        near = difflib.get_close_matches(key, [str(k) for k in plan], n=1, cutoff=0.75)
+        named.append(repr(key) + (f" (found {near[0]!r})" if near else ""))
+    return f"missing field{'s' if len(keys) > 1 else ''} " + ", ".join(named)
+
+
 def _fail(source, msg):
     raise OasesConfigError(f"{source}: {msg}")
 
@@ -30,8 +47,14 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
     """Check a plan dict; return it. Every problem is one :class:`OasesConfigError` line."""
     if not isinstance(plan, dict):
         _fail(source, "a plan must be a JSON object")
-    if plan.get("version") != PLAN_VERSION:
-        _fail(source, f"unsupported plan version {plan.get('version')!r} (expected {PLAN_VERSION})")
+    if "compute" in plan and "comm" in plan:  # a profile has version, T and degrees too
+        _fail(source, f"this is a profile (`oases profile`), not a plan; {_WRITE_ONE}")
+    missing = [key for key in REQUIRED_KEYS if key not in plan]
+    if missing:
+        fix = f'add "version": {PLAN_VERSION}' if missing == ["version"] else _WRITE_ONE
+        _fail(source, f"not a plan: {_missing(missing, plan)}; {fix}")
+    if plan["version"] != PLAN_VERSION:
+        _fail(source, f"unsupported plan version {plan['version']!r} (expected {PLAN_VERSION})")
     T = plan.get("tensor_model_parallel_size")
     if not _is_int(T) or T < 1:
         _fail(source, f"tensor_model_parallel_size must be a positive integer, got {T!r}")
@@ -69,7 +92,7 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
 
 
 def load_plan(path, num_layers=None, tensor_model_parallel_size=None):
-    plan = read_json(path, "plan file", "write one with `oases plan --out PLAN_JSON`")
+    plan = read_json(path, "plan file", _WRITE_ONE)
     return validate_plan(plan, num_layers, tensor_model_parallel_size, source=str(path))
 
 
