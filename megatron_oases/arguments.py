@@ -11,6 +11,7 @@ import io
 import os
 import sys
 
+from .config import OasesConfig
 from .errors import OasesConfigError
 from .validation import SCHEDULES, SPLITS, SUB_BATCHES, check_model_shape, check_oases_args
 
@@ -115,6 +116,13 @@ def add_oases_args(parser):
         "is the TMP domain",
     )
     g.add_argument(
+        "--oases-start-over",
+        action="store_true",
+        help="let this run replace the checkpoints another run left in --save (without it, a run "
+        "into a --save directory holding checkpoints must resume from them: --load the same "
+        "directory)",
+    )
+    g.add_argument(
         "--emulate-link",
         default=None,
         metavar="PROFILE",
@@ -206,7 +214,13 @@ def _one_line(exc):
 
 
 def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_globals=False):
-    """Megatron-LM's parse + validate of ``argv`` (defaults already added), then ours.
+    """Megatron-LM's parse + validate of ``argv`` (defaults already added), then ours; the
+    parsed args (:func:`parse_args_and_config` also gives the checked :class:`OasesConfig`)."""
+    return parse_args_and_config(argv, prog, world_size, set_globals)[0]
+
+
+def parse_args_and_config(argv, prog="oases-pretrain-gpt", world_size=None, set_globals=False):
+    """``(args, OasesConfig)`` from ``argv``: Megatron's parse and checks, then ours, once.
 
     ``set_globals`` sets Megatron's global args/tokenizer/timers (what ``pretrain`` needs);
     without it nothing global changes, so the CLI and tests can check a command line up front.
@@ -247,25 +261,19 @@ def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_gl
         if installed:  # leave the process as we found it
             platform.uninstall_cpu_shims()
     check_model_shape(args)  # again: Megatron derives ffn_hidden_size
-    validate_oases_args(args)
+    config = OasesConfig.from_args(args)
     if set_globals:
         from megatron.training.global_vars import set_global_variables
 
         set_global_variables(args)
-    return args
+    return args, config
 
 
 def validate_oases_args(args, before_megatron=False):
-    """The Oases rules (:mod:`.validation`) on parsed args, with the ``--oases-plan`` file loaded
-    and checked against the model. ``before_megatron``: only the rules Megatron would mask."""
-    plan = None
-    if not before_megatron and getattr(args, "oases_plan", None):
-        from .formats.plan import load_plan
-
-        plan = load_plan(
-            args.oases_plan,
-            num_layers=args.num_layers,
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-        )
-    check_oases_args(args, before_megatron=before_megatron, plan=plan)
-    return args
+    """The Oases rules (:mod:`.validation`) on parsed args: the checked :class:`OasesConfig`
+    (``--oases-plan`` read once). ``before_megatron``: only the rules Megatron would mask (then
+    None)."""
+    if before_megatron:
+        check_oases_args(args, before_megatron=True)
+        return None
+    return OasesConfig.from_args(args)

@@ -247,19 +247,19 @@ def _make(stock, choice, backend):
     )
 
 
-def apply_core_attention(model, args):
-    """Swap every stock ``core_attention`` in one built model stage for the one ``args`` choose.
+def apply_core_attention(model, config):
+    """Swap every stock ``core_attention`` in one built model stage for the one ``config`` (an
+    :class:`~megatron_oases.config.OasesConfig`: ``--attention-backend``) chooses.
 
     Returns how many were swapped. Idempotent (swapped modules are no longer stock). For
     ``flash``/``fused`` a layer the kernel cannot compute exactly is an :class:`OasesConfigError`
     naming the fix; for ``auto`` it keeps the stock module.
     """
-    backend = getattr(args, "attention_backend", AttnBackend.auto)
-    backend = AttnBackend[backend] if isinstance(backend, str) else backend
+    backend = AttnBackend[config.attention_backend]
     choice = choose_core_attention(backend)
     if choice == STOCK:
         return 0
-    half = getattr(args, "fp16", False) or getattr(args, "bf16", False)
+    half = config.half_precision
     if choice == SDPA and backend == AttnBackend.flash and torch.cuda.is_available() and not half:
         raise OasesConfigError(
             "--attention-backend flash: PyTorch's flash kernel has no fp32; add --bf16 (or "
@@ -270,9 +270,7 @@ def apply_core_attention(model, args):
         stock = getattr(owner, "core_attention", None)
         if type(stock) is not DotProductAttention:
             continue
-        reason = unsupported(
-            stock.config, stock.layer_number, getattr(args, "reset_attention_mask", False)
-        )
+        reason = unsupported(stock.config, stock.layer_number, config.reset_attention_mask)
         if reason and backend == AttnBackend.auto:
             continue
         if reason:

@@ -12,6 +12,11 @@ class TrainingStopped(Exception):
     """Megatron stopped the run on a check (NaN/Inf loss); printed as one line, exit status 1."""
 
 
+class StoppedByAnotherRank(TrainingStopped):
+    """This rank stops because of another rank's failure, which that rank reports: exit status
+    1 without a line of its own (e.g. a checkpoint write that failed on another rank)."""
+
+
 #: Ranks other than 0 wait this long before exiting on an error, so that the launcher does not
 #: stop rank 0 before it has printed the job's one error line.
 ERROR_EXIT_GRACE_S = 5.0
@@ -97,6 +102,11 @@ def exit_status(exc, prog, stopped=()):
     if isinstance(exc, OasesConfigError):
         report_once(f"{prog}: error: {exc}")
         return 2
+    if isinstance(exc, StoppedByAnotherRank):
+        import time
+
+        time.sleep(ERROR_EXIT_GRACE_S)  # the failing rank prints; the launcher ends the job
+        return 1
     if stopped and isinstance(exc, stopped):
         report_stop(f"{prog}: error: {exc}")
         return 1

@@ -44,3 +44,14 @@ def block_argv(num_layers):
         "--recompute-num-layers",
         str(num_layers),
     )
+
+
+def recompute_mode_of(args):
+    """A parsed Megatron command line's setting, in :data:`RECOMPUTE_MODES` words."""
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "full":
+        return "full"
+    if granularity == "selective":
+        modules = getattr(args, "recompute_modules", None) or ()
+        return "selective+ln" if "layernorm" in modules else "selective"
+    return "none"

@@ -7,6 +7,7 @@ Pure functions of plain values and parsed args: no Megatron, no torch, no files.
 """
 
 from .errors import OasesConfigError
+from .recompute_settings import recompute_mode_of
 
 #: ``--oases-schedule`` values; ``off`` is stock Megatron.
 SCHEDULES = ("off", "overlap", "cross-pass", "oases")
@@ -311,3 +312,30 @@ def check_oases_args(args, before_megatron=False, plan=None):
     if plan is not None:
         check_plan_fits_model(plan, args)
     return args
+
+
+def plan_differences(plan, args):
+    """Where the run the plan was made for (its recorded ``schedule``, ``micro_batch_size``,
+    ``global_batch_size``, ``recompute``, ``recompute_num_layers``) differs from this command
+    line: ``[(flag, plan's value, this run's value)]``. The degrees still run; the plan's
+    prediction describes the other run."""
+    recompute_layers = None
+    if getattr(args, "recompute_method", None) == "block":
+        recompute_layers = getattr(args, "recompute_num_layers", None)
+    ours = {
+        "schedule": ("--oases-schedule", getattr(args, "oases_schedule", "off")),
+        "micro_batch_size": ("--micro-batch-size", getattr(args, "micro_batch_size", None)),
+        "global_batch_size": ("--global-batch-size", getattr(args, "global_batch_size", None)),
+        "recompute": ("--recompute-granularity", recompute_mode_of(args)),
+        "recompute_num_layers": ("--recompute-num-layers (block)", recompute_layers),
+    }
+    out = []
+    for key, (flag, value) in ours.items():
+        planned = plan.get(key)
+        if key == "recompute" and isinstance(planned, bool):  # older plans: True is full
+            planned = "full" if planned else "none"
+        if planned is None or (key == "recompute_num_layers" and "recompute" not in plan):
+            continue  # not recorded (a hand-written or uniform plan)
+        if planned != value:
+            out.append((flag, planned, value))
+    return out

@@ -3,8 +3,6 @@
 from dataclasses import dataclass
 
 from ..compat import set_finalize_model_grads
-from ..formats.plan import load_plan
-from ..validation import check_plan_fits_model
 from .groups import HeteroGroups
 from .model import apply_plan, sync_replica_grads
 
@@ -35,17 +33,13 @@ def stage_of(decoder):
     return getattr(decoder, _STAGE_ATTR, None)
 
 
-def attach_plan(model, args):
-    """Load ``--oases-plan``, rebuild ``model``'s layers at their degrees, route the replica
-    gradient sum through the config's ``finalize_model_grads_func``."""
-    plan = load_plan(
-        args.oases_plan,
-        num_layers=args.num_layers,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-    )
-    check_plan_fits_model(plan, args)
-    groups = HeteroGroups(args.tensor_model_parallel_size, plan["degrees"])
-    stage = HeteroStage(groups, apply_plan(model, plan["degrees"], groups))
+def attach_plan(model, config):
+    """Rebuild ``model``'s layers at the degrees of ``config.plan`` (an
+    :class:`~megatron_oases.config.OasesConfig`'s, read and checked once), route the replica
+    gradient sum through the model config's ``finalize_model_grads_func``."""
+    degrees = config.plan["degrees"]
+    groups = HeteroGroups(config.tensor_model_parallel_size, degrees)
+    stage = HeteroStage(groups, apply_plan(model, degrees, groups))
     setattr(model.decoder, _STAGE_ATTR, stage)
     set_finalize_model_grads(model.config, finalize_with_replica_sync(groups))
     return stage

@@ -17,7 +17,7 @@ With a Megatron-LM checkout (tag :data:`MEGATRON_LM_TAG`), its own ``pretrain_gp
 * :func:`install` checks the parsed args with :func:`megatron_oases.arguments.validate_oases_args`
   (a rejected combination: one ``pretrain_gpt.py: error: ...`` line per job, exit status 2) and
   hooks Megatron's ``setup_model_and_optimizer``: its first call — distributed state up, no model
-  built yet — runs :func:`megatron_oases.patches.install_from_args` (the schedule, trace, link
+  built yet — runs :func:`megatron_oases.prepare.install` (the schedule, trace, link
   emulation and ``--log-json`` golden values), and a per-layer plan (``--oases-plan``) is applied to
   each built model stage before Megatron wraps it, as ``oases-pretrain-gpt`` does in
   :func:`megatron_oases.training.gpt.model_provider`.

@@ -76,8 +76,11 @@ def install(args, prog=None):
         from ..compat import check_megatron_core
 
         check_megatron_core()
-        validate_oases_args(args)
-        hook = model_setup_hook()
+        config = validate_oases_args(args)
+        hook = model_setup_hook(args, config)
+        from ..training.preflight import check_before_training
+
+        check_before_training(args)  # data paths and checkpoints, as oases-pretrain-gpt does
     except OasesConfigError as exc:
         exit_with_error(f"{prog}: error: {exc}")
     _install_cpu_shims()  # already done by extra_args_provider(); a no-op with CUDA
@@ -92,13 +95,15 @@ def uninstall():
     return patches.uninstall_all()
 
 
-def model_setup_hook(training_module=None):
+def model_setup_hook(args, config, training_module=None):
     """A :class:`~megatron_oases.patches.Patch` on ``megatron.training.training.setup_model_and_optimizer``.
 
     ``pretrain()`` calls it once, after ``initialize_megatron`` and before any model exists, with
     either a config container holding the model config (``pretrain_gpt.py`` from core_v0.19) or a
-    ``model_provider_func`` (older scripts); both build the model inside it.
+    ``model_provider_func`` (older scripts); both build the model inside it. ``args``/``config``:
+    the parsed Megatron args and the checked :class:`~megatron_oases.config.OasesConfig`.
     """
+    from .. import prepare
     from ..compat import require_symbol
 
     if training_module is None:
@@ -107,18 +112,20 @@ def model_setup_hook(training_module=None):
         training_module, "setup_model_and_optimizer", called_by=[training_module.pretrain]
     )
 
+    def prepare_stages(stages):
+        for stage in stages:
+            prepare.prepare_model(stage, config)
+        return stages
+
     @functools.wraps(original)
     def setup_model_and_optimizer(model_type, model_provider_func=None, *rest, **kwargs):
-        from megatron.training import get_args
-
-        args = get_args()
-        patches.install_from_args(args)  # idempotent
-        if getattr(args, "oases_plan", None) or _swaps_core_attention(args):
+        prepare.install(config, args)  # idempotent
+        if prepare.changes_model(config):
             model_cfg = getattr(kwargs.get("cfg_container"), "model", None)
             if model_cfg is not None:
-                model_cfg.pre_wrap_hooks.append(functools.partial(_attach_plan_to_stages, args))
+                model_cfg.pre_wrap_hooks.append(prepare_stages)
             elif model_provider_func is not None:
-                model_provider_func = _provider_with_plan(model_provider_func, args)
+                model_provider_func = _provider_then(model_provider_func, prepare_stages)
         return original(model_type, model_provider_func, *rest, **kwargs)
 
     return patches.Patch(
@@ -126,33 +133,11 @@ def model_setup_hook(training_module=None):
     )
 
 
-def _swaps_core_attention(args):
-    from ..attention import STOCK, choose_core_attention
-
-    return choose_core_attention(getattr(args, "attention_backend", "auto")) != STOCK
-
-
-def _prepare_stage(args, stage):
-    """The per-layer plan, then ``--attention-backend``'s core attention (a plan rebuilds layers)."""
-    from ..attention import apply_core_attention
-    from ..hetero.runtime import attach_plan
-
-    if getattr(args, "oases_plan", None):
-        attach_plan(stage, args)
-    apply_core_attention(stage, args)
-
-
-def _attach_plan_to_stages(args, stages):
-    for stage in stages:
-        _prepare_stage(args, stage)
-    return stages
-
-
-def _provider_with_plan(model_provider_func, args):
+def _provider_then(model_provider_func, prepare_stages):
     @functools.wraps(model_provider_func)
     def provider(*a, **k):
         model = model_provider_func(*a, **k)
-        _prepare_stage(args, model)
+        prepare_stages([model])
         return model
 
     return provider

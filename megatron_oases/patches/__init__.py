@@ -1,7 +1,7 @@
 """The catalogue of patches applied to Megatron from parsed arguments — after parsing, before the
 model is built (the mechanism, :class:`Patch` and the process registry, is :mod:`megatron_oases.patching`).
 
-``install_from_args(args)`` installs, in this order (each a named, reversible :class:`Patch`;
+``install_patches(config, args)`` installs, in this order (each a named, reversible :class:`Patch`;
 a factory returns None when its flag is not given):
 
 0. ``torch-norm-sp``: Megatron's torch norms under ``--sequence-parallel`` (local spec, no apex);
@@ -9,7 +9,8 @@ a factory returns None when its flag is not given):
 1. ``emulate-link``: link emulation of every collective (``--emulate-link PROFILE``, testbed).
 2. ``oases-trace``: schedule tracer (``--oases-trace PATH``).
 3. ``golden-values``: per-iteration golden values from Megatron's loop (``--log-json PATH``).
-4. ``oases-schedule``: the overlapped TMP schedule (``--oases-schedule`` ≠ off, or a plan).
+4. ``oases-schedule``: the overlapped TMP schedule (``--oases-schedule`` ≠ off, or a plan); it
+   takes the checked :class:`~megatron_oases.config.OasesConfig`, the others Megatron's args.
 
 Each factory checks that the Megatron symbols it replaces exist and are the ones Megatron calls
 (:func:`megatron_oases.compat.require_symbol`). ``uninstall_all()`` reverts everything.
@@ -18,9 +19,9 @@ Each factory checks that the Megatron symbols it replaces exist and are the ones
 from ..patching import REGISTRY, Patch, PatchRegistry
 
 
-def factories():
-    """(name, factory) in install order; imported here, not named by strings, so a moved module
-    fails at import instead of turning its flag into a silent no-op."""
+def factories(config):
+    """(name, factory(args, built)) in install order; imported here, not named by strings, so a
+    moved module fails at import instead of turning its flag into a silent no-op."""
     from ..instrument.golden import make_patch as golden_values
     from ..instrument.trace_patch import make_patch as oases_trace
     from ..platform.norm_recompute import make_patch as norm_recompute_without_te
@@ -34,17 +35,18 @@ def factories():
         ("emulate-link", emulate_link),
         ("oases-trace", oases_trace),
         ("golden-values", golden_values),
-        ("oases-schedule", oases_schedule),
+        ("oases-schedule", lambda args, built: oases_schedule(config, built)),
     )
 
 
-def install_from_args(args):
-    """Install the patches ``args`` asks for (idempotent); returns the names installed now."""
+def install_patches(config, args):
+    """Install the patches ``config`` (the checked Oases settings) and ``args`` (Megatron's)
+    ask for; idempotent. Returns the names installed now."""
     from ..compat import check_megatron_core
 
     check_megatron_core()
     names, built = [], {}
-    for name, factory in factories():
+    for name, factory in factories(config):
         if REGISTRY.get(name) is not None:
             built[name] = REGISTRY.get(name)
             continue
@@ -69,7 +71,7 @@ __all__ = [
     "PatchRegistry",
     "REGISTRY",
     "factories",
-    "install_from_args",
+    "install_patches",
     "uninstall_all",
     "installed",
 ]

@@ -1,43 +1,10 @@
 """Deferred TMP communication: Megatron's linears compute, the schedule communicates.
 
-While :func:`deferred_tmp_comm` is active (the schedule engine runs a compute op), Megatron-Core's
-tensor-parallel linears skip their own all-reduces:
-
-- ``RowParallelLinear``: the forward all-reduce (``layers.reduce_from_tensor_model_parallel_region``,
-  imported by name into ``layers``) returns the partial sum unchanged; the engine all-reduces it
-  asynchronously. Its backward is the identity (paper eq. 1), so nothing is lost. Under sequence
-  parallelism the same holds for its reduce-scatter
-  (``layers.reduce_scatter_to_sequence_parallel_region``), whose backward (an all-gather of the
-  output gradient) the engine then issues itself.
-- ``ColumnParallelLinear``: the backward all-reduce of the input gradient (``allreduce_dgrad``,
-  read at forward time and saved in the autograd context) stays Megatron's own, issued async
-  *before* the linear's weight gradient, but on a :class:`ReducingGroup` standing in for the TP
-  group: the all-reduce it starts is handed to the schedule (:class:`EarlyReductions`), and
-  Megatron's ``handle.wait()`` returns at once; the engine waits where the sub-batch needs the
-  gradient. The transfer thus hides behind the weight gradient as well as the other sub-batch's
-  work (without it, the last block's gradient all-reduce of a pass has nothing to hide behind).
-  Under sequence parallelism Megatron's own input all-gather (forward) and input-gradient
-  reduce-scatter (backward) are switched off (``sequence_parallel`` is read at forward time too):
-  the engine passes the gathered input, and the call runs as ``allreduce_dgrad`` on a
-  :class:`ReducingGroup` that starts a reduce-scatter instead, before the weight gradient as
-  Megatron's SP linear does. The linear then keeps the gathered input for its weight gradient
-  instead of re-gathering it in backward (see :mod:`.engine` for what that costs in memory).
-  Where none of this applies (no ``EarlyReductions`` given, ``gather_output``) the reduction is
-  switched off for the call and the engine issues it after the backward op.
-
-The stage ends (:mod:`.stage`) run the vocab-parallel embedding in two steps around the schedule's
-all-reduce: its lookup while deferring (the partial sum), then Megatron's whole embedding forward
-with :func:`supplied_reduction` giving the all-reduced sum to the embedding's reduction, so every
-op after it (positions, dropout, ...) is Megatron's own.
-
-Under sequence parallelism the embedding's all-reduce becomes a reduce-scatter (its consumers
-only read the local sequence shard, see :mod:`.stage`), and the all-gather in the embedding's
-backward (the backward of Megatron's ``scatter_to_sequence_parallel_region``) is taken out of
-autograd by :func:`cut_at_scatter`, so the schedule can issue it asynchronously.
-
-Outside the context both behave exactly as stock. The flag is thread-local and read in forward
-only; the stand-in group travels in the autograd context, so the backward routing holds on
-whichever thread autograd runs a linear's backward (a CUDA device thread included).
+While :func:`deferred_tmp_comm` is active (the engine runs a compute op), Megatron-Core's
+tensor-parallel linears skip their own collectives, which the schedule's programs issue
+asynchronously; a column linear's input-gradient all-reduce is started by Megatron itself on a
+stand-in group that hands it to the schedule (:class:`EarlyReductions`). Stock behaviour outside
+the context. Why and how: ``docs/schedules.md`` (deferred communication).
 """
 
 import contextlib

@@ -1,23 +1,13 @@
 """Two-sub-batch executor: the paper's Algorithms 1 and 2 over generic op programs.
 
-Each sub-batch has a *program*: a list of :class:`Compute` and :class:`Comm` ops with data
-dependencies only inside the program. The executor runs sub-batch x's computes until its next
-communication, starts that collective (all-reduce; all-gather or reduce-scatter under sequence
-parallelism) asynchronously, and switches to the other sub-batch, whose compute then hides x's
-transfer ("whenever meeting a communication operator, start it asynchronously and switch the
-sub-batch"). Collectives are *queued*: issuing one never waits for the one before it; the link
-runs them one at a time in issue order (NCCL serialises collectives on a communicator's stream;
-the link emulator books one channel per group), and the host blocks only when a sub-batch needs
-its own pending result (before its next compute or its next collective). With one collective per
-block this is the paper's rule exactly; under sequence parallelism a block has two, separated by a
-short compute (bias-dropout-add and layernorm), and a queue lets the second wait on the link while
-the other sub-batch's long compute runs, instead of holding the host. That short compute itself
-runs at a yield point inside the other sub-batch's long compute (:class:`Interleave`), so the
-second collective starts while there is still compute left to hide it.
-
-Ordering assumption for GPUs: collectives are issued on the TP group's NCCL stream and computes on
-the default stream in program order; the overlap needs them on different streams, which is what
-``async_op=True`` gives (``CUDA_DEVICE_MAX_CONNECTIONS=1`` keeps launch order = issue order).
+Each sub-batch has a *program*, a list of :class:`Compute` and :class:`Comm` ops. The executor
+runs sub-batch x's computes until its next collective, starts that collective asynchronously and
+switches to the other sub-batch, whose compute then hides x's transfer. Collectives are queued:
+the link runs them in issue order (NCCL's stream, the emulator's channel) and the host blocks only
+when a sub-batch needs its own pending result. Under SP a block's two collectives are separated by
+a short op that runs at a yield point inside the other sub-batch's long op (:class:`Interleave`).
+On GPUs collectives run on the TP group's NCCL stream, computes on the default stream
+(``CUDA_DEVICE_MAX_CONNECTIONS=1`` keeps launch order = issue order).
 """
 
 import contextlib

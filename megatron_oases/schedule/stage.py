@@ -1,49 +1,13 @@
 """The stage's ends inside the overlapped schedule: the embedding, and the output layer + loss.
 
-Stock Megatron leaves two full-size TMP all-reduces per micro-batch outside the transformer layers
-with little or nothing to hide them: the vocab-parallel embedding's forward all-reduce (nothing runs
-before the first layer) and the output layer's input-gradient all-reduce (behind the output layer's
-weight gradient only, which is small unless the vocabulary is large). A split micro-batch also ends
-each pass on its last sub-batch's all-reduce. With the ends inside each sub-batch's programs::
-
-    forward:  lookup_i ══all-reduce══▶ embedding_i → layers … ══all-reduce══▶ final ln → output
-              → loss_i (its max and sums all-reduced between steps)
-    backward: loss_i, output backward ══all-reduce══▶ final ln backward → layers … ══▶ embedding bwd_i
-
-the second sub-batch's embedding all-reduce runs behind the first sub-batch's first block, the
-first sub-batch's output-layer all-reduce behind the second's output-layer backward, and each pass's
-tail all-reduce behind the first sub-batch's output layer and loss (forward) or embedding backward.
-
-Under sequence parallelism Megatron all-reduces the lookup, adds the positions and keeps the local
-sequence shard (a split whose backward all-gathers the gradient). The schedule reduce-scatters the
-lookup instead (half the bytes, the same sums where the split reads) and issues the backward's
-all-gather itself (:func:`.comm.cut_at_scatter`), so both hide behind the other sub-batch. The
-output layer's input becomes an all-gather of the final norm's s/t output, its input-gradient
-all-reduce a reduce-scatter. With RoPE and no learned positions Megatron reduce-scatters the
-lookup itself; the schedule then issues that reduce-scatter and the backward's all-gather.
-
-Wiring, without rewriting Megatron's ``GPTModel`` (replacements of the ``oases-schedule`` patch):
-``GPTModel.forward`` opens a :class:`StageCall` for a training call that qualifies
-(:meth:`StageEnds.qualifies`); ``LanguageModelEmbedding.forward`` then returns a placeholder of its
-output's shape whose data is never read (Megatron reads only its shape, for RoPE); the schedule
-(``TransformerBlock.forward``) takes the call's ends into its programs (:meth:`StageEnds.take`) and
-returns the per-token loss; ``GPTModel._postprocess`` passes that loss through. Every other call
-runs stock code; a placeholder that reaches anything but the schedule is an error, never data.
-
-Numerics: the embedding runs Megatron's own forward per sub-batch with the all-reduced lookup
-supplied to its reduction (:func:`.comm.supplied_reduction`); its backward re-runs that forward with
-the forward's RNG snapshot while deferring. The forward is affine in the lookup (add positions, scale,
-dropout), so the gradients are exact although the re-run's value is not reduced — the all-reduce's
-backward is the identity, as in Megatron. The output layer runs with its input-gradient all-reduce
-deferred (:mod:`.comm`), which the program issues. The loss is Megatron's vocab-parallel
-cross-entropy cut at its max and sum all-reduces (:mod:`.loss`), so those hide behind the other
-sub-batch too; any other loss is Megatron's ``compute_language_model_loss`` as one op. The output
-layer's graph is kept from forward to backward, as stock Megatron keeps it (no recomputation of
-the output layer).
+Stock Megatron leaves the embedding's forward all-reduce and the output layer's input-gradient
+all-reduce with little to hide them; here each sub-batch's ends are ops of its programs
+(:class:`EmbeddingEnd`, :class:`OutputEnd`), wired in without rewriting ``GPTModel`` by the
+replacements :class:`StageEnds` makes. Numerics, SP and the wiring: ``docs/schedules.md`` (the
+stage's ends; how the engine is built).
 """
 
 import contextlib
-import threading
 
 import torch
 
@@ -290,164 +254,141 @@ class OutputEnd:
         ]
 
 
-class StageCall:
-    """One ``GPTModel.forward`` call's ends: the embedding leaves its part, the schedule takes it."""
+#: The keyword a :class:`StageCall` travels under, from ``GPTModel.forward`` (in its
+#: ``extra_block_kwargs``) to ``TransformerBlock.forward`` and ``GPTModel._postprocess``.
+CALL_KWARG = "oases_stage_call"
 
-    def __init__(self, model, labels, runtime_gather_output):
+
+class StageCall:
+    """One ``GPTModel.forward`` call's ends, passed as an argument (:data:`CALL_KWARG`): the
+    embedding the schedule runs instead of Megatron (with the placeholder given to Megatron as
+    ``decoder_input``), and the loss the schedule computed."""
+
+    def __init__(self, model, labels, runtime_gather_output, embedding=None, placeholder=None):
         self.model, self.labels, self.runtime_gather_output = model, labels, runtime_gather_output
-        self.placeholder = None  # what the embedding returned instead of its output
-        self.embedding = None  # its EmbeddingEnd, until the schedule takes it
+        self.embedding, self.placeholder = embedding, placeholder  # until the schedule takes them
         self.loss = None  # the schedule's per-token loss, for _postprocess
 
+    def take(self, block, hidden):
+        """The ends the schedule of ``block`` runs for input ``hidden``: (embedding, output),
+        each None when it stays stock."""
+        embedding = None
+        if self.embedding is not None:
+            if hidden is not self.placeholder:
+                raise RuntimeError(
+                    "oases: the embedding's output was changed before the transformer layers "
+                    "(Megatron's GPTModel changed?); run with --oases-schedule off and report it"
+                )
+            embedding, self.embedding, self.placeholder = self.embedding, None, None
+        output = None
+        if self.labels is not None and block is self.model.decoder and block.post_process:
+            output = OutputEnd(
+                self.model, block.final_layernorm, self.labels, self.runtime_gather_output
+            )
+        return embedding, output
 
-class StageEnds:
-    """The replacements' shared state: the ``GPTModel.forward`` calls open on this thread (a stack,
-    owned by the patch; no module globals)."""
+    def resolve(self, hidden):
+        """``hidden`` as real data for a block that runs stock code: the placeholder becomes the
+        embedding computed as Megatron does."""
+        if self.embedding is None or hidden is not self.placeholder:
+            return hidden
+        embedding, self.embedding, self.placeholder = self.embedding, None, None
+        return embedding.stock()
 
-    def __init__(self):
-        self._local = threading.local()
-
-    def _stack(self):
-        if not hasattr(self._local, "calls"):
-            self._local.calls = []
-        return self._local.calls
-
-    def current(self):
-        stack = self._stack()
-        return stack[-1] if stack else None
-
-    @contextlib.contextmanager
-    def open(self, call):
-        stack = self._stack()
-        stack.append(call)
-        try:
-            yield call
-        finally:
-            stack.pop()
-        if call.placeholder is not None:  # nothing took the embedding: a Megatron change
+    def check_taken(self):
+        if self.embedding is not None:  # nothing took the embedding: a Megatron change
             raise RuntimeError(
                 "oases: the embedding's output never reached the schedule (Megatron's GPTModel "
                 "changed?); run with --oases-schedule off and report it"
             )
 
-    @staticmethod
-    def qualifies(model, a):
-        """Whether a ``GPTModel.forward`` call (bound arguments ``a``) runs its ends in the
-        schedule: training, plain decoder-only language modelling without MTP or hooks."""
-        from megatron.core.config_logger import has_config_logger_enabled
-        from megatron.core.transformer.transformer_block import TransformerBlock
 
-        config = model.config
-        return (
-            model.training
-            and torch.is_grad_enabled()
-            and isinstance(getattr(model, "decoder", None), TransformerBlock)
-            and not getattr(model, "mtp_process", False)
-            and not getattr(config, "mtp_num_layers", None)
-            and not has_config_logger_enabled(config)
-            and all(
-                a.get(k) is None
-                for k in (
-                    "decoder_input",
-                    "inference_context",
-                    "inference_params",
-                    "packed_seq_params",
-                    "output_processor",
-                )
+def qualifies(model, a):
+    """Whether a ``GPTModel.forward`` call (bound arguments ``a``) runs its ends in the schedule:
+    training, plain decoder-only language modelling without MTP or hooks."""
+    from megatron.core.config_logger import has_config_logger_enabled
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    config = model.config
+    return (
+        model.training
+        and torch.is_grad_enabled()
+        and isinstance(getattr(model, "decoder", None), TransformerBlock)
+        and not getattr(model, "mtp_process", False)
+        and not getattr(config, "mtp_num_layers", None)
+        and not has_config_logger_enabled(config)
+        and all(
+            a.get(k) is None
+            for k in (
+                "decoder_input",
+                "inference_context",
+                "inference_params",
+                "packed_seq_params",
+                "output_processor",
             )
-            and not a.get("extra_block_kwargs")
         )
+        and not a.get("extra_block_kwargs")
+    )
 
-    def model_forward(self, original):
-        """Replacement for ``GPTModel.forward``: opens a call when it qualifies."""
-        import inspect
 
-        sig = inspect.signature(original)
+def _embedding_placeholder(module, input_ids):
+    """What Megatron gets as ``decoder_input`` instead of the embedding's output: a tensor of its
+    shape (Megatron reads only that, for RoPE) whose data is never read."""
+    config = module.config
+    dtype = torch.float32 if config.fp32_residual_connection else None
+    dtype = dtype or module.word_embeddings.weight.dtype
+    anchor = torch.zeros((), dtype=dtype, device=input_ids.device, requires_grad=True)
+    b, s = input_ids.shape
+    if config.sequence_parallel:  # Megatron's embedding scatters its output along s
+        s //= module.word_embeddings.tp_group.size()
+    return anchor.expand(s, b, config.hidden_size)
 
-        def forward(model, *args, **kwargs):
-            a = sig.bind(model, *args, **kwargs).arguments
-            if not self.qualifies(model, a):
-                return original(model, *args, **kwargs)
-            labels = a.get("labels") if model.post_process else None
-            with self.open(StageCall(model, labels, a.get("runtime_gather_output"))):
-                return original(model, *args, **kwargs)
 
-        forward.__wrapped__ = original
-        return forward
+def model_forward(original, embedding_forward):
+    """Replacement for ``GPTModel.forward``: a call that qualifies runs with its
+    :class:`StageCall` in ``extra_block_kwargs`` and, on the first stage, the placeholder as
+    ``decoder_input`` (the schedule runs the embedding, through ``embedding_forward``,
+    Megatron's ``LanguageModelEmbedding.forward``)."""
+    import inspect
 
-    def embedding_forward(self, original):
-        """Replacement for ``LanguageModelEmbedding.forward``: a placeholder inside a call."""
+    sig = inspect.signature(original)
 
-        def forward(module, input_ids, position_ids, tokentype_ids=None):
-            call = self.current()
-            if (
-                call is None
-                or call.placeholder is not None
-                or module is not getattr(call.model, "embedding", None)
-                or tokentype_ids is not None
-                or (
-                    module.config.sequence_parallel
-                    and not getattr(module, "scatter_to_sequence_parallel", True)
-                )
-            ):
-                return original(module, input_ids, position_ids, tokentype_ids)
-            config = module.config
-            dtype = torch.float32 if config.fp32_residual_connection else None
-            dtype = dtype or module.word_embeddings.weight.dtype
-            anchor = torch.zeros((), dtype=dtype, device=input_ids.device, requires_grad=True)
-            b, s = input_ids.shape
-            if config.sequence_parallel:  # Megatron's embedding scatters its output along s
-                s //= module.word_embeddings.tp_group.size()
-            call.placeholder = anchor.expand(s, b, config.hidden_size)
-            call.embedding = EmbeddingEnd(module, original, input_ids, position_ids)
-            return call.placeholder
-
-        forward.__wrapped__ = original
-        return forward
-
-    def postprocess(self, original):
-        """Replacement for ``GPTModel._postprocess``: the schedule's loss passes through."""
-
-        def postprocess(model, *args, **kwargs):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            call = self.current()
-            if call is not None and call.loss is not None and hidden is call.loss:
-                return hidden
+    def forward(model, *args, **kwargs):
+        bound = sig.bind(model, *args, **kwargs)
+        a = bound.arguments
+        if not qualifies(model, a):
             return original(model, *args, **kwargs)
-
-        postprocess.__wrapped__ = original
-        return postprocess
-
-    def take(self, block, hidden):
-        """The ends the schedule of ``block`` runs for input ``hidden``: (embedding, output),
-        each None when it stays stock."""
-        call = self.current()
-        if call is None:
-            return None, None
-        embedding = None
-        if call.placeholder is not None:
-            if hidden is not call.placeholder:
-                raise RuntimeError(
-                    "oases: the embedding's output was changed before the transformer layers "
-                    "(Megatron's GPTModel changed?); run with --oases-schedule off and report it"
-                )
-            embedding, call.placeholder, call.embedding = call.embedding, None, None
-        output = None
-        if call.labels is not None and block is call.model.decoder and block.post_process:
-            output = OutputEnd(
-                call.model, block.final_layernorm, call.labels, call.runtime_gather_output
+        labels = a.get("labels") if model.post_process else None
+        call = StageCall(model, labels, a.get("runtime_gather_output"))
+        module = getattr(model, "embedding", None)
+        if (
+            model.pre_process
+            and module is not None
+            and (
+                not module.config.sequence_parallel
+                or getattr(module, "scatter_to_sequence_parallel", True)
             )
-        return embedding, output
+        ):
+            input_ids, position_ids = a["input_ids"], a["position_ids"]
+            call.embedding = EmbeddingEnd(module, embedding_forward, input_ids, position_ids)
+            call.placeholder = a["decoder_input"] = _embedding_placeholder(module, input_ids)
+        a["extra_block_kwargs"] = {CALL_KWARG: call}
+        out = original(*bound.args, **bound.kwargs)
+        call.check_taken()
+        return out
 
-    def resolve(self, hidden):
-        """``hidden`` as real data for a block that runs stock code: a placeholder is replaced by
-        the embedding computed as Megatron does."""
-        call = self.current()
-        if call is None or call.placeholder is None or hidden is not call.placeholder:
-            return hidden
-        embedding, call.placeholder, call.embedding = call.embedding, None, None
-        return embedding.stock()
+    forward.__wrapped__ = original
+    return forward
 
-    def delivered(self, loss):
-        """The schedule computed the call's loss (``_postprocess`` returns it)."""
-        self.current().loss = loss
+
+def postprocess(original):
+    """Replacement for ``GPTModel._postprocess``: the loss the schedule computed passes through."""
+
+    def postprocess(model, *args, **kwargs):
+        call = (kwargs.get("extra_block_kwargs") or {}).get(CALL_KWARG)
+        if call is not None and call.loss is not None:
+            return kwargs["hidden_states"]
+        return original(model, *args, **kwargs)
+
+    postprocess.__wrapped__ = original
+    return postprocess

@@ -9,7 +9,7 @@ Replaced symbols (all restored by ``uninstall``):
   stock. Eval/inference runs stock code.
 - with a plan, ``tensor_parallel.param_is_not_tensor_parallel_duplicate`` (and its by-name copy
   in ``optimizer.clip_grads``): grad-norm clipping counts each replica once.
-- ``GPTModel.forward``, ``GPTModel._postprocess``, ``LanguageModelEmbedding.forward`` and
+- ``GPTModel.forward``, ``GPTModel._postprocess`` and
   ``tensor_parallel.scatter_to_sequence_parallel_region`` (a schedule without a plan): the
   embedding and the output layer + loss run inside the schedule's programs (:mod:`.stage`); any
   other call runs stock code.
@@ -27,28 +27,28 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import make_viewless_tensor
 
-from ..arguments import validate_oases_args
 from ..compat import finalize_model_grads_replacements, require_call, require_symbol
 from ..errors import OasesConfigError
 from ..hetero.model import make_param_is_not_tp_duplicate
 from ..hetero.reshard import reshard
 from ..hetero.runtime import stage_of
 from ..patching import Patch
-from ..validation import SUB_BATCHES, split_kind, sub_batches
+from ..validation import SUB_BATCHES
+from . import stage
 from .blocks import LayerBlocks
 from .comm import make_all_reduce, make_column_forward, make_deferred_reduction, make_scatter
 from .engine import ScheduledLayers, ScheduledLayersFunction
 from .loss import check_megatron as check_cross_entropy
-from .stage import StageEnds
+from .stage import CALL_KWARG
 
 logger = logging.getLogger(__name__)
 
 
-def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None, split="batch"):
+def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, split="batch"):
     """``TransformerBlock.forward`` running the layers as degree runs (plan) through ``mode``;
-    ``tracer`` (the ``oases-trace`` patch's, optional) records the schedule's ops; ``ends`` (a
-    :class:`.stage.StageEnds`, optional) brings the embedding and the output layer + loss into
-    the programs; ``split``: ``--oases-split`` (:mod:`.split`)."""
+    ``tracer`` (the ``oases-trace`` patch's, optional) records the schedule's ops; a
+    :class:`.stage.StageCall` in the call's keywords (from ``GPTModel.forward``) brings the
+    embedding and the output layer + loss into the programs; ``split``: ``--oases-split``."""
     counter = {"microbatch": 0}
 
     def forward(
@@ -68,11 +68,12 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None
         padding_mask=None,
         **kwargs,
     ):
+        call = kwargs.pop(CALL_KWARG, None)  # the stage's ends (.stage), when GPTModel gave them
         # Eval/inference: stock code. (A degree-d layer fed the whole micro-batch is still
         # correct — each d-group computes the same result — so plans need no special case.)
         if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0:
-            if ends is not None:  # a placeholder from the embedding becomes real data
-                hidden_states = ends.resolve(hidden_states)
+            if call is not None:  # a placeholder from the embedding becomes real data
+                hidden_states = call.resolve(hidden_states)
             return original(
                 self,
                 hidden_states,
@@ -95,7 +96,7 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None
                 "--oases-schedule supports decoder-only training without packed "
                 "sequences or cross-attention; use --oases-schedule off"
             )
-        embedding, output = ends.take(self, hidden_states) if ends is not None else (None, None)
+        embedding, output = call.take(self, hidden_states) if call is not None else (None, None)
         if not self.pre_process:
             hidden_states = self.input_tensor
         if embedding is None:
@@ -139,7 +140,7 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, ends=None
                     )
                     hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
         if output is not None:  # the per-token loss; GPTModel._postprocess passes it through
-            ends.delivered(hidden_states)
+            call.loss = hidden_states
             return hidden_states
         if hetero is not None:
             hidden_states = reshard(hidden_states, degree, T, hetero.groups)
@@ -206,9 +207,9 @@ def _stock_layers(layers, recomputed, hidden, attention_mask, rotary_pos_emb, at
     return hidden
 
 
-def _stage_end_replacements(ends):
-    """``GPTModel.forward``/``_postprocess`` and ``LanguageModelEmbedding.forward``, each checked
-    to be what Megatron calls (a change of Megatron's GPTModel fails at install time)."""
+def _stage_end_replacements():
+    """``GPTModel.forward``/``_postprocess`` and the SP scatter, each checked to be what Megatron
+    calls (a change of Megatron's GPTModel fails at install time)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.common.embeddings.language_model_embedding import (
         LanguageModelEmbedding,
@@ -217,6 +218,11 @@ def _stage_end_replacements(ends):
 
     require_symbol(GPTModel, "_postprocess", called_by=[GPTModel.forward])
     require_symbol(GPTModel, "_preprocess", called_by=[GPTModel.forward])
+    require_symbol(GPTModel, "_postprocess", parameters=("hidden_states", "extra_block_kwargs"))
+    # the StageCall travels in extra_block_kwargs; the placeholder as decoder_input
+    require_call(GPTModel.forward, "**(extra_block_kwargs or {})")
+    require_call(GPTModel.forward, "extra_block_kwargs=extra_block_kwargs")
+    require_call(GPTModel._preprocess, "if decoder_input is not None:")
     require_call(GPTModel._preprocess, "self.embedding(")
     # what OutputEnd calls in place of _postprocess's output layer and loss
     for name in ("self.output_layer(", "self.compute_language_model_loss("):
@@ -224,7 +230,9 @@ def _stage_end_replacements(ends):
     if hasattr(GPTModel, "_scale_logits"):
         require_call(GPTModel._postprocess, "self._scale_logits(")
     check_cross_entropy()  # the loss's steps (.loss) are Megatron's cross-entropy
-    require_symbol(LanguageModelEmbedding, "forward", parameters=("input_ids", "position_ids"))
+    embedding = require_symbol(
+        LanguageModelEmbedding, "forward", parameters=("input_ids", "position_ids")
+    )
     require_call(LanguageModelEmbedding.forward, "self.word_embeddings(input_ids)")
     # under SP the embedding's split, whose backward all-gather the schedule issues (.comm)
     scatter = require_symbol(
@@ -236,9 +244,8 @@ def _stage_end_replacements(ends):
         LanguageModelEmbedding.forward, "tensor_parallel.scatter_to_sequence_parallel_region("
     )
     return [
-        (GPTModel, "forward", ends.model_forward(GPTModel.forward)),
-        (GPTModel, "_postprocess", ends.postprocess(GPTModel._postprocess)),
-        (LanguageModelEmbedding, "forward", ends.embedding_forward(LanguageModelEmbedding.forward)),
+        (GPTModel, "forward", stage.model_forward(GPTModel.forward, embedding)),
+        (GPTModel, "_postprocess", stage.postprocess(GPTModel._postprocess)),
         (tensor_parallel, "scatter_to_sequence_parallel_region", make_scatter(scatter)),
     ]
 
@@ -263,14 +270,13 @@ def _early_all_reduce():
     return (torch.distributed, "all_reduce", make_all_reduce(original))
 
 
-def make_patch(args, built=None):
-    """``oases-schedule`` when a schedule or a per-layer plan is requested, else None.
-    ``built``: the patches built before this one (by name); the tracer of ``oases-trace``."""
-    mode = getattr(args, "oases_schedule", "off")
-    plan = getattr(args, "oases_plan", None)
-    if mode == "off" and not plan:
+def make_patch(config, built=None):
+    """``oases-schedule`` for a checked :class:`~megatron_oases.config.OasesConfig` asking for a
+    split schedule or a per-layer plan, else None. ``built``: the patches built before this one
+    (by name); the tracer of ``oases-trace``."""
+    if not config.patches_model:
         return None
-    validate_oases_args(args)  # the rules live in one place; a patch never runs on bad args
+    mode, plan = str(config.schedule), config.plan is not None
     trace = (built or {}).get("oases-trace")
     tracer = trace.tracer if trace is not None else None
     from megatron.core import tensor_parallel
@@ -283,20 +289,12 @@ def make_patch(args, built=None):
 
     # The stage's ends (embedding, output layer + loss) join the programs of a uniform-TP
     # schedule, with or without sequence parallelism (:mod:`.stage`).
-    ends = None
+    forward = make_block_forward(
+        TransformerBlock.forward, mode, tracer, config.sub_batches, config.split
+    )
+    replacements = [(TransformerBlock, "forward", forward)]
     if mode != "off" and not plan:
-        ends = StageEnds()
-    replacements = [
-        (
-            TransformerBlock,
-            "forward",
-            make_block_forward(
-                TransformerBlock.forward, mode, tracer, sub_batches(args), ends, split_kind(args)
-            ),
-        ),
-    ]
-    if ends is not None:
-        replacements += _stage_end_replacements(ends)
+        replacements += _stage_end_replacements()
     embed = VocabParallelEmbedding.forward  # the embedding's reduction (.stage)
     for name in (
         "reduce_from_tensor_model_parallel_region",

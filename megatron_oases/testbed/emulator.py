@@ -165,7 +165,7 @@ def _cpus():
 
 
 def make_patch(args, built=None):
-    """Factory for :func:`megatron_oases.patches.install_from_args`: a patch iff ``--emulate-link``."""
+    """Factory for :func:`megatron_oases.patches.install_patches`: a patch iff ``--emulate-link``."""
     name = getattr(args, "emulate_link", None)
     if not name:
         return None

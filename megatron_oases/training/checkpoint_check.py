@@ -17,11 +17,13 @@ error becomes one line too (:func:`make_load_patch`).
 
 import os
 import re
+import sys
 import warnings
 
 from ..compat import require_symbol
 from ..errors import OasesConfigError
 from . import safe_save
+from .save_owner import claim_save_dir, is_job_rank_0
 
 #: Flags that change the parameters' names or shapes, beyond Megatron's own comparison.
 MODEL_FLAGS = (
@@ -238,6 +240,28 @@ def _schedule_problem(saved, args):
     return None
 
 
+def check_nothing_to_load(args):
+    """``--load`` without a checkpoint: right for a run's first start when it is also the
+    ``--save`` directory (the restart-safe idiom: say so once), a mistyped resume otherwise."""
+    load = args.load
+    if os.path.realpath(load) == os.path.realpath(getattr(args, "save", None) or ""):
+        if is_job_rank_0():
+            print(
+                f"oases: --load {load} holds no checkpoint yet: training starts from scratch",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    if not os.path.exists(load):
+        raise OasesConfigError(
+            f"--load {load} does not exist; check the path, or drop --load to start from scratch"
+        )
+    raise OasesConfigError(
+        f"--load {load} holds no checkpoint (no {TRACKER}); check the path, or drop --load to "
+        "start from scratch"
+    )
+
+
 def check_load(args):
     """Raise :class:`OasesConfigError` if ``--load`` holds a damaged checkpoint or one of another
     model."""
@@ -245,7 +269,8 @@ def check_load(args):
         return
     safe_save.recover(args.load)
     if not os.path.isfile(os.path.join(args.load, TRACKER)):
-        return  # nothing to load: Megatron starts from scratch (or fails on its own flag)
+        check_nothing_to_load(args)
+        return  # the --save directory of a run's first start: Megatron starts from scratch
     iteration = check_tracker(args.load)
     from megatron.training import checkpointing
 
@@ -340,16 +365,14 @@ def make_load_patch(load_dir):
 
 
 def prepare_checkpointing(args):
-    """Everything above, before ``pretrain()``: ``--save`` writable and saved safely, ``--load``
-    complete and of this model, its load errors one line."""
+    """Everything above, before ``pretrain()``: ``--save`` writable, one run's (:mod:`.save_owner`)
+    and saved safely, ``--load`` there and complete and of this model, its load errors one
+    line."""
     from ..patches import REGISTRY
 
     check_save_dir(args)
     check_load(args)
+    claim_save_dir(args)  # after the checks every rank makes: rank 0 locks --save
     if args.load and os.path.isfile(os.path.join(args.load, TRACKER)):
         REGISTRY.install(make_load_patch(args.load))
     safe_save.install(args)
-
-
-#: What ``pretrain_gpt`` calls today; the same as :func:`prepare_checkpointing`.
-check_load_matches = prepare_checkpointing

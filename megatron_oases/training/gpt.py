@@ -6,44 +6,50 @@ own ``GPTModelBuilder`` with the local layer spec, through
 :func:`megatron_oases.compat.build_gpt_model`), ``forward_step`` with the masked-mean-per-token
 loss and Megatron's NaN/Inf checks, and a dataset provider (``MockGPTDataset`` for ``--mock-data``,
 ``GPTDataset`` for ``--data-path``) — plus the one Oases hook: :func:`model_provider` installs the
-patches the arguments ask for on its first call (distributed state is up, no model built yet) and
-applies a per-layer plan to the built model.
+patches on its first call (distributed state is up, no model built yet) and prepares each built
+stage (:mod:`megatron_oases.prepare`).
 """
 
 from functools import partial
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.training import get_args, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
-from ..attention import apply_core_attention
+from .. import prepare
 from ..compat import build_gpt_model
-from ..patches import install_from_args
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
 def model_provider(
-    pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None
+    pre_process=True,
+    post_process=True,
+    vp_stage=None,
+    config=None,
+    pg_collection=None,
+    *,
+    args,
+    oases,
 ):
-    """One pipeline stage of the GPT model: Megatron's builder, then the per-layer plan if any."""
-    args = get_args()
-    install_from_args(args)  # idempotent: after parsing and distributed init, before any model
+    """One pipeline stage of the GPT model: Megatron's builder, then the per-layer plan if any.
+    ``args``/``oases``: the parsed Megatron args and :class:`~megatron_oases.config.OasesConfig`,
+    bound by :func:`bind_model_provider` (``config`` is Megatron's own model config)."""
+    prepare.install(oases, args)  # idempotent: after parsing and distributed init, before a model
     if pg_collection is None:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
     model = build_gpt_model(args, pg_collection, pre_process, post_process, vp_stage, config)
-    if getattr(args, "oases_plan", None):
-        from ..hetero.runtime import attach_plan
+    return prepare.prepare_model(model, oases)
 
-        attach_plan(model, args)
-    apply_core_attention(model, args)  # after a plan's rebuild: --attention-backend's kernel
-    return model
+
+def bind_model_provider(args, oases):
+    """:func:`model_provider` with the run's parsed settings, as Megatron's ``pretrain()`` calls it."""
+    return partial(model_provider, args=args, oases=oases)
 
 
 def get_batch(data_iterator, vp_stage=None):

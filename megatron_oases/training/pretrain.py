@@ -20,25 +20,26 @@ _PROGRAM_START = time.time()
 PROG = "oases-pretrain-gpt"
 
 
-def pretrain_gpt(args):
+def pretrain_gpt(args, config):
     """Megatron-LM's ``pretrain()`` with our ``pretrain_gpt`` pieces, on parsed ``args`` (Megatron's
-    globals set); a ``--load`` of another model is refused before anything starts."""
+    globals set) and ``config`` (the checked :class:`~megatron_oases.config.OasesConfig`); a
+    ``--load`` of another model is refused before anything starts."""
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     from ..compat import pretrain_kwargs
     from . import gpt
-    from .checkpoint_check import check_load_matches
+    from .preflight import check_before_training
 
-    check_load_matches(args)
+    check_before_training(args)
     pretrain(
         **pretrain_kwargs(
             pretrain_cfg_container_from_args(args),
             gpt.train_valid_test_datasets_provider,
             ModelType.encoder_or_decoder,
             gpt.forward_step,
-            gpt.model_provider,
+            gpt.bind_model_provider(args, config),
         )
     )
 
@@ -46,19 +47,19 @@ def pretrain_gpt(args):
 def run(argv, demo=False, prog=PROG):
     """Parse ``argv`` (program name excluded) and train; returns the exit status."""
     from .. import patches, platform
-    from ..arguments import parse_megatron_args, with_defaults
+    from ..arguments import parse_args_and_config, with_defaults
     from ..compat import check_megatron_core
 
     check_megatron_core()
     argv = with_defaults(argv, demo=demo)
     platform.install_cpu_shims()  # a no-op with CUDA
     try:
-        args = parse_megatron_args(argv, prog=prog, set_globals=True)
+        args, config = parse_args_and_config(argv, prog=prog, set_globals=True)
         from megatron.training.training import set_startup_timestamps
 
         set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
         try:
-            pretrain_gpt(args)
+            pretrain_gpt(args, config)
         except RuntimeError as exc:  # Megatron's NaN/Inf checks: one line, not a traceback
             if "found NaN" in str(exc) or "found Inf" in str(exc):
                 raise TrainingStopped(
@@ -84,13 +85,13 @@ def run_in_process(argv, demo=True, extra_patches=()):
     from megatron.training.training import destroy_global_state
 
     from .. import patches, platform
-    from ..arguments import parse_megatron_args, with_defaults
+    from ..arguments import parse_args_and_config, with_defaults
 
     argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
     if "--num-workers" not in argv:  # no data-loader processes inside spawned ranks
         argv += ["--num-workers", "0"]
     platform.install_cpu_shims()
-    args = parse_megatron_args(
+    args, config = parse_args_and_config(
         with_defaults(argv, demo=demo),
         prog="oases",
         world_size=dist.get_world_size(),
@@ -101,7 +102,7 @@ def run_in_process(argv, demo=True, extra_patches=()):
         patch.install()
     try:
         try:
-            pretrain_gpt(args)
+            pretrain_gpt(args, config)
         except SystemExit as exc:  # --exit-interval & co. end the job with sys.exit
             out["exit_code"] = exc.code
             if exc.code not in (0, None):

@@ -18,12 +18,17 @@ import contextlib
 import os
 import shutil
 
+from ..errors import StoppedByAnotherRank, TrainingStopped
 from ..patches import REGISTRY, Patch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STAGING = ".saving"
 REPLACED = ".replaced"
 PATCH_NAME = "safe-checkpoint-save"
+
+
+class TrainingStoppedOnIO(TrainingStopped):
+    """A save failed on I/O; the run stops with this one line (see :func:`_failure_is_one_line`)."""
 
 
 def _rank():
@@ -97,10 +102,53 @@ def _io_failure(exc):
     return None
 
 
+#: Megatron's checkpoint writer logs each failed write (an ERROR line per worker and rank) before
+#: raising: held back during a save, and let through unless the failure became our one line.
+WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+
+class _HeldBack:
+    """A logging filter keeping the writer's records until the save's outcome is known."""
+
+    def __init__(self):
+        self.records = []
+
+    def filter(self, record):
+        self.records.append(record)
+        return False
+
+
 @contextlib.contextmanager
-def _failure_is_one_line(target, written):
+def _writer_errors_held_back():
+    import logging
+
+    logger, held = logging.getLogger(WRITER_LOGGER), _HeldBack()
+    logger.addFilter(held)
+    try:
+        yield held.records
+    except (TrainingStoppedOnIO, StoppedByAnotherRank):
+        raise  # the one line says it: the writer's own ERROR lines would only repeat it
+    except BaseException:
+        _release(logger, held)
+        raise
+    else:
+        _release(logger, held)
+    finally:
+        logger.removeFilter(held)
+
+
+def _release(logger, held):
+    logger.removeFilter(held)
+    for record in held.records:
+        logger.handle(record)
+    held.records.clear()
+
+
+@contextlib.contextmanager
+def _failure_is_one_line(target, written, logged=()):
     """A save that fails on I/O (disk full, permissions, a rank's writer failing on an
-    ``OSError``) stops the run with one line (``TrainingStopped``, exit status 1) naming the previous checkpoint, which is intact:
+    ``OSError``: ``logged``, the writer's held-back log records, may hold its text) stops the run
+    with one line (``TrainingStopped``, exit status 1) naming the previous checkpoint, intact:
     the tracker still names it. The partial directory ``written`` is removed (rank 0) when every
     rank has stopped writing."""
     try:
@@ -109,9 +157,15 @@ def _failure_is_one_line(target, written):
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
             raise
         cause = _io_failure(exc)
+        if type(exc).__name__ == "CheckpointException" and not getattr(exc, "failures", None):
+            # torch tells the coordinator (rank 0) which writes failed, the others only that
+            # one did: rank 0 prints the line
+            raise StoppedByAnotherRank(f"saving {os.path.basename(target)} failed") from None
         if cause is None:
             raise
-        from ..errors import TrainingStopped
+        errno = [r.getMessage() for r in logged if "[Errno" in r.getMessage()]
+        if errno and "[Errno" not in cause:  # the writer logged the OSError's text, not raised it
+            cause = "OSError: [Errno" + errno[0].split("[Errno", 1)[1]
 
         save_dir = os.path.dirname(target)
         if _rank() == 0 and type(exc).__name__ == "CheckpointException":
@@ -127,7 +181,7 @@ def _failure_is_one_line(target, written):
             free = f", {shutil.disk_usage(save_dir).free / 1e9:.1f} GB free there"
         except OSError:
             free = ""
-        raise TrainingStopped(
+        raise TrainingStoppedOnIO(
             f"saving {os.path.basename(target)} to {save_dir} failed ({cause}"
             f"{free}); {previous}: fix the cause (free space, permissions), then resume with "
             f"--load {save_dir}"
@@ -141,14 +195,14 @@ def guarded_save(real_save):
     def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
         target = str(checkpoint_dir).rstrip("/")
         if not _broadcast(_non_empty_dir(target) if _rank() == 0 else None):
-            with _failure_is_one_line(target, target):
+            with _writer_errors_held_back() as logged, _failure_is_one_line(target, target, logged):
                 return real_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         staging = target + STAGING
         if _rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)  # a crashed save's leftovers
             os.makedirs(staging)
         _barrier()
-        with _failure_is_one_line(target, staging):
+        with _writer_errors_held_back() as logged, _failure_is_one_line(target, staging, logged):
             request = real_save(sharded_state_dict, staging, *args, **kwargs)
         if request is None:  # synchronous: every rank has written (the save ends on a barrier)
             _swap_in(target, staging)

@@ -7,7 +7,6 @@ The end-to-end checks (parity with stock Megatron, overlap in the trace) are in
 test_schedule_parity.py and test_schedule_behaviour.py.
 """
 
-import types
 
 import pytest
 import torch
@@ -175,6 +174,7 @@ def _check_embedding_end(emb, sizes, dropout, kind="batch"):
     from megatron_oases.schedule.rng import replay, snapshot
     from megatron_oases.schedule.split import make_split
     from megatron_oases.schedule.stage import EmbeddingEnd
+    from megatron_oases.schedule.state import SubBatch
 
     tp = emb.config.tensor_model_parallel_size if emb.config.sequence_parallel else 1
     torch.manual_seed(1)  # the same ids and gradients on every rank
@@ -199,15 +199,14 @@ def _check_embedding_end(emb, sizes, dropout, kind="batch"):
     split = make_split(kind, torch.empty(S // tp, B, H), parts=len(sizes))
     assert split.sizes == sizes
     end.split(split)
-    sbs = [types.SimpleNamespace(index=i, end={}, rng={}, gH={}, input=None) for i in sizes]
+    sbs = [SubBatch(i, None, None, None, n, num_blocks=0) for i, n in enumerate(sizes)]
     with replay(start):
-        for i, sb in enumerate(sbs):
-            sb.index = i
+        for sb in sbs:
             _run(end.forward_ops(sb, lambda h, sb=sb: setattr(sb, "input", h)))
         for sb, out in zip(sbs, outs):
             assert torch.equal(sb.input, out)  # same masks, same values
         for sb, g in zip(sbs, grads_out):
-            sb.gH[0] = g
+            sb[0].input_grad = g
             _run(end.backward_ops(sb))
     got = _grads(emb)
     assert set(got) == set(ref) and ref

@@ -334,11 +334,12 @@ def test_trivial_group_skips_the_collective(fake, group):
 
 
 def test_computes_run_with_tmp_comm_deferred(fake):
-    """Computes defer Megatron's own TP all-reduces; the schedule's get/done do not."""
+    """Computes run in the engine's compute context (deferring Megatron's own TP all-reduces);
+    the schedule's get/done do not."""
     a, sa = program(fake, "a", 2, FakeGroup(2))
     b, _ = program(fake, "b", 2, FakeGroup(2))
     assert not comm.deferring()
-    run_programs([a, b])
+    run_programs([a, b], compute_context=comm.deferred_tmp_comm)
     assert sa["deferring"] == [True, True, True]
     assert sa["get_deferring"] == [False, False]
     assert sa["done_deferring"] == [False, False]
@@ -351,7 +352,7 @@ def test_compute_error_propagates_and_restores_deferral(fake):
 
     a, _ = program(fake, "a", 1, FakeGroup(2))
     with pytest.raises(ValueError, match="compute failed"):
-        run_programs([a, [Compute(boom)]])
+        run_programs([a, [Compute(boom)]], compute_context=comm.deferred_tmp_comm)
     assert not comm.deferring()
     assert ("compute", "a0") in fake.log
 

@@ -1,0 +1,28 @@
+"""The one door both entry points (``oases-pretrain-gpt`` and Megatron-LM's patched
+``pretrain_gpt.py``) go through, with the :class:`~.config.OasesConfig` parsed once: install the
+patches before the first model is built, then prepare each built stage."""
+
+from .attention import STOCK, apply_core_attention, choose_core_attention
+from .patches import install_patches
+
+
+def install(config, args):
+    """The patches ``config`` and Megatron's ``args`` ask for: after parsing and distributed
+    initialisation, before any model is built. Idempotent."""
+    return install_patches(config, args)
+
+
+def changes_model(config):
+    """Whether a built stage needs :func:`prepare_model` (a plan, or a swapped core attention)."""
+    return config.plan is not None or choose_core_attention(config.attention_backend) != STOCK
+
+
+def prepare_model(model, config):
+    """One built model stage: the per-layer plan, then ``--attention-backend``'s core
+    attention (after the plan, which rebuilds layers)."""
+    if config.plan is not None:
+        from .hetero.runtime import attach_plan
+
+        attach_plan(model, config)
+    apply_core_attention(model, config)
+    return model

@@ -1,0 +1,108 @@
+"""A ``--save`` directory belongs to one run: a second live run into it is refused, and so is a
+new run that would write over another run's checkpoints without resuming from them.
+
+Rank 0 holds an advisory lock (``fcntl.flock`` on ``SAVE/.oases-lock``, released by the kernel when
+the process ends, so a killed run leaves no stale lock) for the whole job; the lock file names the
+holder (host, pid, start time) for the error line. A directory that already holds checkpoints (its
+tracker file) is written only by a run that resumes from it (``--load`` the same directory) or is
+told to start over (``--oases-start-over``). See ``docs/checkpoints.md``.
+"""
+
+import json
+import os
+import socket
+import time
+
+from ..errors import OasesConfigError
+from ..patching import REGISTRY, Patch
+from .safe_save import TRACKER
+
+LOCK_FILE = ".oases-lock"
+PATCH_NAME = "save-dir-lock"
+
+
+def _same_dir(a, b):
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_not_overwriting(args):
+    """Refuse a run that would write over the checkpoints ``--save`` holds without resuming from
+    them (``--load`` elsewhere or none), unless ``--oases-start-over``."""
+    save = getattr(args, "save", None)
+    if not save or not os.path.isfile(os.path.join(save, TRACKER)):
+        return
+    if _same_dir(getattr(args, "load", None), save) or getattr(args, "oases_start_over", False):
+        return
+    try:
+        with open(os.path.join(save, TRACKER)) as f:
+            what = f"checkpoints up to iteration {f.read().strip()}"
+    except OSError:
+        what = "checkpoints"
+    raise OasesConfigError(
+        f"--save {save} holds {what} of another run; resume from them with --load {save}, "
+        "choose another --save directory, or add --oases-start-over to replace them"
+    )
+
+
+def _holder(path):
+    try:
+        with open(path) as f:
+            h = json.load(f)
+        return f"pid {h['pid']} on {h['host']}, started {h['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def lock_save_dir(save):
+    """Take ``save``'s run lock for this process (the job's rank 0); an open file whose closing
+    releases it. Raises :class:`OasesConfigError` when another live run holds it."""
+    import fcntl
+
+    path = os.path.join(save, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    f = os.fdopen(fd, "r+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(path)
+        f.close()
+        raise OasesConfigError(
+            f"--save {save} is in use by another run ({holder}); wait for it to end, stop it, or "
+            "choose another --save directory"
+        ) from None
+    except OSError as exc:  # a file system without flock: say so, do not pretend
+        f.close()
+        raise OasesConfigError(
+            f"--save {save}: cannot lock the directory ({exc.strerror or exc}); choose a "
+            "--save directory on a local or lock-capable file system"
+        ) from None
+    f.seek(0)
+    f.truncate()
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": started}, f)
+    f.flush()
+    return f
+
+
+def is_job_rank_0():
+    """Rank 0 of the job: of the process group once up, else torchrun's ``RANK``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def claim_save_dir(args):
+    """Before training: refuse what would overwrite another run's checkpoints, then (rank 0) hold
+    the directory's lock until the job's patches are uninstalled."""
+    save = getattr(args, "save", None)
+    if not save:
+        return None
+    check_not_overwriting(args)
+    if not is_job_rank_0() or REGISTRY.get(PATCH_NAME) is not None:
+        return None
+    held = lock_save_dir(save)
+    patch = Patch(PATCH_NAME, after_uninstall=held.close)
+    REGISTRY.install(patch)
+    return patch
