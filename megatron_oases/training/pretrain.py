@@ -78,7 +78,7 @@ def run_in_process(argv, demo=True, extra_patches=()):
     that the next job in the same process starts fresh. ``extra_patches`` (:class:`Patch` objects,
     e.g. a meter around ``train_step``) are installed for the run only.
     Returns ``{'exit_code': code of an --exit-interval exit or None, 'installed': the names of the
-    patches the job installed (the CPU shims aside)}``."""
+    patches the job's flags installed (the CPU shims and the console fix aside)}``."""
     import shlex
 
     import torch.distributed as dist
@@ -86,6 +86,7 @@ def run_in_process(argv, demo=True, extra_patches=()):
 
     from .. import patches, platform
     from ..arguments import parse_args_and_config, with_defaults
+    from . import console_log
 
     argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
     if "--num-workers" not in argv:  # no data-loader processes inside spawned ranks
@@ -107,7 +108,8 @@ def run_in_process(argv, demo=True, extra_patches=()):
             out["exit_code"] = exc.code
             if exc.code not in (0, None):
                 raise
-        out["installed"] = [n for n in patches.installed() if n != platform.cpu.PATCH_NAME]
+        always = (platform.cpu.PATCH_NAME, console_log.PATCH_NAME)  # every job's, any flags
+        out["installed"] = [n for n in patches.installed() if n not in always]
     finally:
         for patch in reversed(extra_patches):
             patch.uninstall()
