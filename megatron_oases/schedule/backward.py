@@ -13,7 +13,7 @@ interleaved; runs follow each other with a barrier between them. Design notes:
 
 import torch
 
-from .ops import backward
+from .ops import backward, leaf
 from .rng import replay
 
 
@@ -34,8 +34,8 @@ def fine_grained(ops, sb):
     J = ops.first_kept
     program = [ops.light(lambda: _bda_grad_from_rng(ops, sb, J - 1), J - 1, "backward")]
     for j in reversed(range(J)):
-        norm = lambda j=j: ops.recompute_norm(sb, j)  # noqa: E731
-        program += ops.recompute_to_main(sb, j, norm, early=True)
+        norm = lambda j=j: _recompute_norm(ops, sb, j)  # noqa: E731
+        program += _recompute_to_main(ops, sb, j, norm, early=True)
         program += ops.main_backward(sb, j)
         program.append(ops.light(lambda j=j: ops.norm_grad(sb, j), j, "backward"))
         if j > 0:
@@ -61,9 +61,9 @@ def layer_phases(ops, sb, layer):
     """Recompute ops (with the layer's forward reductions) and backward ops of one layer."""
     a, m = 2 * layer, 2 * layer + 1
     # the layer's first block from its saved input only (block m needs the recomputed R_a)
-    recompute = ops.recompute_to_main(sb, a, lambda: ops.recompute_norm(sb, a), early=True)
+    recompute = _recompute_to_main(ops, sb, a, lambda: _recompute_norm(ops, sb, a), early=True)
     recompute.append(_recomputed_reduction(ops, sb, a))
-    recompute += ops.recompute_to_main(sb, m, lambda: _recompute_bda_and_norm(ops, sb, a, m))
+    recompute += _recompute_to_main(ops, sb, m, lambda: _recompute_bda_and_norm(ops, sb, a, m))
     recompute.append(_recomputed_reduction(ops, sb, m))
     recompute.append(ops.light(lambda: _recompute_bda(ops, sb, m), m, "recompute"))
     program = [ops.light(lambda: ops.bda_grad(sb, m), m, "backward")]
@@ -102,4 +102,26 @@ def _recompute_bda(ops, sb, j):
 def _recompute_bda_and_norm(ops, sb, a, m):
     """Recompute bda_a (it needs the recomputed reduction) and block m's ln (and main)."""
     sb[m].input = _recompute_bda(ops, sb, a)
-    ops.recompute_norm(sb, m)
+    _recompute_norm(ops, sb, m)
+
+
+def _recompute_to_main(ops, sb, j, first, early=False):
+    """Recompute block j from its saved input H_j up to its partial sum. Under sequence
+    parallelism this re-gathers the ln output (an all-gather in recompute, overlapped like every
+    collective) rather than keeping the gathered input from forward: that would hold t× the
+    block input per block, undoing SP's activation saving."""
+    main = lambda x: _recompute_main(ops, sb, j, x)  # noqa: E731
+    return ops.to_main(sb, j, "recompute", first, main, early=early)
+
+
+def _recompute_norm(ops, sb, j):
+    block = sb[j]
+    H = block.input = leaf(block.input)
+    norm_output = block.norm_output = ops.blocks.ln(j, H)
+    ops.norm_output_ready(block, norm_output, lambda x: _recompute_main(ops, sb, j, x))
+
+
+def _recompute_main(ops, sb, j, x):
+    block = sb[j]
+    with replay(block.take("rng_main")):
+        block.partial, _ = ops.main(sb, j, ops.sink(x, ops.store(block, "norm_grad")))

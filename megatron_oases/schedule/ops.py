@@ -12,7 +12,6 @@ import torch
 
 from .executor import Comm, Compute
 from .regather import GradSink
-from .rng import replay
 
 
 def leaf(t):
@@ -139,26 +138,6 @@ class BlockOps:
             ops.append(self.collective("all_gather", lambda: block.take("outbox"), done, j, pass_))
             ops.append(self.compute(lambda: main(block.take("gathered")), j, pass_))
         return ops
-
-    # ------------------------------------------------------------------ recompute
-    def recompute_to_main(self, sb, j, first, early=False):
-        """Recompute block j from its saved input H_j up to its partial sum. Under sequence
-        parallelism this re-gathers the ln output (an all-gather in recompute, overlapped like
-        every collective) rather than keeping the gathered input from forward: that would hold
-        t× the block input per block, undoing SP's activation saving."""
-        main = lambda x: self.recompute_main(sb, j, x)  # noqa: E731
-        return self.to_main(sb, j, "recompute", first, main, early=early)
-
-    def recompute_norm(self, sb, j):
-        block = sb[j]
-        H = block.input = leaf(block.input)
-        norm_output = block.norm_output = self.blocks.ln(j, H)
-        self.norm_output_ready(block, norm_output, lambda x: self.recompute_main(sb, j, x))
-
-    def recompute_main(self, sb, j, x):
-        block = sb[j]
-        with replay(block.take("rng_main")):
-            block.partial, _ = self.main(sb, j, self.sink(x, self.store(block, "norm_grad")))
 
     # ------------------------------------------------------------------ backward
     def main_backward(self, sb, j):

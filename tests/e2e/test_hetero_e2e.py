@@ -2,7 +2,7 @@
 ``--oases-schedule off`` and ``oases``, PP=1 and PP=2."""
 
 import pytest
-from helpers import BLOCK, NO_DROP, SHAPE
+from helpers import BLOCK, GPT, NO_DROP, RECOMPUTE, SHAPE
 from helpers.plans import write_plan
 from helpers.runs import max_rel_diff, pretrain_and_capture
 from helpers.variants import HETERO_BASE as BASE
@@ -81,3 +81,35 @@ def test_plans_with_block_recompute_match_uniform(tmp_path):
             for p, g in ref["grads"].items():
                 err = max_rel_diff(got["grads"][p], g)
                 assert err < 1e-5, f"block {name} rank {rank} {p}: {err:.2e}"
+
+
+def _plan_reads_worker(base, plan):
+    """One job with a plan and a schedule: how many times this rank opened the plan file."""
+    from megatron_oases.formats import plan as plan_format
+
+    real, reads = plan_format.read_json, []
+
+    def counting(path, *args, **kwargs):
+        reads.append(str(path))
+        return real(path, *args, **kwargs)
+
+    plan_format.read_json = counting
+    try:
+        pretrain_and_capture(f"{base} --oases-plan {plan} --oases-schedule oases")
+    finally:
+        plan_format.read_json = real
+    return reads
+
+
+@pytest.mark.timeout(300)
+def test_the_plan_file_is_read_once_per_run(tmp_path):
+    """Parsed once into the run's OasesConfig; the patches and the per-layer runtime take it
+    from there (they used to open the file again, three times in all)."""
+    plan = tmp_path / "plan.json"
+    plan.write_text('{"version": 1, "tensor_model_parallel_size": 2, "degrees": [1, 2]}')
+    base = (
+        GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 4 "
+        "--global-batch-size 8 --train-iters 1 " + RECOMPUTE
+    )
+    for reads in run_distributed(_plan_reads_worker, 2, base, str(plan), timeout=280):
+        assert reads == [str(plan)], reads
