@@ -19,8 +19,8 @@ RECOMPUTE_SCHEDULES = ("cross-pass", "oases")
 SUB_BATCHES = 2
 MAX_SUB_BATCHES = 8
 #: Token runs the split schedules cut a stage's last MLP block into in forward (its last sub-batch
-#: only, not under SP), so the pass ends on a piece of that block's all-reduce (the schedule's
-#: tail pieces in :mod:`.schedule.forward`; the planner's time model charges that piece at the pass end).
+#: only, not under SP), so the pass ends on a piece of that block's all-reduce (the tail pieces of
+#: :mod:`.schedule.forward`; the planner's time model charges that piece at the pass end).
 TAIL_PIECES = 4
 #: ``--oases-split`` values: how a micro-batch becomes sub-batches (samples, or sequence chunks).
 SPLITS = ("batch", "sequence")
