@@ -12,6 +12,9 @@ host step counts it there). The table is an estimate of that order.
 Usage::
 
     python benchmarks/planner/host_calls.py            # rewrites the packaged table
+    python benchmarks/planner/host_calls.py --by-op    # calls per layer by aten op, per schedule
+                                                       # (docs/host-cost.md), and the Python
+                                                       # time in megatron_oases frames per layer
 """
 
 import argparse
@@ -73,10 +76,156 @@ def count_settings(shape_argv, nproc=2, progress=print):
     return out
 
 
+#: ``--by-op``'s shape: small, so that each count takes seconds on a CPU.
+BY_OP_SHAPE = [
+    "--tensor-model-parallel-size", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "2",
+    "--global-batch-size", "2", "--vocab-size", "128", "--hidden-dropout", "0.1",
+    "--attention-dropout", "0.1",
+]  # fmt: skip
+#: ``--by-op``'s settings: (name, schedule, recompute, extra flags). ``off x2`` is stock on the
+#: same micro-batch as two micro-batches of one sample each, the batch split's two sub-batches:
+#: each op runs twice, the optimizer step (per parameter, in the per-layer count) once, so it is
+#: the count a split schedule has without any call of its own.
+BY_OP_SETTINGS = [
+    ("off/none", "off", "none", ()),
+    ("off x2/none", "off", "none", ("--micro-batch-size", "1")),
+    ("overlap/none", "overlap", "none", ()),
+    ("off/full", "off", "full", ()),
+    ("off x2/full", "off", "full", ("--micro-batch-size", "1")),
+    ("oases/full", "oases", "full", ()),
+    ("cross-pass/full", "cross-pass", "full", ()),
+]
+#: Iterations timed under cProfile (the fastest counts).
+TIMED = 6
+
+
+def _python_time(argv):
+    """The main thread's CPU time in ``train_step`` under cProfile (the fastest of :data:`TIMED`
+    calls after the first), and the self time of the ``megatron_oases`` Python frames in it (s).
+    Thread CPU time, not wall time: the host's own cost, unmoved by other processes on a busy
+    machine (autograd runs CPU backward on this thread; intra-op worker threads are not counted)."""
+    import cProfile
+    import pstats
+    import time
+
+    from megatron.training import training
+
+    from megatron_oases.patching import Patch
+    from megatron_oases.training.pretrain import run_in_process
+
+    original, calls, out = training.train_step, {"n": 0}, {"wall_s": float("inf")}
+
+    def train_step(*a, **k):
+        calls["n"] += 1
+        if calls["n"] < 2:
+            return original(*a, **k)
+        prof = cProfile.Profile(time.thread_time)
+        t0 = time.thread_time()
+        prof.enable()
+        try:
+            return original(*a, **k)
+        finally:
+            prof.disable()
+            wall = time.thread_time() - t0
+            stats = pstats.Stats(prof).stats
+            oases = sum(
+                v[2] for (f, _, _), v in stats.items() if f"{os.sep}megatron_oases{os.sep}" in f
+            )
+            if wall < out["wall_s"]:
+                out.update(wall_s=wall, oases_s=oases)
+
+    argv = list(argv) + ["--train-iters", str(1 + TIMED)]
+    patch = Patch("cprofile", [(training, "train_step", train_step)])
+    run_in_process(argv, demo=True, extra_patches=[patch])
+    return out
+
+
+def _by_op_worker(jobs):
+    """One-rank process: per (name, layers, argv) job, the second iteration's aten calls by op
+    name and its cProfile'd Python time (a second run, so the profilers do not add up)."""
+    import torch
+
+    from megatron_oases.instrument.host_calls import profiled_step_patch
+    from megatron_oases.training.pretrain import run_in_process
+
+    torch.set_num_threads(1)  # every op's CPU work on the issuing thread, which is timed
+    out = {}
+    for name, layers, argv in jobs:
+        record = {}
+        run_in_process(argv, demo=True, extra_patches=[profiled_step_patch(record, 2)])
+        out[(name, layers)] = {"ops": record["aten_by_op"], **_python_time(argv)}
+    return out
+
+
+def by_op(layers=4, settings=BY_OP_SETTINGS, shape=BY_OP_SHAPE):
+    """Per setting: aten calls per layer by op name (calls at 2L − calls at L, ÷ L), the Python
+    self time of megatron_oases frames per layer and the step's wall time per layer (both under
+    cProfile, which slows Python frames more than aten calls: an upper bound on the share)."""
+    from megatron_oases.compare.host import _with_layers
+    from megatron_oases.launch import run_distributed
+    from megatron_oases.planner.choose import launch_flags
+
+    jobs = []
+    for name, schedule, recompute, extra in settings:
+        argv = list(shape) + launch_flags(schedule, recompute).split() + list(extra)
+        for n in (layers, 2 * layers):
+            jobs.append((name, n, _with_layers(argv, n)))
+    res = run_distributed(_by_op_worker, 2, jobs, timeout=600 * len(jobs), one_rank=True)[0]
+    out = {}
+    for name, *_ in settings:
+        a, b = res[(name, layers)], res[(name, 2 * layers)]
+        ops = {
+            k: (b["ops"].get(k, 0) - a["ops"].get(k, 0)) / layers
+            for k in set(a["ops"]) | set(b["ops"])
+        }
+        out[name] = {
+            "ops": {k: v for k, v in ops.items() if v},
+            "total": sum(ops.values()),
+            "oases_s": (b["oases_s"] - a["oases_s"]) / layers,
+            "wall_s": (b["wall_s"] - a["wall_s"]) / layers,
+        }
+    return out
+
+
+def print_by_op(table, pairs=(("overlap/none", "off x2/none"), ("oases/full", "off x2/full"),
+                              ("cross-pass/full", "off x2/full"))):  # fmt: skip
+    """Each schedule's calls per layer by op beside stock's on two micro-batches (the inherent
+    part: each sub-batch runs every op of stock's once), and its Python-frame share."""
+    for name, stock in pairs:
+        if name not in table or stock not in table:
+            continue
+        s, t = table[name], table[stock]
+        print(f"\n== {name} vs {stock}: {s['total']:.0f} calls per layer "
+              f"(stock on two micro-batches {t['total']:.0f}, beyond: "
+              f"{s['total'] - t['total']:+.0f})")  # fmt: skip
+        ops = sorted(set(s["ops"]) | set(t["ops"]))
+        rows = [(k, s["ops"].get(k, 0), t["ops"].get(k, 0)) for k in ops]
+        rows = [r for r in rows if r[1] != r[2]]
+        for k, a, b in sorted(rows, key=lambda r: -(r[1] - r[2])):
+            print(f"  {k:40s} {a:8.1f} {b:8.1f} {a - b:+8.1f}")
+    print("\nPython self time in megatron_oases frames per layer (cProfile), of the layer's:")
+    for name, r in table.items():
+        share = 100 * r["oases_s"] / r["wall_s"] if r["wall_s"] > 0 else float("nan")
+        print(f"  {name:18s} {1e3 * r['oases_s']:8.2f} ms of {1e3 * r['wall_s']:8.2f} ms "
+              f"({share:.1f} %), {r['total']:.0f} aten calls")  # fmt: skip
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=TABLE_PATH)
+    p.add_argument("--by-op", action="store_true", help="print calls per layer by op instead")
+    p.add_argument("--json", help="with --by-op: also write the table here")
     args = p.parse_args(argv)
+    if args.by_op:
+        table = by_op()
+        if args.json:
+            import json
+
+            with open(args.json, "w") as f:
+                json.dump(table, f, indent=1, sort_keys=True)
+        print_by_op(table)
+        return 0
     import yaml
 
     table = count_settings(SHAPE, nproc=2, progress=print)

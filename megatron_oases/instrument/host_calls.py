@@ -25,6 +25,11 @@ def count_aten_calls(prof):
     return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
+def aten_calls_by_op(prof):
+    """``{aten op name: calls}`` of a finished ``torch.profiler.profile``."""
+    return {e.key: e.count for e in prof.key_averages() if e.key.startswith("aten::")}
+
+
 def gpu_busy_us(prof):
     """Length of the union of the profile's CUDA kernel intervals (µs), and the kernel count."""
     spans = sorted(
@@ -42,7 +47,8 @@ def gpu_busy_us(prof):
 
 def profiled_step_patch(record, at_call=2):
     """A :class:`Patch` on ``training.train_step``: its ``at_call``-th call (the first warms lazy
-    state up) runs under ``torch.profiler``; ``record`` gets ``aten_calls``, ``wall_s`` and on
+    state up) runs under ``torch.profiler``; ``record`` gets ``aten_calls`` (and per op name
+    ``aten_by_op``), ``wall_s`` and on
     CUDA ``gpu_busy_s`` and ``kernels``."""
     import torch
     from megatron.training import training
@@ -66,7 +72,8 @@ def profiled_step_patch(record, at_call=2):
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-        record.update(aten_calls=count_aten_calls(prof), wall_s=wall)
+        by_op = aten_calls_by_op(prof)
+        record.update(aten_calls=sum(by_op.values()), aten_by_op=by_op, wall_s=wall)
         if cuda:
             busy, kernels = gpu_busy_us(prof)
             record.update(gpu_busy_s=busy * 1e-6, kernels=kernels)
