@@ -104,7 +104,7 @@ def _main(ops, sb, j, x):
         else:
             block.rng_main = snapshot()
             P, block.bias = ops.main(sb, j, x)
-        block.outbox = P.detach()
+        block.outbox = P.detach() if P.requires_grad else P  # recomputed: no graph to cut
         if ops.keeps(j):  # backward needs P's grad_fn only; its data goes to the reduction
             deallocate_output_tensor(P, deallocate_pipeline_outputs=P._base is None)
             block.partial = P

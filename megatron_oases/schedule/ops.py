@@ -108,7 +108,9 @@ class BlockOps:
         """``x`` as an op's input whose gradient goes to ``store(g)`` (see
         :class:`.regather.GradSink`): unlike a leaf, nothing keeps ``x`` alive but the graph's
         own saved tensors, so a kept graph holds what stock Megatron's would."""
-        return GradSink.apply(self.anchor, x.detach(), store)
+        # a tensor that does not require grad (a reduction's result) goes in as it is: its
+        # detach() would be one more aten call, the same alias
+        return GradSink.apply(self.anchor, x.detach() if x.requires_grad else x, store)
 
     def chunk(self, sb):
         """Where ``sb``'s core attention may run (sequence chunks: it says which chunk runs)."""
