@@ -49,12 +49,22 @@ def _bda_grad_from_rng(ops, sb, j):
     exact gradients (dropout mask · g for R_j and bias, identity for the residual)."""
     block = sb[j]
     g = sb[j + 1].take("input_grad")
-    probe = torch.zeros_like(g, requires_grad=True)
+    zeros = _zeros(ops, g)
+    probe = zeros.detach().requires_grad_()  # bda writes to neither (out of place in training)
     with replay(block.take("rng_bda")):
-        out = ops.blocks.bda(j, probe, block.bias, torch.zeros_like(g))
+        out = ops.blocks.bda(j, probe, block.bias, zeros)
     backward(out, g)
     block.reduced_grad = probe.grad
     block.input_grad = g  # residual path; ln_j's backward adds its own
+
+
+def _zeros(ops, like):
+    """A zero tensor shaped like ``like``, one per shape for the micro-batch's backward: the
+    probes' storage and the residual input, two zeros_like per bda backward otherwise."""
+    key = (like.shape, like.dtype, like.device)
+    if key not in ops.zeros:
+        ops.zeros[key] = torch.zeros_like(like)
+    return ops.zeros[key]
 
 
 def layer_phases(ops, sb, layer):

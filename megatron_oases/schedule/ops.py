@@ -52,6 +52,7 @@ class BlockOps:
         # reduction is a reduce-scatter (see :mod:`.blocks`).
         self.sp = blocks.sequence_parallel
         self.reduction = "reduce_scatter" if self.sp else "all_reduce"
+        self.zeros = {}  # zero tensors by shape, for backward's bda probes (:mod:`.backward`)
 
     def keeps(self, j):
         """Block j keeps its autograd graph from forward (its layer is not recomputed)."""
