@@ -11,6 +11,7 @@ told to start over (``--oases-start-over``). See ``docs/checkpoints.md``.
 import json
 import os
 import socket
+import sys
 import time
 
 from ..errors import OasesConfigError
@@ -55,7 +56,8 @@ def _holder(path):
 
 def lock_save_dir(save):
     """Take ``save``'s run lock for this process (the job's rank 0); an open file whose closing
-    releases it. Raises :class:`OasesConfigError` when another live run holds it."""
+    releases it, or None (with a warning) where the file system has no locks. Raises
+    :class:`OasesConfigError` when another live run holds it."""
     import fcntl
 
     path = os.path.join(save, LOCK_FILE)
@@ -70,12 +72,15 @@ def lock_save_dir(save):
             f"--save {save} is in use by another run ({holder}); wait for it to end, stop it, or "
             "choose another --save directory"
         ) from None
-    except OSError as exc:  # a file system without flock: say so, do not pretend
+    except OSError as exc:  # a file system without flock (some Lustre/NFS mounts): say so
         f.close()
-        raise OasesConfigError(
-            f"--save {save}: cannot lock the directory ({exc.strerror or exc}); choose a "
-            "--save directory on a local or lock-capable file system"
-        ) from None
+        print(
+            f"oases: warning: --save {save} cannot be locked on this file system "
+            f"({exc.strerror or exc}): a second live run into it would not be detected",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
     f.seek(0)
     f.truncate()
     started = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -103,6 +108,8 @@ def claim_save_dir(args):
     if not is_job_rank_0() or REGISTRY.get(PATCH_NAME) is not None:
         return None
     held = lock_save_dir(save)
+    if held is None:
+        return None
     patch = Patch(PATCH_NAME, after_uninstall=held.close)
     REGISTRY.install(patch)
     return patch

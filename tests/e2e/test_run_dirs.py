@@ -177,3 +177,20 @@ def test_a_full_disk_is_one_line_from_the_whole_job(tmp_path, rank):
     assert "[rank" not in proc.stderr, proc.stderr[-3000:]  # torchrun's prefix of a rank's lines
     assert "ERROR:megatron" not in proc.stdout + proc.stderr
     assert not (save / "iter_0000001").exists()
+
+
+def test_a_file_system_without_locks_warns_and_goes_on(tmp_path, capsys):
+    """Checkpoints often live on a shared file system; one without ``flock`` (some Lustre or NFS
+    mounts) must not stop a run: a warning says what is not detected there."""
+    import errno
+    import fcntl
+    from unittest import mock
+
+    no_locks = OSError(errno.ENOLCK, "No locks available")
+    with mock.patch.object(fcntl, "flock", side_effect=no_locks):
+        assert lock_save_dir(str(tmp_path)) is None
+    (line,) = capsys.readouterr().err.splitlines()
+    assert (
+        line.startswith(f"oases: warning: --save {tmp_path} cannot be locked")
+        and "No locks" in line
+    )
