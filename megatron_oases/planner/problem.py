@@ -3,9 +3,9 @@
 A :class:`ChainProblem` holds, for one pipeline stage, every block's compute and communication
 seconds per sub-batch and candidate degree, the re-shard all-gathers between adjacent layers, the
 per-layer memory terms and the constraints (allowed degrees, switches, device memory). It is built
-from a profile by :mod:`.build`, timed by :mod:`.time_model` and solved by the ILP, the DP and brute
-force; it is kept apart from the builder so that the solvers and :mod:`.random_instances` depend on
-this data type and the time model only, never on a profile.
+from a profile by :mod:`.build`, timed by :mod:`.time_model` and solved by the ILP and the DP (the
+tests add brute force); it is kept apart from the builder so that the solvers and the tests' random
+instances depend on this data type and the time model only, never on a profile.
 
 Solvers see memory in integer *granules* (rounded up, so never optimistic); the DP and the ILP share
 those integers and therefore the same feasible set.
