@@ -23,7 +23,7 @@ import warnings
 from ..compat import require_symbol
 from ..errors import OasesConfigError
 from . import safe_save
-from .save_owner import claim_save_dir, is_job_rank_0
+from .save_owner import claim_save_dir, is_job_rank_0, same_dir
 
 #: Flags that change the parameters' names or shapes, beyond Megatron's own comparison.
 MODEL_FLAGS = (
@@ -244,7 +244,7 @@ def check_nothing_to_load(args):
     """``--load`` without a checkpoint: right for a run's first start when it is also the
     ``--save`` directory (the restart-safe idiom: say so once), a mistyped resume otherwise."""
     load = args.load
-    if os.path.realpath(load) == os.path.realpath(getattr(args, "save", None) or ""):
+    if same_dir(load, getattr(args, "save", None)):
         if is_job_rank_0():
             print(
                 f"oases: --load {load} holds no checkpoint yet: training starts from scratch",

@@ -22,7 +22,8 @@ LOCK_FILE = ".oases-lock"
 PATCH_NAME = "save-dir-lock"
 
 
-def _same_dir(a, b):
+def same_dir(a, b):
+    """``a`` and ``b`` name the same directory (both given)."""
     return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
 
 
@@ -32,7 +33,7 @@ def check_not_overwriting(args):
     save = getattr(args, "save", None)
     if not save or not os.path.isfile(os.path.join(save, TRACKER)):
         return
-    if _same_dir(getattr(args, "load", None), save) or getattr(args, "oases_start_over", False):
+    if same_dir(getattr(args, "load", None), save) or getattr(args, "oases_start_over", False):
         return
     try:
         with open(os.path.join(save, TRACKER)) as f:
