@@ -22,6 +22,7 @@ Steps (each in its own process, under its own time limit, its result kept when a
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -42,6 +43,7 @@ KERNEL_FLAGS = [
     "--no-gradient-accumulation-fusion",
     "--no-persist-layer-norm",
     "--no-masked-softmax-fusion",
+    "--no-rope-fusion",
 ]
 FULL_RECOMPUTE = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
@@ -176,18 +178,53 @@ def parity_configs(dry):
     return cfgs
 
 
-def step_parity(dry):
-    from helpers.runs import max_rel_diff, variants_worker
+class _OneByOne:
+    """What ``_coalescing_manager`` yields, for synchronous ops already completed."""
+
+    def wait(self):
+        return None
+
+
+@contextlib.contextmanager
+def _one_collective_at_a_time(group=None, device=None, async_ops=False):
+    """Gloo has no coalesced all-reduce of CUDA tensors (two ranks share the GPU through gloo here;
+    NCCL refuses two ranks on one device): Megatron's grad-buffer ops run one by one instead."""
+    if async_ops:
+        raise RuntimeError("the GPU check's gloo grad reduce is synchronous only")
+    yield _OneByOne()
+
+
+def _parity_worker(base, variants):
+    """``variants_worker`` with Megatron's gradient-buffer collectives uncoalesced on CUDA."""
+    import torch
+    from helpers.runs import variants_worker
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    if not torch.cuda.is_available():
+        return variants_worker(base, variants)
+    original = buffers._coalescing_manager
+    buffers._coalescing_manager = _one_collective_at_a_time
+    try:
+        return variants_worker(base, variants)
+    finally:
+        buffers._coalescing_manager = original
+
+
+def step_parity(dry, save=None):
+    """Each config's result, passed to ``save`` as it completes (a time-out keeps the done ones)."""
+    from helpers.runs import max_rel_diff
 
     from megatron_oases.errors import last_line
     from megatron_oases.launch import run_distributed
 
     results = {}
     for name, base, schedules, tol in parity_configs(dry):
+        if save:
+            save(results)
         variants = [(sch, f"--oases-schedule {sch} {FULL_RECOMPUTE}") for sch in schedules]
         t0 = time.time()
         try:
-            ranks = run_distributed(variants_worker, 2, base, variants, timeout=300)
+            ranks = run_distributed(_parity_worker, 2, base, variants, timeout=300)
         except Exception as exc:  # noqa: BLE001 - one config's failure is a result
             results[name] = {"status": "failed", "error": last_line(exc)}
             continue
@@ -398,8 +435,11 @@ def _run_step(name, dry, limit, log, extra):
             os.remove(result_path)
     if rc == 0 and result is not None:
         return {"status": "ok", "seconds": seconds, "result": result}
-    why = f"timed out after {limit} s" if rc is None else f"exit code {rc}"
-    return {"status": "failed", "seconds": seconds, "error": f"{why}; see check.log"}
+    why = f"timed out after {limit:.0f} s" if rc is None else f"exit code {rc}"
+    out = {"status": "failed", "seconds": seconds, "error": f"{why}; see check.log"}
+    if result:  # what a step saved before it stopped (parity: its finished configs)
+        out["result"] = result
+    return out
 
 
 def _slug(text):
@@ -517,10 +557,15 @@ def main(argv=None):
     if args.step:  # inside a step's own process
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         fn = STEPS[args.step][0]
+
+        def save(result):
+            with open(args.result, "w") as f:
+                json.dump(result, f, default=str)
+
         kwargs = {"gemm_rate": args.gemm_tflops} if args.step == "timing" else {}
-        result = fn(args.dry_run, **kwargs)
-        with open(args.result, "w") as f:
-            json.dump(result, f, default=str)
+        if args.step == "parity":
+            kwargs = {"save": save}
+        save(fn(args.dry_run, **kwargs))
         return 0
     names = [n.strip() for n in args.steps.split(",") if n.strip()]
     unknown = [n for n in names if n not in STEPS]
@@ -556,6 +601,10 @@ def main(argv=None):
                 extra = ["--gemm-tflops", repr(rate)]
             print(f"[gpu-check] {name} (limit {limit:.0f} s) ...", flush=True)
             report["steps"][name] = r = _run_step(name, args.dry_run, limit, log, extra)
+            if name == "parity" and r.get("result"):  # a config that failed fails the step
+                bad = [k for k, v in r["result"].items() if v["status"] != "ok"]
+                if bad:
+                    r.update(status="failed", error=f"not ok: {', '.join(bad)}")
             print(f"[gpu-check] {name}: {r['status']} in {r['seconds']} s", flush=True)
             write_report(report, out)  # after every step: a later crash keeps what was found
     failed = [n for n, s in report["steps"].items() if s["status"] != "ok"]

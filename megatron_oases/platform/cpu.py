@@ -43,9 +43,6 @@ Replaced symbol                             Why / what the shim does
                                             ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which we set).
 ``megatron.training.training.``             ``pretrain`` calls it without ``allow_no_cuda``: the same
   ``initialize_megatron``                   function with ``allow_no_cuda=True``.
-``megatron.core.datasets.utils.``           the wheel ships the dataset helper prebuilt but no
-  ``compile_helpers``                       Makefile (``make`` fails): a no-op there; a checkout's
-                                            Makefile is run, a failure is one line naming the fix.
 ``megatron.training.training.``             its JIT warm-up draws ``torch.rand`` tensors shaped by
   ``set_jit_fusion_options``                ``--micro-batch-size`` (and dropout masks) from the
                                             "CUDA" generator, here the CPU one that then initialises
@@ -235,34 +232,6 @@ def _rng_neutral(fn):
     return run
 
 
-def compile_dataset_helpers(directory=None):
-    """Megatron's ``compile_helpers`` where it can work: ``make`` in a Megatron-LM checkout's
-    ``megatron/core/datasets`` (it has the Makefile); nothing for the wheel, which ships the
-    helper prebuilt and no Makefile. A failed build is one line naming what to run, exit 1."""
-    import os
-    import subprocess
-    import sys
-
-    if directory is None:
-        import megatron.core.datasets as datasets
-
-        directory = os.path.dirname(os.path.abspath(datasets.__file__))
-    if not os.path.isfile(os.path.join(directory, "Makefile")):
-        return
-    proc = subprocess.run(["make", "-C", directory], capture_output=True, text=True)
-    if proc.returncode != 0:
-        lines = [ln.strip() for ln in proc.stderr.splitlines() if ln.strip()]
-        own = [ln for ln in lines if not ln.startswith("make")]  # the compiler's, not make's
-        last = next((ln for ln in own if "error" in ln.lower()), (own or lines or ["make"])[-1])
-        print(
-            f"oases: building Megatron's dataset helpers failed ({last}); run "
-            f"`pip install pybind11 && make -C {directory}`, then start again",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.exit(1)
-
-
 def _training_shims():
     """``{(module, attr): replacement}`` for Megatron-LM's loop (``megatron.training``, 0.17+)."""
     try:
@@ -274,7 +243,6 @@ def _training_shims():
         ("megatron.training.training", "initialize_megatron"): functools.partial(
             training.initialize_megatron, allow_no_cuda=True
         ),
-        ("megatron.core.datasets.utils", "compile_helpers"): compile_dataset_helpers,
         ("megatron.training.training", "set_jit_fusion_options"): _rng_neutral(
             training.set_jit_fusion_options
         ),

@@ -1,9 +1,9 @@
 """What both entry points check before any training work (``oases-pretrain-gpt`` and Megatron-LM's
 patched ``pretrain_gpt.py``): the data paths, then the checkpoint directories (writable, one run's,
-complete and of this model); and Megatron's console loss made exact. Each refusal is one :class:`~megatron_oases.errors.OasesConfigError`
+complete and of this model); Megatron's console loss made exact; its dataset helpers built only where a Makefile is. Each refusal is one :class:`~megatron_oases.errors.OasesConfigError`
 line naming the fix; see ``docs/reliability.md``."""
 
-from . import console_log
+from . import console_log, dataset_helpers
 from .checkpoint_check import prepare_checkpointing
 from .data_check import check_data_paths
 
@@ -14,3 +14,4 @@ def check_before_training(args):
     check_data_paths(args)
     prepare_checkpointing(args)
     console_log.install(args)
+    dataset_helpers.install()

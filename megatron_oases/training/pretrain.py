@@ -86,7 +86,7 @@ def run_in_process(argv, demo=True, extra_patches=()):
 
     from .. import patches, platform
     from ..arguments import parse_args_and_config, with_defaults
-    from . import console_log
+    from . import console_log, dataset_helpers
 
     argv = shlex.split(argv) if isinstance(argv, str) else list(argv)
     if "--num-workers" not in argv:  # no data-loader processes inside spawned ranks
@@ -108,7 +108,11 @@ def run_in_process(argv, demo=True, extra_patches=()):
             out["exit_code"] = exc.code
             if exc.code not in (0, None):
                 raise
-        always = (platform.cpu.PATCH_NAME, console_log.PATCH_NAME)  # every job's, any flags
+        always = (
+            platform.cpu.PATCH_NAME,
+            console_log.PATCH_NAME,
+            dataset_helpers.PATCH_NAME,
+        )  # every job's, any flags
         out["installed"] = [n for n in patches.installed() if n not in always]
     finally:
         for patch in reversed(extra_patches):

@@ -1,8 +1,8 @@
-"""The CPU platform's dataset-helper build: nothing for the wheel, ``make`` for a checkout."""
+"""Megatron's dataset-helper build on any device: nothing for the wheel, ``make`` for a checkout."""
 
 import pytest
 
-from megatron_oases.platform.cpu import compile_dataset_helpers
+from megatron_oases.training.dataset_helpers import compile_dataset_helpers
 
 
 def test_the_wheel_has_no_makefile_and_builds_nothing(tmp_path):
@@ -25,3 +25,19 @@ def test_a_failed_build_is_one_line_naming_the_fix(tmp_path, capsys):
     (line,) = capsys.readouterr().err.splitlines()
     assert "pybind11.h: No such file" in line
     assert f"run `pip install pybind11 && make -C {tmp_path}`" in line
+
+
+def test_the_patch_replaces_what_initialize_megatron_calls_and_reverts():
+    from megatron.core.datasets import utils
+
+    from megatron_oases.training import dataset_helpers
+
+    original = utils.compile_helpers
+    patch = dataset_helpers.make_patch()
+    patch.install()
+    try:
+        assert utils.compile_helpers is compile_dataset_helpers
+        utils.compile_helpers()  # the installed wheel: no Makefile, returns instead of exiting
+    finally:
+        patch.uninstall()
+    assert utils.compile_helpers is original
