@@ -40,10 +40,10 @@ class ClusterProfile:
     # SMs NCCL's kernels take during a collective (one per channel): the one-rank emulator on CUDA
     # runs that many one-block spin kernels per collective (a documented default, not measured)
     comm_sms: int = 2
-    # host time to issue one aten call on this cluster's GPU hosts (µs; nested calls counted, as
-    # the host-cost measurement counts them): the host floor of an iteration is calls × this. A
-    # documented default until benchmarks/gpu/check.sh measures it (its host step)
-    host_us_per_call: float = 3.0
+    # host time to issue one aten call on this cluster's GPU hosts (µs, per call as the planner
+    # counts them on the CPU, nested calls counted): the host floor of an iteration is calls × this.
+    # Default: measured on an H100 machine's host (docs/host-cost.md "Measured on a GPU")
+    host_us_per_call: float = 12.0
 
     def link_for(self, ranks):
         ranks = sorted(ranks)
@@ -105,5 +105,5 @@ def load_cluster(name_or_path):
         nvlink_pairs=tuple(tuple(p) for p in raw.get("nvlink_pairs") or ()),
         dtype=raw.get("dtype", "fp16"),
         comm_sms=int(raw.get("comm_sms", 2)),
-        host_us_per_call=float(raw.get("host_us_per_call", 3.0)),
+        host_us_per_call=float(raw.get("host_us_per_call", 12.0)),
     )

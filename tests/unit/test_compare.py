@@ -53,8 +53,9 @@ def test_host_projection_and_layer_override():
     assert argv == ["--hidden-size", "64", "--num-layers", "4", "--train-iters", "2",
                     "--fake-process-group"]  # fmt: skip
     prof = load_cluster("rtx3090-pcie")
-    host = {"aten_calls_per_iteration": 2000}
-    # 2000 calls x 3 us = 6 ms of issue; 1 s emulated at D=100 = 10 ms of GPU: not host-bound
+    host = {"aten_calls_per_iteration": 500}
+    # 500 calls x 12 us = 6 ms of issue; 1 s emulated at D=100 = 10 ms of GPU: not host-bound
+    assert prof.host_us_per_call == 12.0
     project(host, {"mean_iteration_s": 1.0}, {"dilation": 100.0}, prof)
     assert host["issue_ms_per_iteration"] == pytest.approx(6.0)
     assert host["device_ms_per_iteration"] == pytest.approx(10.0)

@@ -177,7 +177,7 @@ def test_install_rejects_a_bad_combination_once_per_job(
 
 def test_install_hooks_megatron_model_setup_once(megatron_parse, monkeypatch):
     """``install`` installs the hook on ``setup_model_and_optimizer`` and, as
-    ``oases-pretrain-gpt`` does before training, the console's loss fix (idempotent);
+    ``oases-pretrain-gpt`` does before training, the console's loss fix and the dataset-helper build (idempotent);
     ``uninstall`` restores Megatron's functions."""
     from megatron.training import training
 
@@ -186,7 +186,11 @@ def test_install_hooks_megatron_model_setup_once(megatron_parse, monkeypatch):
     try:
         megatron_lm.install(args)
         megatron_lm.install(args)
-        assert patches.installed() == ["console-log-interval", megatron_lm.HOOK_PATCH]
+        assert patches.installed() == [
+            "console-log-interval",
+            "dataset-helpers",
+            megatron_lm.HOOK_PATCH,
+        ]
         assert training.setup_model_and_optimizer.__wrapped__ is original
     finally:
         megatron_lm.uninstall()

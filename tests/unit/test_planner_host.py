@@ -50,7 +50,7 @@ def h2048():
 
 def test_the_host_term_keeps_a_fast_gpu_from_splitting(h2048):
     """The paper's H=2048 model on the analytic H100 NVLink cluster: without the host term a
-    split setting wins (58 ms against stock's 68); with the profile's 3 µs per call every split
+    split setting wins (58 ms against stock's 68); with the profile's 12 µs per call (measured on an H100 host) every split
     setting is host-bound (an H100 runs a TMP-4 layer's share faster than its ~1,500 calls per
     micro-batch issue) and takes its host's time, and stock, which issues a third fewer calls
     and keeps the GPU busy, wins."""
@@ -60,7 +60,7 @@ def test_the_host_term_keeps_a_fast_gpu_from_splitting(h2048):
     plan = choose_plan(profile, global_batch_size=128, memory_gb=80)[0]
     assert plan["schedule"] == "off", plan["launch_flags"]
     p = plan["predicted"]
-    assert p["host"]["host_us_per_call"] == 3.0
+    assert p["host"]["host_us_per_call"] == 12.0
     assert p["iteration_time_s"] == pytest.approx(max(p["device_time_s"], p["host"]["issue_s"]))
     assert p["iteration_time_s"] > device_only["predicted"]["iteration_time_s"]
     split = [t for t in plan["alternatives"] if t["fits"] and t["schedule"] != "off"]
