@@ -249,6 +249,19 @@ def acceptance(reports):
     return lines
 
 
+def _host_bound_now(rep, variant):
+    """``host_bound`` of ``variant``'s counted calls at the target profile's current per-call cost
+    (the run recorded the value of its day); None where the calls were not counted."""
+    from megatron_oases.compare.host import project
+    from megatron_oases.testbed.clusters import load_cluster
+
+    host = dict((variant or {}).get("host") or {})
+    if "aten_calls_per_iteration" not in host:
+        return None
+    project(host, variant, rep["emulation"], load_cluster(rep["emulation"]["profile"]))
+    return host.get("host_bound")
+
+
 def summary_table(reports):
     names = ["megatron", "megatron-norecompute", "overlap", "cross-pass", "oases"]
     head = (
@@ -278,7 +291,7 @@ def summary_table(reports):
         cells.append(
             f"{peaks[0] / 1e9:.3f} → {peaks[1] / 1e9:.3f}" if all(peaks) else "not measured"
         )
-        bound = [((v or {}).get("host") or {}).get("host_bound") for v in (stock, o)]
+        bound = [_host_bound_now(rep, v) for v in (stock, o)]
         cells.append(
             "not counted" if None in bound else " / ".join("**yes**" if b else "no" for b in bound)
         )
@@ -336,9 +349,11 @@ def write_report(args):
         "D for target-GPU times); only ratios between variants are meaningful, and only within "
         "one `oases compare` call: the host is a 2-core VM whose speed drifts between calls "
         "(see the notes; the `host CPU share` column shows contention the emulator saw). "
-        "*Host-bound at the target*: the iteration's aten calls x the profile's host_us_per_call "
-        "(3 us, a default not yet measured on a GPU host) exceed the emulated time / D; such a "
-        "row's speed-ups would not hold on the target GPUs (`oases compare`'s host pass).",
+        "*Host-bound at the target*: the iteration's aten calls (`oases compare`'s host pass) x "
+        "the target profile's host_us_per_call as it is now (12 us, measured on an H100 "
+        "machine's host; runs before 2026-11-26 recorded 3 us) exceed the emulated time / D; such "
+        "a row's speed-ups would not hold on the target GPUs. Per-layer projections: "
+        "[host-reprojection.md](host-reprojection.md).",
         "",
         "## Summary",
         "",

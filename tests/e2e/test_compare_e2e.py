@@ -76,7 +76,8 @@ def test_compare_end_to_end_tiny_model(tmp_path):
     assert 0 < hosts["megatron"]["aten_calls_per_layer"] < hosts["oases"]["aten_calls_per_layer"]
     for name, h in hosts.items():
         v = by_name[name]
-        assert h["issue_ms_per_iteration"] == pytest.approx(h["aten_calls_per_iteration"] * 3e-3)
+        assert h["host_us_per_call"] == 12.0  # the profile's (measured on an H100 machine's host)
+        assert h["issue_ms_per_iteration"] == pytest.approx(h["aten_calls_per_iteration"] * 12e-3)
         assert h["device_ms_per_iteration"] == pytest.approx(1e3 * v["mean_iteration_s"] / 420)
         assert h["host_bound"] is True and h["host_floor_s"] == pytest.approx(
             h["issue_ms_per_iteration"] * 420 / 1e3
