@@ -9,7 +9,8 @@ Steps (each in its own process, under its own time limit, its result kept when a
   ``--attention-backend flash``.
 * ``timing``: ``--one-rank`` iteration times of stock, ``oases`` and ``overlap-norecompute`` at the
   report's shape under the ``rtx3090-pcie`` and ``h100-nvlink`` link models, TMP 2/4/8 (rank 0
-  alone on the fake process group; each collective a spin kernel on its stream on CUDA).
+  alone on the fake process group; each collective a spin kernel on its stream on CUDA), and at
+  a shape that keeps the GPU busy (``busy``: H=4096, seq 2048, micro-batch 8; TMP 2 and 8).
 * ``host``: the host-issue floor: aten calls per layer per micro-batch (8 layers − 4 layers), the
   host's time per call at a negligible shape, and the GPU's idle time inside a step at the report's
   shape (``torch.profiler``), for stock and ``oases``.
@@ -54,12 +55,23 @@ def shapes(dry):
         small = (
             "--hidden-size 64 --num-attention-heads 8 --seq-length 32 --max-position-embeddings 32"
         )
-        return {"parity": small, "timing": small, "host": small, "probe": small, "vocab": 512}
+        return {
+            "parity": small,
+            "timing": small,
+            "busy": small,
+            "host": small,
+            "probe": small,
+            "vocab": 512,
+        }
     return {
         "parity": "--hidden-size 256 --num-attention-heads 8 --seq-length 128 "
         "--max-position-embeddings 128",
         "timing": "--hidden-size 2048 --num-attention-heads 32 --seq-length 1024 "
         "--max-position-embeddings 1024",
+        # enough work per layer to keep an H100 busy at TMP 2 (~20 ms of GPU per layer against
+        # ~10 ms of host issue at the report's shape): does the schedule pay once the GPU is busy?
+        "busy": "--hidden-size 4096 --num-attention-heads 32 --seq-length 2048 "
+        "--max-position-embeddings 2048",
         "host": "--hidden-size 2048 --num-attention-heads 32 --seq-length 1024 "
         "--max-position-embeddings 1024",
         "probe": "--hidden-size 64 --num-attention-heads 8 --seq-length 32 "
@@ -298,21 +310,25 @@ def step_timing(dry, gemm_rate=None):
     dtype = ["--bf16"] if _cuda() else []
     if gemm_rate:  # the emulator's "host" rate: this device's, in the run's dtype
         os.environ["OASES_HOST_FLOPS"] = repr(gemm_rate * 1e12)
-    grid = [(p, tp) for p in ("rtx3090-pcie", "h100-nvlink") for tp in (2, 4, 8)]
+    # (link profile, TMP, shape, micro-batch): the report's shape on both links, TMP 2/4/8; the
+    # busy shape (H=4096, seq 2048, micro-batch 8) on h100-nvlink where it keeps the GPU busy
+    # (TMP 2) and where it does not (TMP 8)
+    grid = [(p, tp, "timing", 2) for p in ("rtx3090-pcie", "h100-nvlink") for tp in (2, 4, 8)]
+    grid += [("h100-nvlink", 2, "busy", 8), ("h100-nvlink", 8, "busy", 8)]
     if dry:  # both links and both ends of the TMP range, in CI's time
-        grid = [("rtx3090-pcie", 8), ("h100-nvlink", 2)]
+        grid = [("rtx3090-pcie", 8, "timing", 2), ("h100-nvlink", 2, "busy", 2)]
     results = {}
-    for profile, tp in grid:
+    for profile, tp, shape, mb in grid:
         _fake_group(tp)
         row = {}
         for name in ("megatron", "oases", "overlap-norecompute"):
             argv = _argv(
-                f"--num-layers 2 {s['timing']} --vocab-size {s['vocab']} --mock-data "
-                f"--tensor-model-parallel-size {tp} --micro-batch-size 2 "
-                "--global-batch-size 2 --hidden-dropout 0 --attention-dropout 0 "
+                f"--num-layers 2 {s[shape]} --vocab-size {s['vocab']} --mock-data "
+                f"--tensor-model-parallel-size {tp} --micro-batch-size {mb} "
+                f"--global-batch-size {mb} --hidden-dropout 0 --attention-dropout 0 "
                 f"--emulate-link {profile}"
             )
-            argv += dtype + _variant_flags(name, 2, 2)
+            argv += dtype + _variant_flags(name, mb, 2)
             try:
                 row[name] = one_rank_job(argv, 2 if dry else 5)["median_s"]
             except Exception as exc:  # noqa: BLE001
@@ -321,7 +337,7 @@ def step_timing(dry, gemm_rate=None):
             row["speedup"] = {
                 n: row["megatron"] / v for n, v in row.items() if isinstance(v, float)
             }
-        results[f"{profile}-tp{tp}"] = row
+        results[f"{profile}-tp{tp}" + ("" if shape == "timing" else f"-{shape}-mb{mb}")] = row
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     from megatron_oases.testbed.link_model import CudaLink
@@ -509,9 +525,10 @@ def write_report(report, out):
     if host:
         lines += ["", "## Host floor", ""]
         lines.append(
-            "host time per aten call (negligible tensors; a step's wall time without the profiler"
-            f" ÷ its aten calls): {_fmt(host['host_us_per_call'], '{:.1f}')} µs (under the "
-            f"profiler: {_fmt(host.get('host_us_per_call_profiled'), '{:.1f}')} µs)"
+            "host time per aten call (negligible tensors; Megatron's iteration time without the "
+            f"profiler ÷ the step's aten calls): {_fmt(host['host_us_per_call'], '{:.1f}')} µs; "
+            "the profiled train_step's wall ÷ its calls: "
+            f"{_fmt(host.get('host_us_per_call_profiled'), '{:.1f}')} µs"
         )
         lines += ["", "| shape | variant | calls/layer | host floor µs/layer | GPU µs/layer | "
                   "GPU idle share | host-bound |", "|---|---|---|---|---|---|---|"]  # fmt: skip

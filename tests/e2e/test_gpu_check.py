@@ -49,7 +49,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     # timing: one-rank rows of both links and both ends of the TMP range, a finite speed-up each
     timing = steps["timing"]["result"]
     assert timing.pop("collective_kernel") == {"kernel": None, "fallback_reason": None}  # CPU
-    assert set(timing) == {"rtx3090-pcie-tp8", "h100-nvlink-tp2"}
+    assert set(timing) == {"rtx3090-pcie-tp8", "h100-nvlink-tp2-busy-mb2"}
     for row in timing.values():
         assert set(row["speedup"]) == {"megatron", "oases", "overlap-norecompute"}, row
         assert all(0 < v < 100 for v in row["speedup"].values())
