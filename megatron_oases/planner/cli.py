@@ -6,6 +6,7 @@ oases plan ... --schedule overlap --recompute selective    # or --schedule auto:
 oases plan ... --schedule oases --recompute-num-layers 20  # recompute only the first 20 layers
 oases plan --profile profile.json --evaluate plan.json     # re-predict an (edited) plan
 oases plan --profile sp-profile.json --global-batch-size 128 --sequence-parallel  # uniform T
+oases plan --gpus 8 --cluster rtx3090-pcie --model gpt-6.7b --global-batch-size 64  # DP x TP x PP
 oases plan ... --micro-batch-size 1 --schedule overlap --split sequence   # chunks, uniform T
 """
 
@@ -29,7 +30,47 @@ def build_parser():
         description="Plan one TMP degree per transformer layer with the Oases overlap-aware cost "
         "model (eq. 3–6): ILP (PuLP/CBC) or exact DP; writes an editable JSON plan.",
     )
-    p.add_argument("--profile", required=True, help="profile.json from `oases profile`")
+    p.add_argument(
+        "--profile", default=None, help="profile.json from `oases profile` (not with --gpus)"
+    )
+    search = p.add_argument_group(
+        "the cluster search (--gpus): DP x TP x PP, micro-batch and setting, from a model and a "
+        "cluster profile instead of --profile"
+    )
+    search.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="search every TP x PP x DP layout of N GPUs and micro-batch size, each with every "
+        "schedule and recompute setting; prints the ranked candidates and the winner's launch "
+        "line (--out writes its plan)",
+    )
+    search.add_argument(
+        "--cluster",
+        default=None,
+        help="with --gpus: a packaged cluster profile (a100-nvlink, h100-nvlink, rtx3090-nvlink, "
+        "rtx3090-pcie, rtx4090-pcie) or a YAML path",
+    )
+    search.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH[:NAME]",
+        help="with --gpus: model YAML or a packaged model (e.g. gpt-6.7b, h2048-l24)",
+    )
+    search.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --gpus: override a model setting, e.g. --set num_layers=48",
+    )
+    search.add_argument(
+        "--top",
+        type=int,
+        default=5,
+        help="with --gpus: how many of the fastest layouts are planned in full (default 5)",
+    )
     p.add_argument(
         "--global-batch-size", type=int, help="global batch (required unless --evaluate)"
     )
@@ -417,8 +458,82 @@ def _recompute_arg(args):
     return "none" if args.no_recompute else args.recompute
 
 
+def _search(args):
+    """``--gpus N``: the cluster-wide search (:mod:`.search`)."""
+    from ..formats.plan import save_plan
+    from ..profiler.cli import _overrides
+    from ..profiler.model_config import read_model_file
+    from .search import model_for_search, search, table, why_first
+
+    given = [f for f, v in (("--profile", args.profile), ("--evaluate", args.evaluate)) if v]
+    if given:
+        raise OasesConfigError(
+            f"--gpus searches from --model and --cluster; drop {' and '.join(given)}"
+        )
+    missing = [f for f, v in (("--cluster", args.cluster), ("--model", args.model)) if not v]
+    if missing:
+        raise OasesConfigError(f"--gpus needs {' and '.join(missing)} (e.g. --cluster "
+                               "rtx3090-pcie --model gpt-6.7b)")  # fmt: skip
+    if args.gpus < 1 or args.top < 1:
+        raise OasesConfigError("--gpus and --top must be ≥ 1")
+    if args.global_batch_size is None:
+        raise OasesConfigError("--global-batch-size is required")
+    if args.out:
+        check_output_file(args.out, example="plan.json")
+    fixed = [f for f, v in (("--schedule", args.schedule), ("--degrees", args.degrees),
+                            ("--micro-batch-size", args.micro_batch_size)) if v]  # fmt: skip
+    if fixed:
+        raise OasesConfigError(f"--gpus chooses {', '.join(fixed)} itself; drop them")
+    from ..testbed.clusters import load_cluster
+
+    load_cluster(args.cluster)  # a bad name: one line before the model is validated
+    margs = model_for_search(
+        read_model_file(args.model), args.global_batch_size, _overrides(args.set)
+    )
+    result = search(
+        margs,
+        args.cluster,
+        args.gpus,
+        args.global_batch_size,
+        memory_gb=args.memory,
+        top=args.top,
+        host_us_per_call=args.host_us_per_call,
+        progress=lambda line: print(f"oases plan: {line}", file=sys.stderr, flush=True),
+    )
+    print(
+        f"{result['layouts_searched']} layouts of {args.gpus} GPUs on {args.cluster} searched in "
+        f"{result['search_s']:.1f} s (the {args.top} fastest planned in full: level 2)"
+    )
+    print("\n".join(table(result, rows=args.max_rows or len(result["candidates"]))))
+    print(f"\nwhy: {why_first(result)}")
+    plan = result["winner_plan"]
+    per_layer = len(set(plan["degrees"])) > 1  # the runtime reads the degrees from the plan file
+    hint = f" --oases-plan {args.out or 'PLAN_JSON (write it with --out)'}" if per_layer else ""
+    print(f"run with: {plan['launch_flags']}{hint}")
+    if args.out:
+        plan["search"] = {k: result[k] for k in ("gpus", "cluster", "memory_gb", "candidates")}
+        plan["search"]["rule_of_thumb"] = result["rule_of_thumb"]
+        make_parent(args.out)
+        save_plan(plan, args.out)
+        print(f"wrote {args.out}")
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    return 0
+
+
 def main(argv):
     args = build_parser().parse_args(argv)
+    if args.gpus is not None:
+        return _search(args)
+    search_only = [f for f, v in (("--cluster", args.cluster), ("--model", args.model),
+                                  ("--set", args.set)) if v]  # fmt: skip
+    if search_only:
+        raise OasesConfigError(f"{', '.join(search_only)}: only with --gpus N (the cluster search)")
+    if args.profile is None:
+        raise OasesConfigError(
+            "pass --profile PROFILE_JSON (from `oases profile`), or --gpus N --cluster C "
+            "--model M to search the cluster"
+        )
     if args.evaluate:
         return _evaluate(args)
     args.schedule = args.schedule or "oases"
