@@ -1,0 +1,95 @@
+"""How long ``oases plan --gpus N`` takes and what it picks: a 7B-class GPT (gpt-6.7b, 32 layers)
+on 8 and 64 GPUs of two clusters, against the rule of thumb (TP within a node, the fewest stages
+that fit, the largest micro-batch, stock with its fastest recompute setting that fits). Predictions of the planner's model,
+not measurements.
+
+    python benchmarks/planner/search.py [--out benchmarks/results/planner]
+"""
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+CASES = [
+    ("gpt-6.7b", "rtx3090-pcie", 8, 64),
+    ("gpt-6.7b", "rtx3090-pcie", 64, 512),
+    ("gpt-6.7b", "h100-nvlink", 8, 64),
+    ("gpt-6.7b", "h100-nvlink", 64, 512),
+]
+
+
+def main(argv=None):
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    from megatron_oases.planner.choose import setting_name
+    from megatron_oases.planner.search import model_for_search, search
+    from megatron_oases.profiler.model_config import read_model_file
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "planner"))
+    args = p.parse_args(argv)
+    rows = []
+    for model, cluster, gpus, gbs in CASES:
+        margs = model_for_search(read_model_file(model), gbs)
+        r = search(margs, cluster, gpus, gbs)
+        w, thumb = r["candidates"][0], r["rule_of_thumb"]
+        row = {
+            "model": model,
+            "cluster": cluster,
+            "gpus": gpus,
+            "global_batch_size": gbs,
+            "layouts": r["layouts_searched"],
+            "search_s": round(r["search_s"], 2),
+            "winner": w["name"],
+            "winner_setting": setting_name(
+                w["schedule"], w["recompute"], w["recompute_num_layers"], w["split"]
+            ),
+            "winner_s": w["iteration_time_s"],
+            "winner_host_bound": w["host_bound"],
+            "rule_of_thumb": (
+                f"{thumb['name']} {setting_name('off', thumb['recompute'])}" if thumb else None
+            ),
+            "rule_of_thumb_s": thumb["iteration_time_s"] if thumb else None,
+            "launch_flags": r["winner_plan"]["launch_flags"],
+        }
+        rows.append(row)
+        print(f"{model} {cluster} x{gpus}: {row['layouts']} layouts in {row['search_s']} s -> "
+              f"{row['winner']} {row['winner_setting']}", flush=True)  # fmt: skip
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "search.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    lines = [
+        "# `oases plan --gpus N`: search time and choice",
+        "",
+        "`python benchmarks/planner/search.py` (do not edit by hand). Predicted iteration times "
+        "of the planner's model (analytic profiles, host term at the profile's host_us_per_call), "
+        "not measurements. Search time on this machine (2 CPUs, shared), the model's validation "
+        "by Megatron's parser excluded.",
+        "",
+        "| model | cluster | GPUs | global batch | layouts | search s | winner | setting | "
+        "predicted s | rule of thumb | its predicted s | winner's gain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        gain = r["rule_of_thumb_s"] / r["winner_s"] if r["rule_of_thumb_s"] else None
+        lines.append(
+            f"| {r['model']} | {r['cluster']} | {r['gpus']} | {r['global_batch_size']} | "
+            f"{r['layouts']} | {r['search_s']} | {r['winner']} | {r['winner_setting']}"
+            f"{' (host-bound)' if r['winner_host_bound'] else ''} | {r['winner_s']:.3f} | "
+            f"{r['rule_of_thumb']} | {r['rule_of_thumb_s']:.3f} | "
+            + (f"{gain:.2f}x |" if gain else "|")
+        )
+    with open(os.path.join(args.out, "search.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}/search.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
