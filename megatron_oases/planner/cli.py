@@ -535,6 +535,11 @@ def main(argv):
             "--model M to search the cluster"
         )
     if args.evaluate:
+        if args.out:
+            raise OasesConfigError(
+                "--evaluate re-predicts PLAN and writes nothing; drop --out (edit the plan file "
+                "itself, or plan anew with --out)"
+            )
         return _evaluate(args)
     args.schedule = args.schedule or "oases"
     if args.out:  # before the solve: a plan must not be lost to a path it cannot be written to

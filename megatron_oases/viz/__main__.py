@@ -43,6 +43,15 @@ def main(argv=None):
         "column group NAME",
     )
     args = parser.parse_args(argv)
+    if args.out:  # before reading the traces: a chart must not be lost to a path it cannot use
+        from ..errors import OasesConfigError
+        from ..outputs import check_output_file
+
+        try:
+            check_output_file(args.out, flag="-o/--out", example="timeline.png")
+        except OasesConfigError as exc:
+            print(f"python -m megatron_oases.viz: error: {exc}", file=sys.stderr)
+            return 2
     comm_model = None
     if args.emulated:
         from .analysis import emulated_comm_model

@@ -234,3 +234,17 @@ def test_plan_without_the_plan_fields_names_them(files, tmp_path, capsys):
         assert _evaluate(files["p24"], str(path)) == 2
         line = _one_line(capsys)
         assert message in line and "version None" not in line, line
+
+
+def test_evaluate_writes_nothing_so_out_is_refused(files, capsys):
+    assert _evaluate(files["p24"], files["plan24"], "--out", "again.json") != 0
+    line = _one_line(capsys)
+    assert "--evaluate re-predicts PLAN and writes nothing; drop --out" in line
+
+
+def test_viz_refuses_a_directory_as_its_chart_before_reading_traces(tmp_path, capsys):
+    from megatron_oases.viz.__main__ import main as viz
+
+    assert viz([str(tmp_path / "no-traces-here"), "-o", str(tmp_path)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "-o/--out" in line and "is a directory" in line and "timeline.png" in line
