@@ -66,6 +66,16 @@ def build_parser():
         help="with --gpus: override a model setting, e.g. --set num_layers=48",
     )
     search.add_argument(
+        "--verify-top",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --gpus: run the K fastest candidates on this host under the emulator "
+        "(--emulate-link CLUSTER, N ranks, mock data) and print predicted against measured "
+        "and their rank correlation; the runs' logs go next to --out (PLAN-verify/) or to a "
+        "temporary directory. An emulation, not GPUs",
+    )
+    search.add_argument(
         "--top",
         type=int,
         default=5,
@@ -474,8 +484,8 @@ def _search(args):
     if missing:
         raise OasesConfigError(f"--gpus needs {' and '.join(missing)} (e.g. --cluster "
                                "rtx3090-pcie --model gpt-6.7b)")  # fmt: skip
-    if args.gpus < 1 or args.top < 1:
-        raise OasesConfigError("--gpus and --top must be ≥ 1")
+    if args.gpus < 1 or args.top < 1 or (args.verify_top is not None and args.verify_top < 1):
+        raise OasesConfigError("--gpus, --top and --verify-top must be ≥ 1")
     if args.global_batch_size is None:
         raise OasesConfigError("--global-batch-size is required")
     if args.out:
@@ -510,8 +520,31 @@ def _search(args):
     per_layer = len(set(plan["degrees"])) > 1  # the runtime reads the degrees from the plan file
     hint = f" --oases-plan {args.out or 'PLAN_JSON (write it with --out)'}" if per_layer else ""
     print(f"run with: {plan['launch_flags']}{hint}")
+    if args.verify_top:
+        import os
+        import tempfile
+
+        from .verify import verify, verify_table
+
+        where = (
+            os.path.splitext(args.out)[0] + "-verify"
+            if args.out
+            else tempfile.mkdtemp(prefix="oases-verify-")
+        )
+        print(f"\nverifying the {args.verify_top} fastest under the emulator (runs in {where})")
+        checked = verify(
+            result,
+            read_model_file(args.model),
+            where,
+            args.verify_top,
+            progress=lambda line: print(f"oases plan: {line}", file=sys.stderr, flush=True),
+        )
+        print("\n".join(verify_table(checked)))
+        result["verified"] = checked
     if args.out:
         plan["search"] = {k: result[k] for k in ("gpus", "cluster", "memory_gb", "candidates")}
+        if "verified" in result:
+            plan["search"]["verified"] = result["verified"]
         plan["search"]["rule_of_thumb"] = result["rule_of_thumb"]
         make_parent(args.out)
         save_plan(plan, args.out)
@@ -526,7 +559,7 @@ def main(argv):
     if args.gpus is not None:
         return _search(args)
     search_only = [f for f, v in (("--cluster", args.cluster), ("--model", args.model),
-                                  ("--set", args.set)) if v]  # fmt: skip
+                                  ("--set", args.set), ("--verify-top", args.verify_top)) if v]  # fmt: skip
     if search_only:
         raise OasesConfigError(f"{', '.join(search_only)}: only with --gpus N (the cluster search)")
     if args.profile is None:

@@ -115,6 +115,20 @@ def _row(layout, plan):
     }
 
 
+def _flags(layout, setting, common):
+    """A candidate's launch line: the layout's flags and its setting's (``setting``: a plan or a
+    ranking row)."""
+    from .choose import launch_flags
+
+    own = launch_flags(
+        setting["schedule"],
+        setting["recompute"],
+        setting.get("recompute_num_layers"),
+        setting.get("split", "batch"),
+    )
+    return f"{layout.flags(common['global_batch_size'])} {own}"
+
+
 def _quick(profile, layout, common):
     """Level one: the fastest of :data:`QUICK_SETTINGS` at the uniform degree; also stock with
     full recompute on its own (the rule of thumb's setting). ``(best, stock)``, rows or None."""
@@ -230,15 +244,17 @@ def search(
         except OasesConfigError:
             continue
         plans[layout] = plan
-        refined.append(dict(_row(layout, plan), level=2))
+        refined.append(dict(_row(layout, plan), level=2, launch_flags=_flags(layout, plan, common)))
     refined.sort(key=lambda r: r["iteration_time_s"])
     done = {r["name"] for r in refined}
     rest = [dict(r, level=1) for r in quick if r["name"] not in done]
+    for r in rest:
+        r["launch_flags"] = _flags(Layout(**r["layout"]), r, common)
     candidates = refined + rest
     winner = candidates[0]
     layout = Layout(**winner["layout"])
     plan = plans[layout]
-    plan["launch_flags"] = f"{layout.flags(global_batch_size)} {plan['launch_flags']}"
+    plan["launch_flags"] = winner["launch_flags"]
     plan["layout"] = dataclasses.asdict(layout)
     thumb = rule_of_thumb(stock, spec.gpus_per_node, profiles, common)
     return {
@@ -249,6 +265,7 @@ def search(
         "layouts_searched": len(options),
         "candidates": candidates,
         "winner_plan": plan,
+        "plans": {lay.name(): p for lay, p in plans.items()},  # level 2's, for --verify-top
         "rule_of_thumb": thumb,
         "search_s": time.perf_counter() - t0,
     }

@@ -202,15 +202,24 @@ def megatron_dests():
     return names
 
 
-def model_args(flat, overrides=None):
-    """Validate a flat mapping the Megatron-LM way (its parser and ``validate_args``, as for a GPU
-    job of ``data_parallel_size`` × TP × PP ranks); returns Megatron's args."""
-    flat = dict(flat)
-    flat.update({k: v for k, v in (overrides or {}).items() if v is not None})
+#: The keys of a model file that say how to run it rather than what it is.
+LAYOUT_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "data_parallel_size",
+    "world_size",
+    "micro_batch_size",
+    "global_batch_size",
+)
+
+
+def model_argv(flat, shape_only=False):
+    """A flat mapping of Megatron-LM argument names as Megatron's flags (checked against its
+    parser); ``shape_only``: without :data:`LAYOUT_KEYS` and the defaults that fill them."""
     known = megatron_dests()
     argv = []
     for key, value in flat.items():
-        if key in _EXTRA_KEYS:
+        if key in _EXTRA_KEYS or (shape_only and key in LAYOUT_KEYS):
             continue
         if key not in known:
             raise OasesConfigError(
@@ -226,10 +235,19 @@ def model_args(flat, overrides=None):
         argv += ["--max-position-embeddings", str(flat["seq_length"])]  # shapes only
     if flat.get("vocab_size") is None and not flat.get("vocab_file"):
         argv += ["--vocab-size", "512"]
-    if flat.get("micro_batch_size") is None:
+    if flat.get("micro_batch_size") is None and not shape_only:
         argv += ["--micro-batch-size", str(DEFAULT_MICRO_BATCH)]
     if not flat.get("tokenizer_type"):
         argv += ["--tokenizer-type", "NullTokenizer"]  # no vocabulary files for a shape
+    return argv
+
+
+def model_args(flat, overrides=None):
+    """Validate a flat mapping the Megatron-LM way (its parser and ``validate_args``, as for a GPU
+    job of ``data_parallel_size`` × TP × PP ranks); returns Megatron's args."""
+    flat = dict(flat)
+    flat.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    argv = model_argv(flat)
     tp = int(flat.get("tensor_model_parallel_size") or 1)
     pp = int(flat.get("pipeline_model_parallel_size") or 1)
     dp = flat.get("data_parallel_size")

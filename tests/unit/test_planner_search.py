@@ -96,3 +96,12 @@ def test_bad_search_flags_are_one_line(extra, message, capsys):
     code = main(["plan", "--global-batch-size", "64", *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and message in err[0], err
+
+
+def test_spearman_ranks_with_ties():
+    from megatron_oases.planner.verify import spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [1, 1, 2]) == pytest.approx(1.0)
+    assert spearman([1], [2]) is None

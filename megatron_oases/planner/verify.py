@@ -1,0 +1,128 @@
+"""``oases plan --gpus N --verify-top K``: run the search's K fastest candidates under the emulator
+and set the measured iteration beside the predicted one.
+
+Each candidate runs as ``oases train`` over N ranks on this host (``oases compare``'s runner:
+torchrun, mock data, the model's shape flags, the candidate's launch line) with
+``--emulate-link CLUSTER``: compute stretched by the dilation D, every collective its modelled
+time on the cluster's links. The measured figure is the median timed iteration ÷ D, the
+emulation's stand-in for the target GPUs, compared with the candidate's predicted *device* time
+(the host term is the target host's, which the emulator does not reproduce). An emulation, not
+a measurement on GPUs.
+"""
+
+import os
+
+from ..errors import OasesConfigError
+
+
+def spearman(xs, ys):
+    """Spearman's rank correlation of two equal-length sequences (average ranks for ties)."""
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    if len(xs) < 2:
+        return None
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else None
+
+
+def _slug(name):
+    return name.replace(" ", "-").lower()
+
+
+def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, progress=print):
+    """Run ``result``'s first ``k`` candidates (:func:`.search.search`); returns
+    ``{'rows': [...], 'spearman', 'dilation', 'best_measured', 'chosen_gap'}`` and adds
+    ``measured_s`` to each run candidate."""
+    from ..compare.cli import _emulation_info
+    from ..compare.runner import run_variant
+    from ..compare.variants import Variant
+    from ..formats.plan import save_plan
+    from ..profiler.model_config import model_argv
+    from ..testbed.clusters import load_cluster
+
+    if k < 1:
+        raise OasesConfigError("--verify-top must be ≥ 1")
+    gpus, cluster = result["gpus"], result["cluster"]
+    profile = load_cluster(cluster)
+    env = {}
+    emulation = _emulation_info(profile, 1, env, gpus)
+    base = model_argv(model_flat, shape_only=True) + ["--mock-data"]
+    os.makedirs(out_dir, exist_ok=True)
+    rows = []
+    for i, cand in enumerate(result["candidates"][:k], 1):
+        flags = cand["launch_flags"].split()
+        plan = result.get("plans", {}).get(cand["name"])
+        if plan is not None and len(set(plan["degrees"])) > 1:  # per-layer degrees: the file
+            path = os.path.join(out_dir, f"{_slug(cand['name'])}.plan.json")
+            save_plan(plan, path)
+            flags += ["--oases-plan", path]
+        variant = Variant(
+            name=_slug(cand["name"]), flags=tuple(flags), label=cand["name"], paper=""
+        )
+        progress(f"verify {i}/{k}: {cand['name']} {cand['schedule']} on {gpus} emulated ranks")
+        run = run_variant(
+            variant,
+            base,
+            out_dir,
+            gpus,
+            warmup,
+            iters,
+            emulate_link=cluster,
+            env=env,
+            timeout=timeout,
+            progress=lambda line: None,
+        )
+        row = {
+            "name": cand["name"],
+            "schedule": cand["schedule"],
+            "recompute": cand["recompute"],
+            "split": cand["split"],
+            "predicted_s": cand["device_time_s"],
+            "status": run["status"],
+        }
+        if run["status"] == "ok":
+            row["measured_s"] = run["median_iteration_s"] / emulation["dilation"]
+            cand["measured_s"] = row["measured_s"]
+        else:
+            row["error"] = run.get("error")
+        rows.append(row)
+    ok = [r for r in rows if "measured_s" in r]
+    out = {"rows": rows, "dilation": emulation["dilation"], "emulation": emulation}
+    out["spearman"] = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
+    if ok:
+        best = min(ok, key=lambda r: r["measured_s"])
+        out["best_measured"] = best["name"]
+        chosen = rows[0]
+        if "measured_s" in chosen:
+            out["chosen_gap"] = chosen["measured_s"] / best["measured_s"] - 1
+    return out
+
+
+def verify_table(verified):
+    lines = [f"{'candidate':<22} {'setting':<10} {'predicted ms':>13} {'measured ms':>12}"]
+    for r in verified["rows"]:
+        got = f"{1e3 * r['measured_s']:>12.2f}" if "measured_s" in r else f"  {r['status']}"
+        lines.append(f"{r['name']:<22} {r['schedule']:<10} {1e3 * r['predicted_s']:>13.2f} {got}")
+    rho, gap = verified.get("spearman"), verified.get("chosen_gap")
+    lines.append(
+        f"Spearman {'n/a' if rho is None else f'{rho:.2f}'}; the best measured: "
+        f"{verified.get('best_measured')}"
+        + ("" if gap is None else f"; the chosen one measured {100 * gap:.1f} % above it")
+        + f" (emulated, D = {verified['dilation']:.0f})"
+    )
+    return lines
