@@ -26,6 +26,55 @@ MODEL = "tiny-cpu"
 SHAPE = dict(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512,
              max_position_embeddings=512, vocab_size=1024)  # fmt: skip
 GPUS, CLUSTER, GBS = 4, "rtx3090-pcie", 8
+RECOMPUTE_WORDS = {
+    "none": "no",
+    "selective": "selective",
+    "selective+ln": "selective+ln",
+    "full": "full",
+}
+
+
+def write_report(out, out_dir):
+    """``verify_search.md`` from the JSON result (``--report-only`` rebuilds it)."""
+    rho_top, rho_all = out["spearman_top5"], out["spearman_all"]
+    thumb_row = out["rule_of_thumb"]
+    ranked = [r for r in out["rows"] if not r.get("rule_of_thumb") and "measured_s" in r]
+    chosen = ranked[0]
+    best = min(ranked, key=lambda r: r["measured_s"])
+    lines = [
+        "# `oases plan --gpus 4`: predicted against emulated, every candidate run",
+        "",
+        "`python benchmarks/planner/verify_search.py` (do not edit by hand). **An emulation on a "
+        "2-CPU host, not GPUs**: 4 ranks of `oases train` under `--emulate-link rtx3090-pcie` "
+        f"(D = {out['dilation']:.0f}); measured = median timed iteration ÷ D. Model: GPT "
+        "H=512, 8 layers, 8 heads, seq 512, vocabulary 1024, global batch 8; searched without the "
+        "host term (the emulator does not reproduce the target host).",
+        "",
+        "| candidate | setting | predicted ms | measured ms |",
+        "|---|---|---|---|",
+    ]
+    for r in out["rows"]:
+        tag = " (rule of thumb)" if r.get("rule_of_thumb") else ""
+        got = f"{1e3 * r['measured_s']:.2f}" if "measured_s" in r else r["status"]
+        lines.append(f"| {r['name']}{tag} | {r['schedule']}, {RECOMPUTE_WORDS[r['recompute']]} recompute"
+                     f"{', sequence chunks' if r['split'] == 'sequence' else ''} | "
+                     f"{1e3 * r['predicted_s']:.2f} | {got} |")  # fmt: skip
+    fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+    lines += [
+        "",
+        f"- Spearman, predicted against measured: top 5 {fmt(rho_top)} (target ≥ 0.9), all "
+        f"{len(ranked)} {fmt(rho_all)}.",
+        f"- Chosen {chosen['name']}: measured {100 * out['chosen_over_best']:.1f} % above the best "
+        f"measured ({best['name']}) (target ≤ 3 %).",
+    ]
+    if thumb_row and "measured_s" in thumb_row:
+        lines.append(
+            f"- Rule of thumb {thumb_row['name']} (stock, {RECOMPUTE_WORDS[thumb_row['recompute']]} recompute): "
+            f"measured {1e3 * thumb_row['measured_s']:.2f} ms, "
+            f"{thumb_row['measured_s'] / chosen['measured_s']:.2f}x the chosen one's."
+        )
+    with open(os.path.join(out_dir, "verify_search.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def main(argv=None):
@@ -38,7 +87,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "planner"))
     p.add_argument("--runs", default="/tmp/oases-verify-search", help="the runs' directory")
+    p.add_argument("--report-only", action="store_true", help="rebuild the .md from the .json")
     args = p.parse_args(argv)
+    if args.report_only:
+        with open(os.path.join(args.out, "verify_search.json")) as f:
+            write_report(json.load(f), args.out)
+        print(f"wrote {args.out}/verify_search.md")
+        return 0
     flat = {**read_model_file(MODEL), **SHAPE}
     margs = model_for_search(flat, GBS)
     result = search(margs, CLUSTER, GPUS, GBS, host_us_per_call=0, top=5)
@@ -68,6 +123,8 @@ def main(argv=None):
     thumb_row = next((r for r, c in zip(rows, cands) if c.get("rule_of_thumb")), None)
     if thumb_row is None and thumb:
         thumb_row = next(r for r in rows if r["name"] == thumb["name"])
+    for r, c in zip(rows, cands):
+        r["rule_of_thumb"] = bool(c.get("rule_of_thumb"))
     out = {
         "model": {**SHAPE, "name": MODEL + " (shape overridden)"},
         "gpus": GPUS,
@@ -86,40 +143,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "verify_search.json"), "w") as f:
         json.dump(out, f, indent=1)
-    lines = [
-        "# `oases plan --gpus 4`: predicted against emulated, every candidate run",
-        "",
-        "`python benchmarks/planner/verify_search.py` (do not edit by hand). **An emulation on a "
-        "2-CPU host, not GPUs**: 4 ranks of `oases train` under `--emulate-link rtx3090-pcie` "
-        f"(D = {checked['dilation']:.0f}); measured = median timed iteration ÷ D. Model: GPT "
-        "H=512, 8 layers, 8 heads, seq 512, vocabulary 1024, global batch 8; searched without the "
-        "host term (the emulator does not reproduce the target host).",
-        "",
-        "| candidate | setting | predicted ms | measured ms |",
-        "|---|---|---|---|",
-    ]
-    for r, c in zip(rows, cands):
-        tag = " (rule of thumb)" if c.get("rule_of_thumb") else ""
-        got = f"{1e3 * r['measured_s']:.2f}" if "measured_s" in r else r["status"]
-        lines.append(f"| {r['name']}{tag} | {r['schedule']}, {r['recompute']} recompute"
-                     f"{', sequence chunks' if r['split'] == 'sequence' else ''} | "
-                     f"{1e3 * r['predicted_s']:.2f} | {got} |")  # fmt: skip
-    fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
-    lines += [
-        "",
-        f"- Spearman, predicted against measured: top 5 {fmt(rho_top)} (target ≥ 0.9), all "
-        f"{len(ranked)} {fmt(rho_all)}.",
-        f"- Chosen {chosen['name']}: measured {100 * out['chosen_over_best']:.1f} % above the best "
-        f"measured ({best['name']}) (target ≤ 3 %).",
-    ]
-    if thumb_row and "measured_s" in thumb_row:
-        lines.append(
-            f"- Rule of thumb {thumb_row['name']} (stock, {thumb_row['recompute']} recompute): "
-            f"measured {1e3 * thumb_row['measured_s']:.2f} ms, "
-            f"{thumb_row['measured_s'] / chosen['measured_s']:.2f}x the chosen one's."
-        )
-    with open(os.path.join(args.out, "verify_search.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(out, args.out)
     print(f"wrote {args.out}/verify_search.md ({out['runs_s']} s of runs)")
     return 0
 
