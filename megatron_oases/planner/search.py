@@ -129,26 +129,33 @@ def _flags(layout, setting, common):
     return f"{layout.flags(common['global_batch_size'])} {own}"
 
 
+def _uniform(profile, layout, schedule, recompute, common, split="batch"):
+    """The layout's row for one setting at its uniform degree (None where it does not fit)."""
+    try:
+        plan = make_plan(
+            profile,
+            schedule=schedule,
+            recompute=recompute,
+            split=split,
+            degrees=[layout.tp],
+            micro_batch_size=layout.micro_batch,
+            grad_sync=layout.dp > 1,
+            **common,
+        )[0]
+    except OasesConfigError:  # does not fit, or cannot split this micro-batch
+        return None
+    return _row(layout, plan)
+
+
 def _quick(profile, layout, common):
     """Level one: the fastest of :data:`QUICK_SETTINGS` at the uniform degree; also stock with
     full recompute on its own (the rule of thumb's setting). ``(best, stock)``, rows or None."""
     best = stock = None
     for schedule, recompute in QUICK_SETTINGS:
         split = "sequence" if schedule != "off" and layout.micro_batch == 1 else "batch"
-        try:
-            plan = make_plan(
-                profile,
-                schedule=schedule,
-                recompute=recompute,
-                split=split,
-                degrees=[layout.tp],
-                micro_batch_size=layout.micro_batch,
-                grad_sync=layout.dp > 1,
-                **common,
-            )[0]
-        except OasesConfigError:  # does not fit, or cannot split this micro-batch
+        row = _uniform(profile, layout, schedule, recompute, common, split)
+        if row is None:
             continue
-        row = _row(layout, plan)
         if (schedule, recompute) == ("off", "full"):
             stock = row
         if best is None or row["iteration_time_s"] < best["iteration_time_s"]:
@@ -174,20 +181,8 @@ def rule_of_thumb(stock_rows, gpus_per_node, profiles, common):
     best = max(rows, key=lambda r: r["layout"]["micro_batch"])
     layout = Layout(**best["layout"])
     for recompute in STOCK_SETTINGS:
-        try:
-            plan = make_plan(
-                profiles[layout],
-                schedule="off",
-                recompute=recompute,
-                degrees=[layout.tp],
-                micro_batch_size=layout.micro_batch,
-                grad_sync=layout.dp > 1,
-                **common,
-            )[0]
-        except OasesConfigError:
-            continue
-        row = _row(layout, plan)
-        if row["iteration_time_s"] < best["iteration_time_s"]:
+        row = _uniform(profiles[layout], layout, "off", recompute, common)
+        if row is not None and row["iteration_time_s"] < best["iteration_time_s"]:
             best = row
     return best
 
