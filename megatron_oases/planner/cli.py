@@ -497,9 +497,8 @@ def _search(args):
     from ..testbed.clusters import load_cluster
 
     load_cluster(args.cluster)  # a bad name: one line before the model is validated
-    margs = model_for_search(
-        read_model_file(args.model), args.global_batch_size, _overrides(args.set)
-    )
+    flat = {**read_model_file(args.model), **_overrides(args.set)}  # the model --verify-top runs
+    margs = model_for_search(flat, args.global_batch_size)
     result = search(
         margs,
         args.cluster,
@@ -534,7 +533,7 @@ def _search(args):
         print(f"\nverifying the {args.verify_top} fastest under the emulator (runs in {where})")
         checked = verify(
             result,
-            read_model_file(args.model),
+            flat,
             where,
             args.verify_top,
             progress=lambda line: print(f"oases plan: {line}", file=sys.stderr, flush=True),
