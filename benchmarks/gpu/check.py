@@ -222,8 +222,9 @@ def _parity_worker(base, variants):
         buffers._coalescing_manager = original
 
 
-def step_parity(dry, save=None):
-    """Each config's result, passed to ``save`` as it completes (a time-out keeps the done ones)."""
+def step_parity(dry, save=None, only=None):
+    """Each config's result, passed to ``save`` as it completes (a time-out keeps the done ones);
+    ``only``: the configs whose name starts with one of these prefixes."""
     from helpers.runs import max_rel_diff
 
     from megatron_oases.errors import last_line
@@ -231,6 +232,8 @@ def step_parity(dry, save=None):
 
     results = {}
     for name, base, schedules, tol in parity_configs(dry):
+        if only and not any(name.startswith(prefix) for prefix in only):
+            continue
         if save:
             save(results)
         variants = [(sch, f"--oases-schedule {sch} {FULL_RECOMPUTE}") for sch in schedules]
@@ -574,6 +577,12 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="report directory")
     p.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset of the steps")
     p.add_argument("--budget-s", type=float, default=480, help="stop starting steps after this")
+    p.add_argument(
+        "--parity-configs",
+        default=None,
+        help="parity: only the configs whose name starts with one of these (comma-separated, "
+        "e.g. llama; default all)",
+    )
     p.add_argument("--step", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--gemm-tflops", type=float, default=None, help=argparse.SUPPRESS)
@@ -588,7 +597,8 @@ def main(argv=None):
 
         kwargs = {"gemm_rate": args.gemm_tflops} if args.step == "timing" else {}
         if args.step == "parity":
-            kwargs = {"save": save}
+            only = args.parity_configs.split(",") if args.parity_configs else None
+            kwargs = {"save": save, "only": only}
         save(fn(args.dry_run, **kwargs))
         return 0
     names = [n.strip() for n in args.steps.split(",") if n.strip()]
@@ -623,6 +633,8 @@ def main(argv=None):
             if name == "timing" and env.get("gemm_tflops"):
                 rate = env["gemm_tflops"]["bfloat16" if env.get("cuda_available") else "float32"]
                 extra = ["--gemm-tflops", repr(rate)]
+            if name == "parity" and args.parity_configs:
+                extra = ["--parity-configs", args.parity_configs]
             print(f"[gpu-check] {name} (limit {limit:.0f} s) ...", flush=True)
             report["steps"][name] = r = _run_step(name, args.dry_run, limit, log, extra)
             if name == "parity" and r.get("result"):  # a config that failed fails the step
