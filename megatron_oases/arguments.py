@@ -13,7 +13,14 @@ import sys
 
 from .config import OasesConfig
 from .errors import OasesConfigError
-from .validation import SCHEDULES, SPLITS, SUB_BATCHES, check_model_shape, check_oases_args
+from .validation import (
+    CUDA_GRAPH_MODES,
+    SCHEDULES,
+    SPLITS,
+    SUB_BATCHES,
+    check_model_shape,
+    check_oases_args,
+)
 
 #: Added when absent on a machine without CUDA: Megatron's defaults there need APEX/TE kernels.
 CPU_DEFAULTS = (
@@ -101,6 +108,19 @@ def add_oases_args(parser):
         "samples (the paper's; needs --micro-batch-size >= --oases-sub-batches); sequence = "
         "consecutive chunks of each sample's sequence, a later chunk attending to the earlier "
         "chunks' keys and values (runs --micro-batch-size 1; unfused attention, no SP, no plan)",
+    )
+    g.add_argument(
+        "--oases-cuda-graphs",
+        nargs="?",
+        const="capture",
+        choices=CUDA_GRAPH_MODES,
+        default=None,
+        metavar="MODE",
+        help="CUDA only: replay each block's attention / MLP (between its layernorm and its TMP "
+        "reduction) from a CUDA graph, one launch where the host issued dozens of kernels; "
+        "static memory per block and sub-batch, no attention dropout. 'eager' runs the same "
+        "bookkeeping without graphs (debugging, any device). Unverified on a GPU until "
+        "benchmarks/gpu/check.sh reports it",
     )
     g.add_argument(
         "--oases-trace",

@@ -31,7 +31,8 @@ class OasesConfig:
     """What the ``--oases-*`` flags ask for, checked against the model and the batch.
 
     ``plan``: the ``--oases-plan`` file's contents (read and checked once), or None.
-    ``tensor_model_parallel_size``: the TMP domain a plan's degrees divide."""
+    ``tensor_model_parallel_size``: the TMP domain a plan's degrees divide. ``cuda_graphs``:
+    ``--oases-cuda-graphs``'s mode (``capture``, ``eager``) or None."""
 
     schedule: Schedule = Schedule.OFF
     sub_batches: int = SUB_BATCHES
@@ -42,6 +43,7 @@ class OasesConfig:
     attention_backend: str = "auto"
     half_precision: bool = False
     reset_attention_mask: bool = False
+    cuda_graphs: Optional[str] = None
 
     @property
     def overlapped(self):
@@ -67,7 +69,9 @@ class OasesConfig:
                 num_layers=args.num_layers,
                 tensor_model_parallel_size=args.tensor_model_parallel_size,
             )
-        check_oases_args(args, plan=plan)
+        import torch
+
+        check_oases_args(args, plan=plan, cuda_available=torch.cuda.is_available())
         if plan is not None:
             _warn_plan_differences(path, plan, args)
         backend = getattr(args, "attention_backend", "auto")
@@ -81,6 +85,7 @@ class OasesConfig:
             attention_backend=getattr(backend, "name", backend),
             half_precision=bool(getattr(args, "fp16", False) or getattr(args, "bf16", False)),
             reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+            cuda_graphs=getattr(args, "oases_cuda_graphs", None),
         )
 
 

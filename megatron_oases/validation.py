@@ -24,6 +24,9 @@ MAX_SUB_BATCHES = 8
 TAIL_PIECES = 4
 #: ``--oases-split`` values: how a micro-batch becomes sub-batches (samples, or sequence chunks).
 SPLITS = ("batch", "sequence")
+#: ``--oases-cuda-graphs`` modes: ``capture`` (the flag alone) replays each block's main op from
+#: a CUDA graph; ``eager`` runs the same bookkeeping without graphs (debugging, any device).
+CUDA_GRAPH_MODES = ("capture", "eager")
 _WORDS = {2: "two", 3: "three", 4: "four"}
 
 
@@ -266,9 +269,57 @@ def check_plan_fits_model(plan, args):
             )
 
 
-def check_oases_args(args, before_megatron=False, plan=None):
+def check_cuda_graphs(args, cuda_available):
+    """``--oases-cuda-graphs``: graphs of the split schedules' main ops, which capture no
+    collective, no RNG state change and no host-side gradient bookkeeping."""
+    graphs = getattr(args, "oases_cuda_graphs", None)
+    if not graphs:
+        return
+    if graphs not in CUDA_GRAPH_MODES:
+        raise OasesConfigError(
+            f"--oases-cuda-graphs: unknown mode {graphs!r}; choose from {', '.join(CUDA_GRAPH_MODES)}"
+        )
+    if getattr(args, "oases_schedule", "off") == "off":
+        raise OasesConfigError(
+            "--oases-cuda-graphs graphs the overlapped schedules' blocks; add --oases-schedule "
+            "oases (or overlap, cross-pass), or drop --oases-cuda-graphs"
+        )
+    if getattr(args, "sequence_parallel", False):
+        raise OasesConfigError(
+            "--oases-cuda-graphs does not support --sequence-parallel yet; drop one of them"
+        )
+    if split_kind(args) == "sequence":
+        raise OasesConfigError("--oases-cuda-graphs needs --oases-split batch; drop one of them")
+    if graphs != "capture":
+        return
+    if not cuda_available:
+        raise OasesConfigError(
+            "--oases-cuda-graphs needs a CUDA GPU and this host has none; drop it (or pass "
+            "--oases-cuda-graphs eager to run its bookkeeping without graphs)"
+        )
+    if (getattr(args, "attention_dropout", 0) or 0) > 0:
+        raise OasesConfigError(
+            "--oases-cuda-graphs cannot capture attention dropout (Megatron's RNG fork); use "
+            "--attention-dropout 0 or drop --oases-cuda-graphs"
+        )
+    if getattr(args, "gradient_accumulation_fusion", False):
+        raise OasesConfigError(
+            "--oases-cuda-graphs cannot capture the fused weight-gradient accumulation; add "
+            "--no-gradient-accumulation-fusion or drop --oases-cuda-graphs"
+        )
+    if getattr(args, "recompute_granularity", None) == "selective" and set(
+        getattr(args, "recompute_modules", None) or ["core_attn"]
+    ) - {"layernorm"}:
+        raise OasesConfigError(
+            "--oases-cuda-graphs cannot capture selective recompute inside attention or the MLP; "
+            "use --recompute-modules layernorm, full recompute, or drop --oases-cuda-graphs"
+        )
+
+
+def check_oases_args(args, before_megatron=False, plan=None, cuda_available=None):
     """The ``--oases-*`` rules on parsed args. ``before_megatron``: only those Megatron's own
-    checks would mask with a less helpful message. ``plan``: the loaded ``--oases-plan``."""
+    checks would mask with a less helpful message. ``plan``: the loaded ``--oases-plan``.
+    ``cuda_available``: whether the run has a CUDA GPU (None: not known, the GPU rules skipped)."""
     mode = getattr(args, "oases_schedule", "off")
     check_schedule(mode)
     check_transformer_impl(getattr(args, "transformer_impl", "local"))
@@ -311,6 +362,7 @@ def check_oases_args(args, before_megatron=False, plan=None):
             check_splittable(args.micro_batch_size, parts=sub_batches(args))
     if plan is not None:
         check_plan_fits_model(plan, args)
+    check_cuda_graphs(args, cuda_available if cuda_available is not None else True)
     return args
 
 

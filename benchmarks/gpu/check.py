@@ -420,12 +420,128 @@ def step_split(dry):
     return out
 
 
+def step_graphs(dry):
+    """``--oases-cuda-graphs`` on this device (on the CPU its ``eager`` bookkeeping): parity of the
+    graphed schedules against stock (2 ranks, fp32 and bf16, dropout 0), then one-rank calls per
+    layer, GPU idle share and iteration time with and without, and the emulated-link timing."""
+    import torch
+    from helpers.runs import max_rel_diff
+
+    from megatron_oases.errors import last_line
+    from megatron_oases.launch import run_distributed
+
+    graphs = "--oases-cuda-graphs" + ("" if _cuda() else " eager")
+    s = shapes(dry)
+    out = {"flag": graphs, "parity": {}, "host": {}, "timing": {}}
+    base = next(b for name, b, _, _ in parity_configs(dry) if name == "gpt-fp32")
+    variants = [
+        ("off", f"--oases-schedule off {FULL_RECOMPUTE}"),
+        ("oases+graphs", f"--oases-schedule oases {graphs} {FULL_RECOMPUTE}"),
+        ("off-keep", "--oases-schedule off"),
+        ("overlap-keep+graphs", f"--oases-schedule overlap {graphs}"),
+    ]
+    pairs = [("oases+graphs", "off"), ("overlap-keep+graphs", "off-keep")]
+    for name, flags, vs, tol in (
+        ("gpt-fp32", "", variants, 1e-4),
+        ("gpt-bf16", " --bf16", variants[:2], 3e-2),
+    ):
+        t0 = time.time()
+        try:
+            ranks = run_distributed(_parity_worker, 2, base + flags, vs, timeout=240)
+        except Exception as exc:  # noqa: BLE001 - a failure is a result
+            out["parity"][name] = {"status": "failed", "error": last_line(exc)[:400]}
+            continue
+        worst = {}
+        for res in ranks:
+            for got, ref in pairs:
+                if got not in res:
+                    continue
+                diffs = [max_rel_diff(res[got]["losses"], res[ref]["losses"])]
+                diffs += [
+                    max_rel_diff(res[got]["grads"][k], g) for k, g in res[ref]["grads"].items()
+                ]
+                worst[got] = max(worst.get(got, 0.0), *diffs)
+        ok = all(v < tol for v in worst.values())
+        out["parity"][name] = {
+            "status": "ok" if ok else "mismatch",
+            "tolerance": tol,
+            "worst_rel_diff": worst,
+            "seconds": round(time.time() - t0, 1),
+        }
+    # host floor: calls per layer (8 − 4 layers) and the GPU's idle share, one rank
+    _fake_group(2)
+    dtype = ["--bf16"] if _cuda() else []
+    host_variants = [
+        ("megatron", []),
+        ("oases", []),
+        ("oases", graphs.split()),
+        ("megatron-norecompute", []),
+        ("overlap-norecompute", []),
+        ("overlap-norecompute", graphs.split()),
+    ]
+    for name, extra in host_variants:
+        label = name + ("+graphs" if extra else "")
+        per = {}
+        try:
+            for layers in (4, 8):
+                argv = _argv(
+                    f"--num-layers {layers} {s['host']} --vocab-size {s['vocab']} --mock-data "
+                    "--tensor-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 2 "
+                    "--hidden-dropout 0 --attention-dropout 0"
+                )
+                argv += dtype + _variant_flags(name, 2, layers) + extra
+                per[layers] = one_rank_job(argv, 5, profile_at=4)
+        except Exception as exc:  # noqa: BLE001
+            out["host"][label] = {"error": last_line(exc)[:400]}
+            continue
+        row = {
+            "aten_calls_per_layer": (per[8]["aten_calls"] - per[4]["aten_calls"]) / 4,
+            "iteration_s_8_layers": statistics.median(per[8]["iteration_s"][1:3]),
+            "iteration_s_4_layers": statistics.median(per[4]["iteration_s"][1:3]),
+        }
+        if "gpu_busy_s" in per[8]:
+            row.update(
+                gpu_idle_share=max(0.0, 1 - per[8]["gpu_busy_s"] / per[8]["wall_s"]),
+                gpu_us_per_layer=1e6 * (per[8]["gpu_busy_s"] - per[4]["gpu_busy_s"]) / 4,
+                kernels_per_layer=(per[8]["kernels"] - per[4]["kernels"]) / 4,
+            )
+        if torch.cuda.is_available():
+            row["max_allocated_gb_8_layers"] = torch.cuda.max_memory_allocated() / 1e9
+            torch.cuda.reset_peak_memory_stats()
+        out["host"][label] = row
+    # the emulated links (rank 0 alone, collectives as spin kernels): does it pay now?
+    grid = [("rtx3090-pcie", "timing", 2), ("h100-nvlink", "busy", 8)]
+    if dry:
+        grid = [("rtx3090-pcie", "timing", 2)]
+    for profile, shape, mb in grid:
+        row = {}
+        for name, extra in host_variants[:3] + host_variants[4:]:
+            argv = _argv(
+                f"--num-layers 2 {s[shape]} --vocab-size {s['vocab']} --mock-data "
+                f"--tensor-model-parallel-size 2 --micro-batch-size {mb} --global-batch-size {mb} "
+                f"--hidden-dropout 0 --attention-dropout 0 --emulate-link {profile}"
+            )
+            argv += dtype + _variant_flags(name, mb, 2) + extra
+            label = name + ("+graphs" if extra else "")
+            try:
+                row[label] = one_rank_job(argv, 2 if dry else 5)["median_s"]
+            except Exception as exc:  # noqa: BLE001
+                row[label] = f"failed: {last_line(exc)[:300]}"
+        if isinstance(row.get("megatron"), float):
+            row["speedup"] = {
+                n: row["megatron"] / v for n, v in row.items() if isinstance(v, float)
+            }
+        out["timing"][f"{profile}-tp2-{shape}-mb{mb}"] = row
+    return out
+
+
 STEPS = {
     "env": (step_env, 60),
     "parity": (step_parity, 240),
     "timing": (step_timing, 240),
     "host": (step_host, 120),
     "split": (step_split, 60),
+    "graphs": (step_graphs, 300),
 }
 
 
@@ -543,6 +659,9 @@ def write_report(report, out):
                     f"{_fmt(r.get('gpu_us_per_layer'), '{:.0f}')} | "
                     f"{_fmt(r.get('gpu_idle_share'), '{:.2f}')} | {r.get('host_bound', '')} |"
                 )
+    graphs = (steps.get("graphs") or {}).get("result")
+    if graphs:
+        lines += _graphs_report(graphs)
     split = (steps.get("split") or {}).get("result")
     if split:
         lines += [
@@ -557,6 +676,51 @@ def write_report(report, out):
             lines += ["", f"**{n} failed**: {s['error']}"]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _graphs_report(g):
+    lines = [
+        "",
+        f"## CUDA graphs (`{g['flag']}`)",
+        "",
+        "Parity against stock (2 ranks on gloo):",
+        "",
+    ]
+    lines += ["| config | status | tolerance | worst relative difference |", "|---|---|---|---|"]
+    for n, r in g["parity"].items():
+        worst = ", ".join(f"{k} {v:.1e}" for k, v in (r.get("worst_rel_diff") or {}).items())
+        lines.append(
+            f"| {n} | {r['status']} | {r.get('tolerance', '')} | {worst or r.get('error')} |"
+        )
+    lines += [
+        "",
+        "One rank, TMP 2, the report's shape (H=2048, seq 1024, micro-batch 2), bf16:",
+        "",
+    ]
+    lines += ["| variant | calls/layer | kernels/layer | GPU µs/layer | GPU idle | iteration s "
+              "(8 layers) | max allocated GB |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for n, r in g["host"].items():
+        if "error" in r:
+            lines.append(f"| {n} | failed: {r['error']} | | | | | |")
+            continue
+        lines.append(
+            f"| {n} | {_fmt(r['aten_calls_per_layer'], '{:.0f}')} | "
+            f"{_fmt(r.get('kernels_per_layer'), '{:.0f}')} | "
+            f"{_fmt(r.get('gpu_us_per_layer'), '{:.0f}')} | "
+            f"{_fmt(r.get('gpu_idle_share'), '{:.2f}')} | "
+            f"{_fmt(r['iteration_s_8_layers'], '{:.4f}')} | "
+            f"{_fmt(r.get('max_allocated_gb_8_layers'), '{:.2f}')} |"
+        )
+    lines += ["", "One-rank emulated timing (median iteration s; speed-up over stock):", ""]
+    for n, r in g["timing"].items():
+        sp = r.get("speedup", {})
+        cells = ", ".join(
+            f"{k} {_fmt(v, '{:.4f}')}" + (f" ({sp[k]:.2f}x)" if k in sp else "")
+            for k, v in r.items()
+            if k != "speedup"
+        )
+        lines.append(f"- {n}: {cells}")
+    return lines
 
 
 def _commit():

@@ -27,10 +27,14 @@ from ..validation import check_transformer_impl
 
 
 class LayerBlocks:
-    """The blocks of a stage's layers plus the per-forward arguments (mask, RoPE)."""
+    """The blocks of a stage's layers plus the per-forward arguments (mask, RoPE); ``graphs``: a
+    :class:`.graphs.BlockGraphs` replaying each main op from a CUDA graph, or None (eager)."""
 
-    def __init__(self, layers, attention_mask=None, rotary_pos_emb=None, attention_bias=None):
+    def __init__(
+        self, layers, attention_mask=None, rotary_pos_emb=None, attention_bias=None, graphs=None
+    ):
         self.layers = list(layers)
+        self.graphs = graphs
         self.attention_mask = attention_mask
         self.rotary_pos_emb = rotary_pos_emb
         self.attention_bias = attention_bias
@@ -120,14 +124,19 @@ class LayerBlocks:
         """Partial (pre-all-reduce) output and bias of the attention / MLP block; ``mask`` and
         ``rotary_pos_emb``: the sub-batch's (:mod:`.split`)."""
         layer = self.layer(j)
+        owner = layer.self_attention if j % 2 == 0 else layer.mlp
+        if self.graphs is not None:
+            args = (x, mask, rotary_pos_emb, self.attention_bias)
+            return self.graphs.run(owner, lambda *a: self._main(owner, j, *a), args)
+        return self._main(owner, j, x, mask, rotary_pos_emb, self.attention_bias)
+
+    @staticmethod
+    def _main(owner, j, x, mask, rotary_pos_emb, attention_bias):
         if j % 2 == 0:
-            return layer.self_attention(
-                x,
-                attention_mask=mask,
-                rotary_pos_emb=rotary_pos_emb,
-                attention_bias=self.attention_bias,
+            return owner(
+                x, attention_mask=mask, rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias
             )
-        return layer.mlp(x)
+        return owner(x)
 
     def bda(self, j, reduced, bias, residual):
         """Bias-dropout-add: residual + dropout(reduced + bias) — affine in (reduced, residual)."""

@@ -38,17 +38,19 @@ from . import stage
 from .blocks import LayerBlocks
 from .comm import make_all_reduce, make_column_forward, make_deferred_reduction, make_scatter
 from .engine import ScheduledLayers, ScheduledLayersFunction
+from .graphs import BlockGraphs
 from .loss import check_megatron as check_cross_entropy
 from .stage import CALL_KWARG
 
 logger = logging.getLogger(__name__)
 
 
-def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, split="batch"):
+def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, split="batch", graphs=None):
     """``TransformerBlock.forward`` running the layers as degree runs (plan) through ``mode``;
     ``tracer`` (the ``oases-trace`` patch's, optional) records the schedule's ops; a
     :class:`.stage.StageCall` in the call's keywords (from ``GPTModel.forward``) brings the
-    embedding and the output layer + loss into the programs; ``split``: ``--oases-split``."""
+    embedding and the output layer + loss into the programs; ``split``: ``--oases-split``;
+    ``graphs``: the run's :class:`.graphs.BlockGraphs` (``--oases-cuda-graphs``) or None."""
     counter = {"microbatch": 0}
 
     def forward(
@@ -127,7 +129,7 @@ def make_block_forward(original, mode, tracer=None, parts=SUB_BATCHES, split="ba
                     )
                 else:
                     run = ScheduledLayers(
-                        LayerBlocks(layers, mask, rotary_pos_emb, attention_bias),
+                        LayerBlocks(layers, mask, rotary_pos_emb, attention_bias, graphs),
                         mode,
                         microbatch=mb,
                         recompute=self.config.recompute_granularity == "full",
@@ -289,8 +291,9 @@ def make_patch(config, built=None):
 
     # The stage's ends (embedding, output layer + loss) join the programs of a uniform-TP
     # schedule, with or without sequence parallelism (:mod:`.stage`).
+    graphs = BlockGraphs(config.cuda_graphs) if config.cuda_graphs else None
     forward = make_block_forward(
-        TransformerBlock.forward, mode, tracer, config.sub_batches, config.split
+        TransformerBlock.forward, mode, tracer, config.sub_batches, config.split, graphs
     )
     replacements = [(TransformerBlock, "forward", forward)]
     if mode != "off" and not plan:
