@@ -420,7 +420,7 @@ def step_split(dry):
     return out
 
 
-def step_graphs(dry):
+def step_graphs(dry, save=None, gemm_rate=None):
     """``--oases-cuda-graphs`` on this device (on the CPU its ``eager`` bookkeeping): parity of the
     graphed schedules against stock (2 ranks, fp32 and bf16, dropout 0), then one-rank calls per
     layer, GPU idle share and iteration time with and without, and the emulated-link timing."""
@@ -430,6 +430,9 @@ def step_graphs(dry):
     from megatron_oases.errors import last_line
     from megatron_oases.launch import run_distributed
 
+    if gemm_rate:  # the emulator's "host" rate, as the timing step's
+        os.environ["OASES_HOST_FLOPS"] = repr(gemm_rate * 1e12)
+    save = save or (lambda result: None)
     graphs = "--oases-cuda-graphs" + ("" if _cuda() else " eager")
     s = shapes(dry)
     out = {"flag": graphs, "parity": {}, "host": {}, "timing": {}}
@@ -468,6 +471,7 @@ def step_graphs(dry):
             "worst_rel_diff": worst,
             "seconds": round(time.time() - t0, 1),
         }
+        save(out)
     # host floor: calls per layer (8 − 4 layers) and the GPU's idle share, one rank
     _fake_group(2)
     dtype = ["--bf16"] if _cuda() else []
@@ -509,6 +513,7 @@ def step_graphs(dry):
             row["max_allocated_gb_8_layers"] = torch.cuda.max_memory_allocated() / 1e9
             torch.cuda.reset_peak_memory_stats()
         out["host"][label] = row
+        save(out)
     # the emulated links (rank 0 alone, collectives as spin kernels): does it pay now?
     grid = [("rtx3090-pcie", "timing", 2), ("h100-nvlink", "busy", 8)]
     if dry:
@@ -532,6 +537,7 @@ def step_graphs(dry):
                 n: row["megatron"] / v for n, v in row.items() if isinstance(v, float)
             }
         out["timing"][f"{profile}-tp2-{shape}-mb{mb}"] = row
+        save(out)
     return out
 
 
@@ -759,7 +765,9 @@ def main(argv=None):
             with open(args.result, "w") as f:
                 json.dump(result, f, default=str)
 
-        kwargs = {"gemm_rate": args.gemm_tflops} if args.step == "timing" else {}
+        kwargs = {"gemm_rate": args.gemm_tflops} if args.step in ("timing", "graphs") else {}
+        if args.step == "graphs":
+            kwargs["save"] = save
         if args.step == "parity":
             only = args.parity_configs.split(",") if args.parity_configs else None
             kwargs = {"save": save, "only": only}
@@ -794,7 +802,7 @@ def main(argv=None):
                 continue
             extra = []
             env = report["steps"].get("env", {}).get("result") or {}
-            if name == "timing" and env.get("gemm_tflops"):
+            if name in ("timing", "graphs") and env.get("gemm_tflops"):
                 rate = env["gemm_tflops"]["bfloat16" if env.get("cuda_available") else "float32"]
                 extra = ["--gemm-tflops", repr(rate)]
             if name == "parity" and args.parity_configs:

@@ -58,6 +58,10 @@ def _kind(leaf, params):
     return "tensor"
 
 
+def _clone(t):
+    return None if t is None else t.clone()
+
+
 class _Lease:
     """A copy's busy flag, cleared by the backward or when autograd frees the node."""
 
@@ -191,13 +195,21 @@ class GraphedCall:
         if self.mode == "capture":
             self.bwd_graph.replay()
             grads_in = self.static_grad_in
-        else:
+        else:  # into static buffers too, so that aliasing bugs show without a GPU
             live, self.live = self.live, None
             grads = self._grads(live, self.static_grad_out)
-            grads_in = [None if g is None else g.detach() for g in grads]
-        # gradients for the tensor inputs (None where no grad) then the parameters
+            if self.static_grad_in is None:
+                self.static_grad_in = [None if g is None else torch.empty_like(g) for g in grads]
+            for static, g in zip(self.static_grad_in, grads):
+                if g is not None:
+                    static.copy_(g)
+            grads_in = self.static_grad_in
+        # The tensor inputs' gradients leave as clones: once this backward frees the copy, another
+        # call may take it (the other sub-batch's recomputation) and overwrite its buffers before
+        # this gradient's asynchronous reduction has read it. The parameters' gradients may stay
+        # aliases: AccumulateGrad copies a gradient it does not own (the buffers keep a reference).
         it = iter(grads_in)
-        out = [next(it) if t.requires_grad else None for t in self.tensors_in]
+        out = [_clone(next(it)) if t.requires_grad else None for t in self.tensors_in]
         return out + [next(it) for _ in self.params]
 
     def assemble(self, outs):
