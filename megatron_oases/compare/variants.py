@@ -19,6 +19,7 @@ class Variant:
     available: bool = True
     note: str = ""
     split_micro_batch: bool = False  # halve the micro-batch, double the micro-batches
+    needs_cuda: bool = False  # runs on a CUDA GPU only (--oases-cuda-graphs)
     needs_plan: bool = False  # takes compare's --oases-plan PATH (per-layer TMP degrees)
 
     @property
@@ -156,6 +157,21 @@ VARIANTS = {
             "+ Fine-grained recomputation",
         ),
         Variant(
+            "oases-graphs",
+            ("--oases-schedule", "oases", "--oases-cuda-graphs") + _FULL,
+            "oases, each block's attention / MLP replayed from a CUDA graph",
+            "-",
+            needs_cuda=True,
+        ),
+        Variant(
+            "overlap-norecompute-graphs",
+            ("--oases-schedule", "overlap", "--oases-cuda-graphs"),
+            "two sub-batches, no recompute, each block's attention / MLP from a CUDA graph",
+            "-",
+            recompute="none",
+            needs_cuda=True,
+        ),
+        Variant(
             "oases-block",
             ("--oases-schedule", "oases"),
             "oases, full recompute of the first half of each stage's layers, the rest kept",
@@ -242,6 +258,7 @@ RESERVED = (
     "--oases-sub-batches",
     "--oases-split",
     "--fake-process-group",
+    "--oases-cuda-graphs",
 )
 
 
@@ -257,6 +274,15 @@ def parse_variants(spec, default=DEFAULT_VARIANTS):
     for n in names:
         if not VARIANTS[n].available:
             raise OasesConfigError(f"variant {n} is not available: {VARIANTS[n].note}")
+    cuda_only = [n for n in names if VARIANTS[n].needs_cuda]
+    if cuda_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise OasesConfigError(
+                f"variant(s) {', '.join(cuda_only)} need a CUDA GPU (--oases-cuda-graphs) and "
+                "this host has none; leave them out of --variants"
+            )
     return [VARIANTS[n] for n in names]
 
 

@@ -152,3 +152,13 @@ def test_eager_mode_runs_without_a_gpu_and_keeps_dropout():
         _args(recompute_granularity="selective", recompute_modules=["layernorm"]), True
     )
     check_cuda_graphs(_args(oases_cuda_graphs=None, oases_schedule="off"), False)
+
+
+def test_graphed_compare_variants_are_refused_without_a_gpu(monkeypatch):
+    from megatron_oases.compare.variants import VARIANTS, parse_variants
+
+    assert "--oases-cuda-graphs" in VARIANTS["oases-graphs"].flags
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(OasesConfigError, match="need a CUDA GPU") as err:
+        parse_variants("megatron,oases-graphs")
+    assert "\n" not in str(err.value)
