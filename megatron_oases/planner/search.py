@@ -7,7 +7,9 @@ without full recompute, ``overlap`` without recompute, ``oases``); the ``top`` f
 planned in full (every schedule and recompute setting, per-layer degrees, the host term). Each
 candidate's time is the planner's model of one iteration: the 1F1B pipeline over its micro-batches
 (bubble included), the exposed data-parallel gradient all-reduce, the larger of the device's and
-the host's timelines. Not modelled: the pipeline's point-to-point transfers, uneven stage splits.
+the host's timelines. Pipelined candidates planned in full also try uneven stage splits (Megatron's
+``--decoder-first/last-pipeline-num-layers``, :mod:`.stage_split`). Not modelled: the pipeline's
+point-to-point transfers.
 See ``docs/planner.md`` ("Searching the cluster").
 """
 
@@ -18,6 +20,7 @@ import time
 from ..errors import OasesConfigError
 from .api import make_plan
 from .choose import choose_plan, setting_name
+from .stage_split import best_split
 
 #: Level one's settings: (schedule, recompute).
 QUICK_SETTINGS = (("off", "full"), ("off", "none"), ("overlap", "none"), ("oases", "full"))
@@ -147,6 +150,31 @@ def _uniform(profile, layout, schedule, recompute, common, split="batch"):
     return _row(layout, plan)
 
 
+def _try_uneven_split(row, profile, layout, plan, common, total_layers):
+    """Level two, pipelined candidates at a uniform degree: the fastest stage split that fits
+    (:mod:`.stage_split`) replaces the even one where it is faster; the row's time is scaled by
+    the split's ratio to the even split, its memory is the fullest stage's."""
+    if layout.pp < 2 or row["degrees"] != [layout.tp]:
+        return
+    found = best_split(
+        profile,
+        row,
+        common,
+        layout.micro_batch,
+        layout.dp > 1,
+        total_layers,
+        spread=total_layers // layout.pp,
+    )
+    if found is None:
+        return
+    for key in ("iteration_time_s", "device_time_s"):
+        row[key] *= found["ratio"]
+    row["peak_memory_gb"] = found["peak_bytes"] / 1e9
+    row["stage_split"] = list(found["split"])  # layers on the first, each middle, the last stage
+    row["even_split_ratio"] = found["ratio"]  # its time ÷ the even split's
+    row["launch_flags"] += " " + found["flags"]
+
+
 def _quick(profile, layout, common):
     """Level one: the fastest of :data:`QUICK_SETTINGS` at the uniform degree; also stock with
     full recompute on its own (the rule of thumb's setting). ``(best, stock)``, rows or None."""
@@ -239,7 +267,11 @@ def search(
         except OasesConfigError:
             continue
         plans[layout] = plan
-        refined.append(dict(_row(layout, plan), level=2, launch_flags=_flags(layout, plan, common)))
+        row = dict(_row(layout, plan), level=2, launch_flags=_flags(layout, plan, common))
+        _try_uneven_split(row, profiles[layout], layout, plan, common, args.num_layers)
+        if row.get("stage_split"):
+            plan["stage_split"] = row["stage_split"]
+        refined.append(row)
     refined.sort(key=lambda r: r["iteration_time_s"])
     done = {r["name"] for r in refined}
     rest = [dict(r, level=1) for r in quick if r["name"] not in done]
@@ -285,6 +317,12 @@ def why_first(result):
             f"the rule of thumb ({thumb['name']}, {stock}) takes "
             f"{thumb['iteration_time_s'] / w['iteration_time_s']:.2f}x"
         )
+    if w.get("stage_split"):
+        first, _, last = w["stage_split"]
+        parts.append(
+            f"its stage split ({first} layers first, {last} last) takes "
+            f"{w['even_split_ratio']:.2f}x the even split's time"
+        )
     if w["host_bound"]:
         parts.append("host-bound: the host's issue time sets its iteration")
     return "; ".join(parts)
@@ -298,6 +336,9 @@ def table(result, rows=10):
         setting = setting_name(r["schedule"], r["recompute"], r["recompute_num_layers"], r["split"])
         if r["degrees"] != [r["layout"]["tp"]]:
             setting += f" degrees {r['degrees']}"
+        if r.get("stage_split"):
+            first, _, last = r["stage_split"]
+            setting += f" stages {first}/../{last}"
         bound = " host-bound" if r["host_bound"] else ""
         lines.append(
             f"{i:>3}  {r['name']:<22} {setting:<62} {r['iteration_time_s']:>11.3f} "

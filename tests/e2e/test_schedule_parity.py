@@ -192,3 +192,21 @@ def test_fused_cross_entropy_runs_as_megatron_in_one_step():
     )
     for rank, res in enumerate(results):
         assert_matches(res["oases"], res["stock"], f"fused cross-entropy rank {rank}")
+
+
+@pytest.mark.timeout(300)
+def test_uneven_stage_split_matches_stock():
+    """Megatron's ``--decoder-first-pipeline-num-layers`` (what ``oases plan --gpus`` may
+    choose): stages of 1 and 2 layers, each schedule against stock."""
+    base = GPT.format(layers=3) + (
+        "--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 "
+        "--micro-batch-size 2 --global-batch-size 8 "
+    )
+    results = run_distributed(
+        variants_worker, 2, base + ITERS + NO_DROP + RECOMPUTE, VARIANTS, timeout=280
+    )
+    for rank, res in enumerate(results):
+        layers = {name.split(".")[2] for name in res["stock"]["grads"] if ".layers." in name}
+        assert len(layers) == rank + 1  # 1 layer on the first stage, 2 on the last
+        for name in SPLIT_SCHEDULES:
+            assert_matches(res[name], res["stock"], f"uneven {name} rank {rank}")
