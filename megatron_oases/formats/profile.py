@@ -258,6 +258,14 @@ class Profile:
         """Seconds per sample outside the layers (output layer), 0 when the profile lacks it."""
         return float(self.data.get("fixed_compute", {}).get(f"{phase}_s_per_sample", 0.0))
 
+    def pipeline_p2p_time(self, nbytes):
+        """One stage-to-stage send of ``nbytes`` (0 when the profile has no ``pipeline_p2p`` fit:
+        a measured profile, or one stage)."""
+        fit = self.data.get("pipeline_p2p")
+        if not fit:
+            return 0.0
+        return float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
+
     def grad_sync_time(self, degree):
         """Data-parallel gradient all-reduce of one layer at ``degree`` (None: not in profile)."""
         gs = self.data.get("grad_sync")

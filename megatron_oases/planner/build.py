@@ -179,7 +179,8 @@ def build_problem(
     profile's), costed for Megatron's 1F1B schedule: the iteration takes ``(M + P − 1)`` stage
     micro-batch times (pipeline bubble, M micro-batches), and pipeline ``stage`` s holds the saved
     activations of ``min(P − s, M)`` micro-batches at its peak (stage 0, the default, holds the
-    most). Stage-to-stage p2p transfers are not modelled. ``sequence_parallel``: Megatron's
+    most). Each pass of a micro-batch pays one stage-to-stage send (the profile's
+    ``pipeline_p2p`` fit; 0 without one). ``sequence_parallel``: Megatron's
     ``--sequence-parallel``; every layer at degree ``T`` (:func:`_sequence_parallel_degrees`).
     ``recompute_layers``: with ``recompute="full"``, Megatron's ``--recompute-method block
     --recompute-num-layers N``: only each stage's first N layers are recomputed, the others keep
@@ -403,6 +404,11 @@ def build_problem(
         edge_ar = profile.all_reduce_time(tp_ranks(T), m * hid)
     fixed_fwd = profile.fixed_compute("forward") * m + edge_ar
     fixed_bwd = profile.fixed_compute("backward") * m + edge_ar
+    # 1F1B hands each micro-batch's activation (forward) and its gradient (backward) to the next
+    # stage: one blocking send per pass on a stage's critical path (SP sends its s/T shard)
+    p2p = profile.pipeline_p2p_time(m * hid / (T if sequence_parallel else 1)) if pp > 1 else 0.0
+    fixed_fwd += p2p
+    fixed_bwd += p2p
 
     sync = np.zeros((L, K))
     sync_available = True
@@ -463,6 +469,7 @@ def build_problem(
             "num_microbatches": microbatches,
             "pipeline_model_parallel_size": pp,
             "pipeline_stage": stage,
+            "pipeline_p2p_s": 2 * p2p,  # per micro-batch, both passes (in the fixed times)
             "in_flight_microbatches": in_flight,
             "total_layers": total_layers,
             "excluded_degrees": why,

@@ -8,8 +8,8 @@ planned in full (every schedule and recompute setting, per-layer degrees, the ho
 candidate's time is the planner's model of one iteration: the 1F1B pipeline over its micro-batches
 (bubble included), the exposed data-parallel gradient all-reduce, the larger of the device's and
 the host's timelines. Pipelined candidates planned in full also try uneven stage splits (Megatron's
-``--decoder-first/last-pipeline-num-layers``, :mod:`.stage_split`). Not modelled: the pipeline's
-point-to-point transfers.
+``--decoder-first/last-pipeline-num-layers``, :mod:`.stage_split`). The stage-to-stage sends
+are in the analytic profiles (``pipeline_p2p``: one per pass of a micro-batch).
 See ``docs/planner.md`` ("Searching the cluster").
 """
 

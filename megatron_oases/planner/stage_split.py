@@ -10,7 +10,7 @@ memory. 1F1B over stages of per-micro-batch times t_s takes ``Σ_s t_s + (M − 
 rank's host issues its own stage (the busiest sets the host timeline); the data-parallel
 gradient all-reduce of the largest stage is exposed. A split's time is reported relative to the
 even split under the same composition, so candidates stay comparable with the chain model's.
-Not modelled: the point-to-point transfers between stages (the same for every split).
+The stage-to-stage sends are in every stage's time (the chain model's ``pipeline_p2p``).
 """
 
 import functools
@@ -82,7 +82,9 @@ class StageCosts:
         ks = [0] * n
         res = evaluate(problem, ks)
         r = problem.repeats
-        ends = problem.fixed_forward_s + problem.fixed_backward_s  # both ends, per micro-batch
+        # per micro-batch: both ends and the stage-to-stage sends (every stage pays those)
+        p2p = problem.meta.get("pipeline_p2p_s", 0.0)
+        ends = problem.fixed_forward_s + problem.fixed_backward_s - p2p
         layers = (res["forward_s"] + res["backward_s"] + res["edges_s"]) / r - ends
         output = (
             self.profile.fixed_compute("forward") + self.profile.fixed_compute("backward")

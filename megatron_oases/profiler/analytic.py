@@ -165,6 +165,8 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
     head = layer_math.head_flops_forward(shape, tp) / rate
     fixed_compute = {"forward_s_per_sample": head, "backward_s_per_sample": 2 * head}
     grad_sync = grad_sync_section(cluster, shape, tp, args.data_parallel_size, degrees, p)
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    p2p = pipeline_p2p_section(cluster, tp * args.data_parallel_size) if pp > 1 else None
 
     return {
         "version": PROFILE_VERSION,
@@ -188,6 +190,7 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
         "fixed_compute": fixed_compute,
         "comm": comm,
         "grad_sync": grad_sync,
+        **({"pipeline_p2p": p2p} if p2p else {}),
         "memory": memory_section(shape, tp, degrees, p, overhead_bytes, sequence_parallel=sp),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -213,6 +216,19 @@ def grad_sync_section(cluster, shape, tp, dp, degrees, dtype_bytes):
             "link": _link_name(cluster, ranks),
         }
     return {"bytes_per_layer": nbytes, "all_reduce": fits}
+
+
+def pipeline_p2p_section(cluster, stride):
+    """A send between adjacent pipeline stages: rank 0 to rank ``stride`` (TP × DP ranks per stage,
+    Megatron's default rank order), as α + β·n on the link between them."""
+    n0, n1 = COMM_POINTS[0], COMM_POINTS[-1]
+    t0, t1 = cluster.p2p_time(n0, 0, stride), cluster.p2p_time(n1, 0, stride)
+    beta = (t1 - t0) / (n1 - n0)
+    return {
+        "alpha_s": t0 - beta * n0,
+        "beta_s_per_byte": beta,
+        "link": _link_name(cluster, [0, stride]),
+    }
 
 
 def _link_name(cluster, ranks):

@@ -137,3 +137,36 @@ def test_an_uneven_split_wins_where_the_output_layer_is_heavy():
     # the same model with the usual vocabulary keeps the even split
     plain = search(model_for_search(read_model_file("gpt-6.7b"), 64), "rtx3090-pcie", 16, 64)
     assert "stage_split" not in plain["candidates"][0]
+
+
+def test_pipeline_sends_are_costed_on_the_link_between_stages(gpt7b):
+    """Each pass of a micro-batch hands its activation (or gradient) to the next stage: the
+    analytic profile fits that send on the link between rank 0 and rank TP x DP."""
+    from megatron_oases.formats.profile import Profile
+    from megatron_oases.planner.api import make_plan
+    from megatron_oases.planner.search import _profile
+
+    within = _profile(gpt7b, Layout(2, 2, 1, 1), "rtx3090-pcie")  # stages on one node
+    across = _profile(gpt7b, Layout(4, 2, 1, 1), "rtx3090-pcie")  # 4 GPUs per node: across
+    assert within.data["pipeline_p2p"]["link"] == "intra_node"
+    assert across.data["pipeline_p2p"]["link"] == "inter_node"
+    assert "pipeline_p2p" not in _profile(gpt7b, Layout(4, 1, 2, 1), "rtx3090-pcie").data
+    shape = across.shape
+    nbytes = shape["seq_length"] * shape["hidden_size"] * across.dtype_bytes  # one sample's
+    from megatron_oases.testbed.clusters import load_cluster
+
+    cluster = load_cluster("rtx3090-pcie")
+    for profile, stride in ((within, 2), (across, 4)):
+        assert profile.pipeline_p2p_time(nbytes) == pytest.approx(
+            cluster.p2p_time(nbytes, 0, stride)
+        )
+
+    def predicted(profile):
+        plan = make_plan(profile, schedule="off", recompute="full", degrees=[4],
+                         global_batch_size=8, micro_batch_size=1, memory_gb=1000)[0]  # fmt: skip
+        return plan["predicted"]["device_time_s"]
+
+    bare = Profile({k: v for k, v in across.data.items() if k != "pipeline_p2p"})
+    # 8 micro-batches + 1 bubble slot, two sends each (forward and backward)
+    expected = 9 * 2 * across.pipeline_p2p_time(nbytes)
+    assert predicted(across) - predicted(bare) == pytest.approx(expected, rel=1e-6)
