@@ -37,7 +37,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["dry_run"] is True
     steps = report["steps"]
-    assert list(steps) == ["env", "parity", "timing", "host", "split"]
+    assert list(steps) == ["env", "parity", "timing", "host", "split", "graphs"]
     assert all(s["status"] == "ok" for s in steps.values()), steps
     # parity: every configuration ran and matched stock within its stated tolerance
     parity = steps["parity"]["result"]
@@ -59,7 +59,18 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert 0 < probe["megatron"]["aten_calls_per_layer"] < probe["oases"]["aten_calls_per_layer"]
     assert host["host_us_per_call"] > 0
     assert steps["split"]["result"]["half_x2_over_full"] > 0
+    # graphs: its eager bookkeeping on the CPU (the capture is the GPU's), at parity with stock
+    graphs = steps["graphs"]["result"]
+    assert graphs["flag"] == "--oases-cuda-graphs eager"
+    fp32 = graphs["parity"]["gpt-fp32"]
+    assert fp32["status"] == "ok"
+    assert set(fp32["worst_rel_diff"]) == {"oases+graphs", "overlap-keep+graphs"}
+    assert set(graphs["host"]) == {"megatron", "oases", "oases+graphs"}
+    assert all(r["aten_calls_per_layer"] > 0 for r in graphs["host"].values())
+    (row,) = graphs["timing"].values()
+    assert set(row["speedup"]) == {"megatron", "oases", "oases+graphs"}
     md = (out / "report.md").read_text()
     assert "dry run on the CPU" in md and "## Parity against stock" in md and "## Host floor" in md
+    assert "## CUDA graphs" in md
     # the issue's budget for the dry run
     assert elapsed < 180, f"dry run took {elapsed:.0f} s"
