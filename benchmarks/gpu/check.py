@@ -16,6 +16,9 @@ Steps (each in its own process, under its own time limit, its result kept when a
   shape (``torch.profiler``), for stock and ``oases``.
 * ``split``: the compute cost of splitting: one micro-batch of 2 against two of 1, no
   communication (stock, no recompute).
+* ``graphs``: ``--oases-cuda-graphs``: parity of ``oases`` and ``overlap`` (no recompute) with
+  graphs against stock (fp32, ``--bf16``), calls and kernels per layer, GPU idle share, memory and
+  the one-rank emulated timing with and without graphs (on the CPU its ``eager`` bookkeeping).
 
 ``--dry-run`` runs the same steps on the CPU with tiny shapes (CI runs it). Writes
 ``report.json`` and ``report.md`` (and ``check.log``) into ``--out``: by default
