@@ -30,6 +30,15 @@ SUPPORTED_SPEC = ">=0.18,<0.20"
 
 
 def megatron_core_version():
+    """The version of the megatron-core Python imports: its ``package_info`` (a Megatron-LM
+    checkout on ``PYTHONPATH`` shadows an installed wheel, whose metadata would then name the
+    wrong release), else the installed distribution's."""
+    try:
+        from megatron.core.package_info import __version__
+
+        return str(__version__).split("+")[0]  # the release, without the local git tag
+    except ImportError:
+        pass
     try:
         return metadata.version("megatron-core")
     except metadata.PackageNotFoundError:

@@ -23,6 +23,19 @@ def test_installed_version_is_supported():
     assert compat.check_megatron_core() == version
 
 
+def test_the_imported_megatron_core_is_the_one_checked(monkeypatch):
+    """A Megatron-LM checkout on PYTHONPATH shadows the installed wheel: its own package_info
+    names the release (the wheel's metadata would name another), without the local git tag."""
+    import sys
+    import types
+
+    fake = types.SimpleNamespace(__version__="0.20.0+d98e8a6")
+    monkeypatch.setitem(sys.modules, "megatron.core.package_info", fake)
+    assert compat.megatron_core_version() == "0.20.0"
+    with pytest.raises(OasesConfigError, match="megatron-core 0.20.0 is not supported"):
+        compat.check_megatron_core()
+
+
 @pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.20.0"])
 def test_versions_out_of_range_are_refused(version):
     with pytest.raises(OasesConfigError, match=f"megatron-core {version} is not supported"):
