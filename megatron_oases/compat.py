@@ -137,6 +137,28 @@ def require_symbol(owner, name, called_by=(), parameters=()):
     return value
 
 
+#: Where ``TransformerLayer`` builds its norms' ``CheckpointWithoutOutput`` (selective recompute of
+#: ``layernorm``), newest first: Megatron-LM main (0.20-dev) moved the input norm's from
+#: ``_forward_attention`` (0.18, 0.19) into ``_run_input_layernorm``.
+NORM_CHECKPOINT_CALLERS = (
+    ("0.20-dev", ("_run_input_layernorm", "_forward_pre_mlp_layernorm")),
+    ("0.18-0.19", ("_forward_attention", "_forward_pre_mlp_layernorm")),
+)
+
+
+def norm_checkpoint_callers(layer_cls):
+    """The ``TransformerLayer`` methods that checkpoint its two norms, for this megatron-core."""
+    for _, names in NORM_CHECKPOINT_CALLERS:
+        if all(hasattr(layer_cls, n) for n in names):
+            return tuple(getattr(layer_cls, n) for n in names)
+    expected = "; ".join(f"{v}: {', '.join(n)}" for v, n in NORM_CHECKPOINT_CALLERS)
+    raise OasesConfigError(
+        f"this megatron-core ({megatron_core_version()}) has none of the TransformerLayer methods "
+        f"that checkpoint its norms (expected {expected}); megatron-oases supports "
+        f"megatron-core {SUPPORTED_SPEC}"
+    )
+
+
 def pretrain_kwargs(cfg_container, datasets_provider, model_type, forward_step, model_provider):
     """Arguments of ``megatron.training.pretrain`` by name: 0.18 takes ``model_provider`` third
     (before ``model_type``), 0.19 takes it after ``forward_step_func`` and optional; the names are

@@ -12,7 +12,7 @@ still has the test and TE is missing.
 
 import inspect
 
-from ..compat import require_symbol
+from ..compat import norm_checkpoint_callers, require_symbol
 from ..patching import Patch
 
 
@@ -37,12 +37,7 @@ def make_patch(args, built=None):
     if require_symbol(random, "HAVE_TE"):
         return None
     cls = require_symbol(
-        random,
-        "CheckpointWithoutOutput",
-        called_by=(
-            TransformerLayer._forward_attention,
-            TransformerLayer._forward_pre_mlp_layernorm,
-        ),
+        random, "CheckpointWithoutOutput", called_by=norm_checkpoint_callers(TransformerLayer)
     )
     original = require_symbol(cls, "__init__")
     if "fp8 is not None" not in inspect.getsource(original):
