@@ -20,6 +20,7 @@ Differences between the releases, each handled here and nowhere else:
 """
 
 import inspect
+import os
 from importlib import metadata
 
 from .errors import OasesConfigError
@@ -27,6 +28,9 @@ from .errors import OasesConfigError
 #: (lowest, first unsupported) major.minor.
 SUPPORTED = ((0, 18), (0, 20))
 SUPPORTED_SPEC = ">=0.18,<0.20"
+#: The next release, whose development branch (Megatron-LM main) ``tests/megatron_main.sh``
+#: checks before it is released, with ``OASES_CHECK_MEGATRON_MAIN=1``: not for training.
+NEXT, NEXT_ENV = (0, 20), "OASES_CHECK_MEGATRON_MAIN"
 
 
 def megatron_core_version():
@@ -62,6 +66,8 @@ def check_megatron_core(version=None):
             "(Python >= 3.12)"
         )
     low, high = SUPPORTED
+    if version_tuple(version) == NEXT and os.environ.get(NEXT_ENV) == "1":
+        return version  # tests/megatron_main.sh: the next release's development branch
     if not (low <= version_tuple(version) < high):
         raise OasesConfigError(
             f"megatron-core {version} is not supported (supported: {SUPPORTED_SPEC}, the releases "

@@ -36,6 +36,18 @@ def test_the_imported_megatron_core_is_the_one_checked(monkeypatch):
         compat.check_megatron_core()
 
 
+def test_the_next_release_is_admitted_only_to_check_its_branch(monkeypatch):
+    """``tests/megatron_main.sh`` runs the suite on Megatron-LM main (0.20-dev) before 0.20 is
+    released; without its switch 0.20 stays refused, and 0.21 is refused either way."""
+    monkeypatch.setenv(compat.NEXT_ENV, "1")
+    assert compat.check_megatron_core("0.20.0") == "0.20.0"
+    with pytest.raises(OasesConfigError, match="0.21.0 is not supported"):
+        compat.check_megatron_core("0.21.0")
+    monkeypatch.delenv(compat.NEXT_ENV)
+    with pytest.raises(OasesConfigError, match="0.20.0 is not supported"):
+        compat.check_megatron_core("0.20.0")
+
+
 @pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.20.0"])
 def test_versions_out_of_range_are_refused(version):
     with pytest.raises(OasesConfigError, match=f"megatron-core {version} is not supported"):
