@@ -278,8 +278,9 @@ def _fake_group(world):
     init_fake_process_group(world)
 
 
-def one_rank_job(argv, iters, profile_at=None):
-    """One Megatron job on the current fake group; iteration times (s) and the profile record."""
+def one_rank_job(argv, iters, profile_at=None, trace_path=None):
+    """One Megatron job on the current fake group; iteration times (s) and the profile record
+    (``trace_path``: also the profiled step's Chrome trace)."""
     from megatron_oases.instrument.host_calls import profiled_step_patch
     from megatron_oases.training.pretrain import run_in_process
 
@@ -288,7 +289,7 @@ def one_rank_job(argv, iters, profile_at=None):
         path = os.path.join(d, "golden.json")
         argv = list(argv) + ["--train-iters", str(iters), "--log-interval", "1"]
         argv += ["--log-json", path, "--fake-process-group"] + KERNEL_FLAGS
-        extra = [profiled_step_patch(record, profile_at)] if profile_at else []
+        extra = [profiled_step_patch(record, profile_at, trace_path)] if profile_at else []
         run_in_process(argv, demo=True, extra_patches=extra)
         with open(path) as f:
             times = json.load(f)["iteration-time"]["values"]
@@ -423,7 +424,7 @@ def step_split(dry):
     return out
 
 
-def step_graphs(dry, save=None, gemm_rate=None):
+def step_graphs(dry, save=None, gemm_rate=None, trace_dir=None):
     """``--oases-cuda-graphs`` on this device (on the CPU its ``eager`` bookkeeping): parity of the
     graphed schedules against stock (2 ranks, fp32 and bf16, dropout 0), then one-rank calls per
     layer, GPU idle share and iteration time with and without, and the emulated-link timing."""
@@ -540,6 +541,24 @@ def step_graphs(dry, save=None, gemm_rate=None):
                 n: row["megatron"] / v for n, v in row.items() if isinstance(v, float)
             }
         out["timing"][f"{profile}-tp2-{shape}-mb{mb}"] = row
+        save(out)
+    if trace_dir:  # the first row's kernel timeline, stock against oases with graphs
+        profile, shape, mb = grid[0]
+        for name, extra in (host_variants[0], host_variants[2]):
+            label = name + ("+graphs" if extra else "")
+            argv = _argv(
+                f"--num-layers 2 {s[shape]} --vocab-size {s['vocab']} --mock-data "
+                f"--tensor-model-parallel-size 2 --micro-batch-size {mb} --global-batch-size {mb} "
+                f"--hidden-dropout 0 --attention-dropout 0 --emulate-link {profile}"
+            )
+            argv += dtype + _variant_flags(name, mb, 2) + extra
+            path = os.path.join(trace_dir, f"trace-{profile}-{label}.json")
+            try:
+                one_rank_job(argv, 3, profile_at=3, trace_path=path)
+                subprocess.run(["gzip", "-f", path], check=False)
+                out.setdefault("traces", []).append(os.path.basename(path) + ".gz")
+            except Exception as exc:  # noqa: BLE001
+                out.setdefault("traces", []).append(f"{label} failed: {last_line(exc)[:200]}")
         save(out)
     return out
 
@@ -729,6 +748,9 @@ def _graphs_report(g):
             if k != "speedup"
         )
         lines.append(f"- {n}: {cells}")
+    if g.get("traces"):
+        lines += ["", "Kernel timelines of the first row (Chrome traces, next to this report): "
+                  + ", ".join(f"`{t}`" for t in g["traces"])]  # fmt: skip
     return lines
 
 
@@ -759,6 +781,7 @@ def main(argv=None):
     p.add_argument("--step", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--gemm-tflops", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--trace-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.step:  # inside a step's own process
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -770,7 +793,7 @@ def main(argv=None):
 
         kwargs = {"gemm_rate": args.gemm_tflops} if args.step in ("timing", "graphs") else {}
         if args.step == "graphs":
-            kwargs["save"] = save
+            kwargs.update(save=save, trace_dir=args.trace_dir)
         if args.step == "parity":
             only = args.parity_configs.split(",") if args.parity_configs else None
             kwargs = {"save": save, "only": only}
@@ -810,6 +833,8 @@ def main(argv=None):
                 extra = ["--gemm-tflops", repr(rate)]
             if name == "parity" and args.parity_configs:
                 extra = ["--parity-configs", args.parity_configs]
+            if name == "graphs":  # the kernel timelines go next to the report
+                extra += ["--trace-dir", out]
             print(f"[gpu-check] {name} (limit {limit:.0f} s) ...", flush=True)
             report["steps"][name] = r = _run_step(name, args.dry_run, limit, log, extra)
             if name == "parity" and r.get("result"):  # a config that failed fails the step

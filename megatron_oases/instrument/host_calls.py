@@ -45,11 +45,11 @@ def gpu_busy_us(prof):
     return busy, len(spans)
 
 
-def profiled_step_patch(record, at_call=2):
+def profiled_step_patch(record, at_call=2, trace_path=None):
     """A :class:`Patch` on ``training.train_step``: its ``at_call``-th call (the first warms lazy
     state up) runs under ``torch.profiler``; ``record`` gets ``aten_calls`` (and per op name
     ``aten_by_op``), ``wall_s`` and on
-    CUDA ``gpu_busy_s`` and ``kernels``."""
+    CUDA ``gpu_busy_s`` and ``kernels``. ``trace_path``: also write that step's Chrome trace."""
     import torch
     from megatron.training import training
 
@@ -72,6 +72,8 @@ def profiled_step_patch(record, at_call=2):
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
+        if trace_path:
+            prof.export_chrome_trace(trace_path)
         by_op = aten_calls_by_op(prof)
         record.update(aten_calls=sum(by_op.values()), aten_by_op=by_op, wall_s=wall)
         if cuda:
