@@ -27,7 +27,7 @@ def test_a_failed_build_is_one_line_naming_the_fix(tmp_path, capsys):
     assert f"run `pip install pybind11 && make -C {tmp_path}`" in line
 
 
-def test_the_patch_replaces_what_initialize_megatron_calls_and_reverts():
+def test_the_patch_replaces_what_initialize_megatron_calls_and_reverts(tmp_path):
     from megatron.core.datasets import utils
 
     from megatron_oases.training import dataset_helpers
@@ -37,7 +37,8 @@ def test_the_patch_replaces_what_initialize_megatron_calls_and_reverts():
     patch.install()
     try:
         assert utils.compile_helpers is compile_dataset_helpers
-        utils.compile_helpers()  # the installed wheel: no Makefile, returns instead of exiting
+        # a directory without a Makefile (the wheel's): returns instead of exiting
+        utils.compile_helpers(str(tmp_path))
     finally:
         patch.uninstall()
     assert utils.compile_helpers is original

@@ -29,6 +29,7 @@ def test_the_imported_megatron_core_is_the_one_checked(monkeypatch):
     import sys
     import types
 
+    monkeypatch.delenv(compat.NEXT_ENV, raising=False)  # tests/megatron_main.sh's switch
     fake = types.SimpleNamespace(__version__="0.20.0+d98e8a6")
     monkeypatch.setitem(sys.modules, "megatron.core.package_info", fake)
     assert compat.megatron_core_version() == "0.20.0"
@@ -49,7 +50,8 @@ def test_the_next_release_is_admitted_only_to_check_its_branch(monkeypatch):
 
 
 @pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.20.0"])
-def test_versions_out_of_range_are_refused(version):
+def test_versions_out_of_range_are_refused(version, monkeypatch):
+    monkeypatch.delenv(compat.NEXT_ENV, raising=False)
     with pytest.raises(OasesConfigError, match=f"megatron-core {version} is not supported"):
         compat.check_megatron_core(version)
 
