@@ -269,6 +269,25 @@ def check_plan_fits_model(plan, args):
             )
 
 
+def check_megatron_features(mode, args):
+    """Megatron features the split schedules cannot run (present in 0.19 or only on Megatron-LM
+    main): GTP, whose weight shards are prefetched along a fixed layer order that sub-batch
+    interleaving breaks (plain TP at remat size 1), and mHC hyper-connections (a hidden state of
+    several residual streams, which the schedule's blocks do not carry)."""
+    if mode == "off":
+        return
+    if (getattr(args, "gtp_weight_remat_size", 1) or 1) > 1:
+        raise OasesConfigError(
+            f"--oases-schedule {mode} does not support GTP weight sharding "
+            f"(--tensor-parallel-num-weight-shards > --tensor-model-parallel-size); drop one of them"
+        )
+    if getattr(args, "enable_mhc_connections", False):
+        raise OasesConfigError(
+            f"--oases-schedule {mode} does not support mHC hyper-connections; drop "
+            "--enable-mhc-connections or use --oases-schedule off"
+        )
+
+
 def check_cuda_graphs(args, cuda_available):
     """``--oases-cuda-graphs``: graphs of the split schedules' main ops, which capture no
     collective, no RNG state change and no host-side gradient bookkeeping."""
@@ -341,6 +360,7 @@ def check_oases_args(args, before_megatron=False, plan=None, cuda_available=None
             )
     if before_megatron:
         return args
+    check_megatron_features(mode, args)
     check_schedule_recompute(mode, args.recompute_granularity == "full")
     if (mode != "off" or plan is not None) and (
         args.recompute_granularity == "full"

@@ -194,3 +194,19 @@ def test_norm_recompute_without_te_fixes_only_the_fp8_flag():
     finally:
         patch.uninstall()
     assert CheckpointWithoutOutput.__init__ is original
+
+
+@pytest.mark.parametrize(
+    "field, value, fix",
+    [("gtp_weight_remat_size", 2, "GTP weight sharding"), ("enable_mhc_connections", True, "mHC")],
+)
+def test_megatron_features_the_schedules_cannot_split_are_refused(field, value, fix):
+    import types
+
+    from megatron_oases.validation import check_megatron_features
+
+    check_megatron_features("off", types.SimpleNamespace(**{field: value}))  # stock runs them
+    with pytest.raises(OasesConfigError, match=fix) as err:
+        check_megatron_features("oases", types.SimpleNamespace(**{field: value}))
+    assert "\n" not in str(err.value)
+    check_megatron_features("oases", types.SimpleNamespace(gtp_weight_remat_size=1))
