@@ -17,6 +17,7 @@ LayerNorm/RMSNorm, SwiGLU, GQA, RoPE, dropout) are unchanged.
 """
 
 import contextlib
+import functools
 
 import torch
 from megatron.core.tensor_parallel import CheckpointWithoutOutput
@@ -127,7 +128,8 @@ class LayerBlocks:
         owner = layer.self_attention if j % 2 == 0 else layer.mlp
         if self.graphs is not None:
             args = (x, mask, rotary_pos_emb, self.attention_bias)
-            return self.graphs.run(owner, lambda *a: self._main(owner, j, *a), args)
+            # the graphs keep the callable: one that holds no micro-batch's LayerBlocks
+            return self.graphs.run(owner, functools.partial(LayerBlocks._main, owner, j), args)
         return self._main(owner, j, x, mask, rotary_pos_emb, self.attention_bias)
 
     @staticmethod
