@@ -225,14 +225,38 @@ def _parity_worker(base, variants):
         buffers._coalescing_manager = original
 
 
-def step_parity(dry, save=None, only=None):
-    """Each config's result, passed to ``save`` as it completes (a time-out keeps the done ones);
-    ``only``: the configs whose name starts with one of these prefixes."""
+def parity_run(base, variants, pairs, tol, timeout):
+    """Run ``variants`` on 2 ranks and compare each ``(got, ref)`` of ``pairs`` (loss and every
+    gradient, worst over ranks): the config's result dict; a failed run is a result too."""
     from helpers.runs import max_rel_diff
 
     from megatron_oases.errors import last_line
     from megatron_oases.launch import run_distributed
 
+    t0 = time.time()
+    try:
+        ranks = run_distributed(_parity_worker, 2, base, variants, timeout=timeout)
+    except Exception as exc:  # noqa: BLE001 - one config's failure is a result
+        return {"status": "failed", "error": last_line(exc)[:400]}
+    worst = {}
+    for res in ranks:
+        for got, ref in pairs:
+            if got not in res:
+                continue
+            diffs = [max_rel_diff(res[got]["losses"], res[ref]["losses"])]
+            diffs += [max_rel_diff(res[got]["grads"][k], g) for k, g in res[ref]["grads"].items()]
+            worst[got] = max(worst.get(got, 0.0), *diffs)
+    return {
+        "status": "ok" if all(v < tol for v in worst.values()) else "mismatch",
+        "tolerance": tol,
+        "worst_rel_diff": worst,
+        "seconds": round(time.time() - t0, 1),
+    }
+
+
+def step_parity(dry, save=None, only=None):
+    """Each config's result, passed to ``save`` as it completes (a time-out keeps the done ones);
+    ``only``: the configs whose name starts with one of these prefixes."""
     results = {}
     for name, base, schedules, tol in parity_configs(dry):
         if only and not any(name.startswith(prefix) for prefix in only):
@@ -240,27 +264,8 @@ def step_parity(dry, save=None, only=None):
         if save:
             save(results)
         variants = [(sch, f"--oases-schedule {sch} {FULL_RECOMPUTE}") for sch in schedules]
-        t0 = time.time()
-        try:
-            ranks = run_distributed(_parity_worker, 2, base, variants, timeout=300)
-        except Exception as exc:  # noqa: BLE001 - one config's failure is a result
-            results[name] = {"status": "failed", "error": last_line(exc)}
-            continue
-        worst = {}
-        for res in ranks:
-            stock = res["off"]
-            for sch in schedules[1:]:
-                got = res[sch]
-                diffs = [max_rel_diff(got["losses"], stock["losses"])]
-                diffs += [max_rel_diff(got["grads"][k], g) for k, g in stock["grads"].items()]
-                worst[sch] = max(worst.get(sch, 0.0), *diffs)
-        ok = all(v < tol for v in worst.values())
-        results[name] = {
-            "status": "ok" if ok else "mismatch",
-            "tolerance": tol,
-            "worst_rel_diff": worst,
-            "seconds": round(time.time() - t0, 1),
-        }
+        pairs = [(sch, "off") for sch in schedules[1:]]
+        results[name] = parity_run(base, variants, pairs, tol, timeout=300)
     return results
 
 
@@ -296,6 +301,32 @@ def one_rank_job(argv, iters, profile_at=None, trace_path=None):
     return {"iteration_s": times, "median_s": statistics.median(times[1:] or times), **record}
 
 
+def emulated_argv(s, shape, tp, mb, profile, variant, extra=()):
+    """A 2-layer one-rank job of ``variant`` (and ``extra`` flags) under ``--emulate-link``."""
+    argv = _argv(
+        f"--num-layers 2 {s[shape]} --vocab-size {s['vocab']} --mock-data "
+        f"--tensor-model-parallel-size {tp} --micro-batch-size {mb} --global-batch-size {mb} "
+        f"--hidden-dropout 0 --attention-dropout 0 --emulate-link {profile}"
+    )
+    return argv + (["--bf16"] if _cuda() else []) + _variant_flags(variant, mb, 2) + list(extra)
+
+
+def timed_row(jobs, iters):
+    """``{label: median iteration s}`` of one-rank ``jobs`` (``{label: argv}``; a failure is its
+    line) and, with stock (``megatron``) among them, each one's speed-up over it."""
+    from megatron_oases.errors import last_line
+
+    row = {}
+    for label, argv in jobs.items():
+        try:
+            row[label] = one_rank_job(argv, iters)["median_s"]
+        except Exception as exc:  # noqa: BLE001
+            row[label] = f"failed: {last_line(exc)[:300]}"
+    if isinstance(row.get("megatron"), float):
+        row["speedup"] = {n: row["megatron"] / v for n, v in row.items() if isinstance(v, float)}
+    return row
+
+
 def _variant_flags(name, micro_batch, layers):
     from megatron_oases.compare.variants import VARIANTS
 
@@ -311,10 +342,7 @@ def _variant_flags(name, micro_batch, layers):
 def step_timing(dry, gemm_rate=None):
     import torch
 
-    from megatron_oases.errors import last_line
-
     s = shapes(dry)
-    dtype = ["--bf16"] if _cuda() else []
     if gemm_rate:  # the emulator's "host" rate: this device's, in the run's dtype
         os.environ["OASES_HOST_FLOPS"] = repr(gemm_rate * 1e12)
     # (link profile, TMP, shape, micro-batch): the report's shape on both links, TMP 2/4/8; the
@@ -327,23 +355,11 @@ def step_timing(dry, gemm_rate=None):
     results = {}
     for profile, tp, shape, mb in grid:
         _fake_group(tp)
-        row = {}
-        for name in ("megatron", "oases", "overlap-norecompute"):
-            argv = _argv(
-                f"--num-layers 2 {s[shape]} --vocab-size {s['vocab']} --mock-data "
-                f"--tensor-model-parallel-size {tp} --micro-batch-size {mb} "
-                f"--global-batch-size {mb} --hidden-dropout 0 --attention-dropout 0 "
-                f"--emulate-link {profile}"
-            )
-            argv += dtype + _variant_flags(name, mb, 2)
-            try:
-                row[name] = one_rank_job(argv, 2 if dry else 5)["median_s"]
-            except Exception as exc:  # noqa: BLE001
-                row[name] = f"failed: {last_line(exc)[:300]}"
-        if isinstance(row.get("megatron"), float):
-            row["speedup"] = {
-                n: row["megatron"] / v for n, v in row.items() if isinstance(v, float)
-            }
+        jobs = {
+            name: emulated_argv(s, shape, tp, mb, profile, name)
+            for name in ("megatron", "oases", "overlap-norecompute")
+        }
+        row = timed_row(jobs, 2 if dry else 5)
         results[f"{profile}-tp{tp}" + ("" if shape == "timing" else f"-{shape}-mb{mb}")] = row
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -429,10 +445,8 @@ def step_graphs(dry, save=None, gemm_rate=None, trace_dir=None):
     graphed schedules against stock (2 ranks, fp32 and bf16, dropout 0), then one-rank calls per
     layer, GPU idle share and iteration time with and without, and the emulated-link timing."""
     import torch
-    from helpers.runs import max_rel_diff
 
     from megatron_oases.errors import last_line
-    from megatron_oases.launch import run_distributed
 
     if gemm_rate:  # the emulator's "host" rate, as the timing step's
         os.environ["OASES_HOST_FLOPS"] = repr(gemm_rate * 1e12)
@@ -450,29 +464,7 @@ def step_graphs(dry, save=None, gemm_rate=None, trace_dir=None):
     pairs = [("oases+graphs", "off"), ("overlap-keep+graphs", "off-keep")]
     configs = [("gpt-fp32", "", variants, 1e-4), ("gpt-bf16", " --bf16", variants[:2], 3e-2)]
     for name, flags, vs, tol in configs[:1] if dry else configs:  # the dry run: CI's time
-        t0 = time.time()
-        try:
-            ranks = run_distributed(_parity_worker, 2, base + flags, vs, timeout=240)
-        except Exception as exc:  # noqa: BLE001 - a failure is a result
-            out["parity"][name] = {"status": "failed", "error": last_line(exc)[:400]}
-            continue
-        worst = {}
-        for res in ranks:
-            for got, ref in pairs:
-                if got not in res:
-                    continue
-                diffs = [max_rel_diff(res[got]["losses"], res[ref]["losses"])]
-                diffs += [
-                    max_rel_diff(res[got]["grads"][k], g) for k, g in res[ref]["grads"].items()
-                ]
-                worst[got] = max(worst.get(got, 0.0), *diffs)
-        ok = all(v < tol for v in worst.values())
-        out["parity"][name] = {
-            "status": "ok" if ok else "mismatch",
-            "tolerance": tol,
-            "worst_rel_diff": worst,
-            "seconds": round(time.time() - t0, 1),
-        }
+        out["parity"][name] = parity_run(base + flags, vs, pairs, tol, timeout=240)
         save(out)
     # host floor: calls per layer (8 − 4 layers) and the GPU's idle share, one rank
     _fake_group(2)
@@ -523,35 +515,19 @@ def step_graphs(dry, save=None, gemm_rate=None, trace_dir=None):
     if dry:
         grid = [("rtx3090-pcie", "timing", 2)]
     for profile, shape, mb in grid:
-        row = {}
-        for name, extra in host_variants[:3] + host_variants[4:6]:
-            argv = _argv(
-                f"--num-layers 2 {s[shape]} --vocab-size {s['vocab']} --mock-data "
-                f"--tensor-model-parallel-size 2 --micro-batch-size {mb} --global-batch-size {mb} "
-                f"--hidden-dropout 0 --attention-dropout 0 --emulate-link {profile}"
-            )
-            argv += dtype + _variant_flags(name, mb, 2) + extra
-            label = name + ("+graphs" if extra else "")
-            try:
-                row[label] = one_rank_job(argv, 2 if dry else 5)["median_s"]
-            except Exception as exc:  # noqa: BLE001
-                row[label] = f"failed: {last_line(exc)[:300]}"
-        if isinstance(row.get("megatron"), float):
-            row["speedup"] = {
-                n: row["megatron"] / v for n, v in row.items() if isinstance(v, float)
-            }
+        jobs = {
+            name
+            + ("+graphs" if extra else ""): emulated_argv(s, shape, 2, mb, profile, name, extra)
+            for name, extra in host_variants[:3] + host_variants[4:6]
+        }
+        row = timed_row(jobs, 2 if dry else 5)
         out["timing"][f"{profile}-tp2-{shape}-mb{mb}"] = row
         save(out)
     if trace_dir:  # the first row's kernel timeline, stock against oases with graphs
         profile, shape, mb = grid[0]
         for name, extra in (host_variants[0], host_variants[2]):
             label = name + ("+graphs" if extra else "")
-            argv = _argv(
-                f"--num-layers 2 {s[shape]} --vocab-size {s['vocab']} --mock-data "
-                f"--tensor-model-parallel-size 2 --micro-batch-size {mb} --global-batch-size {mb} "
-                f"--hidden-dropout 0 --attention-dropout 0 --emulate-link {profile}"
-            )
-            argv += dtype + _variant_flags(name, mb, 2) + extra
+            argv = emulated_argv(s, shape, 2, mb, profile, name, extra)
             path = os.path.join(trace_dir, f"trace-{profile}-{label}.json")
             try:
                 one_rank_job(argv, 3, profile_at=3, trace_path=path)
