@@ -228,8 +228,12 @@ class BlockGraphs:
             raise ValueError(f"unknown --oases-cuda-graphs mode {mode!r}")
         self.mode = mode
         self.copies = {}
-        self.captures = 0
         self._params = {}  # id(owner) -> (owner, its parameters that take gradients)
+
+    @property
+    def captures(self):
+        """Copies made so far (each captured once)."""
+        return sum(len(c) for c in self.copies.values())
 
     def run(self, owner, fn, args):
         """``fn(*args)`` (``fn``'s parameters: ``owner``'s) through a free copy of its graph."""
@@ -257,7 +261,6 @@ class BlockGraphs:
                 )
             call = GraphedCall(fn, flat, spec, params, self.mode, grad)
             copies.append(call)
-            self.captures += 1
         if not grad:  # nothing will backpropagate: clones, and the copy stays free
             call.forward(tensors)
             return call.assemble([o.clone() for o in call.outputs()])
