@@ -440,6 +440,67 @@ def step_split(dry):
     return out
 
 
+def step_python(dry, save=None):
+    """Where the host's time per layer goes: one rank at the host shape, L and 2L layers, the
+    fastest of 4 steps under cProfile (thread CPU time), Python self time per layer by package
+    (megatron_oases, megatron, torch, C functions) and the schedule's costliest own functions.
+    The issue-30 target: megatron_oases frames at most 10 % of the layer's host time."""
+    s = shapes(dry)
+    save = save or (lambda result: None)
+    graphs = ["--oases-cuda-graphs"] + ([] if _cuda() else ["eager"])
+    variants = [
+        ("megatron", []),
+        ("oases", []),
+        ("oases", graphs),
+        ("megatron-norecompute", []),
+        ("overlap-norecompute", []),
+        ("overlap-norecompute", graphs),
+    ]
+    if dry:
+        variants = variants[:3]
+    _fake_group(2)
+    from megatron_oases.errors import last_line
+    from megatron_oases.instrument.host_calls import python_time_patch
+    from megatron_oases.training.pretrain import run_in_process
+
+    out = {}
+    for name, extra in variants:
+        label = name + ("+graphs" if extra else "")
+        per = {}
+        try:
+            for layers in (4, 8):
+                argv = _argv(
+                    f"--num-layers {layers} {s['host']} --vocab-size {s['vocab']} --mock-data "
+                    "--tensor-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 2 "
+                    "--hidden-dropout 0 --attention-dropout 0 --train-iters 5 --log-interval 1 "
+                    "--fake-process-group"
+                )
+                argv += (["--bf16"] if _cuda() else []) + _variant_flags(name, 2, layers)
+                argv += KERNEL_FLAGS + extra
+                record = {}
+                run_in_process(argv, demo=True, extra_patches=[python_time_patch(record, 2, 4)])
+                per[layers] = record
+        except Exception as exc:  # noqa: BLE001
+            out[label] = {"error": last_line(exc)[:400]}
+            continue
+        a, b = per[4], per[8]
+        layer_s = (b["thread_s"] - a["thread_s"]) / 4
+        by_package = {
+            k: (b["by_package"].get(k, 0.0) - a["by_package"].get(k, 0.0)) / 4
+            for k in set(a["by_package"]) | set(b["by_package"])
+        }
+        ours = by_package.get("megatron_oases", 0.0)
+        out[label] = {
+            "host_ms_per_layer": 1e3 * layer_s,
+            "ms_per_layer_by_package": {k: 1e3 * v for k, v in sorted(by_package.items())},
+            "oases_share": ours / layer_s if layer_s > 0 else None,
+            "step_thread_s_8_layers": b["thread_s"],
+            "top_oases_8_layers": b["top_oases"],
+        }
+        save(out)
+    return out
+
+
 def step_graphs(dry, save=None, gemm_rate=None, trace_dir=None):
     """``--oases-cuda-graphs`` on this device (on the CPU its ``eager`` bookkeeping): parity of the
     graphed schedules against stock (2 ranks, fp32 and bf16, dropout 0), then one-rank calls per
@@ -546,6 +607,7 @@ STEPS = {
     "host": (step_host, 120),
     "split": (step_split, 60),
     "graphs": (step_graphs, 300),
+    "python": (step_python, 180),
 }
 
 
@@ -666,6 +728,9 @@ def write_report(report, out):
     graphs = (steps.get("graphs") or {}).get("result")
     if graphs:
         lines += _graphs_report(graphs)
+    python = (steps.get("python") or {}).get("result")
+    if python:
+        lines += _python_report(python)
     split = (steps.get("split") or {}).get("result")
     if split:
         lines += [
@@ -680,6 +745,36 @@ def write_report(report, out):
             lines += ["", f"**{n} failed**: {s['error']}"]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _python_report(py):
+    packages = ("megatron_oases", "megatron", "torch", "builtin", "other")
+    lines = [
+        "",
+        "## Host time per layer by package (cProfile, thread CPU time, fastest of 4 steps)",
+        "",
+        "| variant | host ms/layer | " + " | ".join(packages) + " | megatron_oases share |",
+        "|---|---|" + "---|" * len(packages) + "---|",
+    ]
+    for v, r in py.items():
+        if "error" in r:
+            lines.append(f"| {v} | failed: {r['error']} |")
+            continue
+        ms = r["ms_per_layer_by_package"]
+        cells = " | ".join(_fmt(ms.get(k, 0.0), "{:.2f}") for k in packages)
+        lines.append(
+            f"| {v} | {_fmt(r['host_ms_per_layer'], '{:.2f}')} | {cells} | "
+            f"{_fmt(r['oases_share'], '{:.1%}')} |"
+        )
+    for v, r in py.items():
+        if r.get("top_oases_8_layers"):
+            lines += [
+                "",
+                f"{v}: costliest megatron_oases functions (8 layers, self ms, calls):",
+                "",
+            ]
+            lines += [f"- `{f}` {1e3 * t:.2f} ms, {n}" for f, t, n in r["top_oases_8_layers"][:8]]
+    return lines
 
 
 def _graphs_report(g):
@@ -770,6 +865,8 @@ def main(argv=None):
         kwargs = {"gemm_rate": args.gemm_tflops} if args.step in ("timing", "graphs") else {}
         if args.step == "graphs":
             kwargs.update(save=save, trace_dir=args.trace_dir)
+        if args.step == "python":
+            kwargs = {"save": save}
         if args.step == "parity":
             only = args.parity_configs.split(",") if args.parity_configs else None
             kwargs = {"save": save, "only": only}

@@ -105,40 +105,16 @@ def _python_time(argv):
     calls after the first), and the self time of the ``megatron_oases`` Python frames in it (s).
     Thread CPU time, not wall time: the host's own cost, unmoved by other processes on a busy
     machine (autograd runs CPU backward on this thread; intra-op worker threads are not counted)."""
-    import cProfile
-    import pstats
-    import time
-
-    from megatron.training import training
-
-    from megatron_oases.patching import Patch
+    from megatron_oases.instrument.host_calls import python_time_patch
     from megatron_oases.training.pretrain import run_in_process
 
-    original, calls, out = training.train_step, {"n": 0}, {"wall_s": float("inf")}
-
-    def train_step(*a, **k):
-        calls["n"] += 1
-        if calls["n"] < 2:
-            return original(*a, **k)
-        prof = cProfile.Profile(time.thread_time)
-        t0 = time.thread_time()
-        prof.enable()
-        try:
-            return original(*a, **k)
-        finally:
-            prof.disable()
-            wall = time.thread_time() - t0
-            stats = pstats.Stats(prof).stats
-            oases = sum(
-                v[2] for (f, _, _), v in stats.items() if f"{os.sep}megatron_oases{os.sep}" in f
-            )
-            if wall < out["wall_s"]:
-                out.update(wall_s=wall, oases_s=oases)
-
+    record = {}
     argv = list(argv) + ["--train-iters", str(1 + TIMED)]
-    patch = Patch("cprofile", [(training, "train_step", train_step)])
-    run_in_process(argv, demo=True, extra_patches=[patch])
-    return out
+    run_in_process(argv, demo=True, extra_patches=[python_time_patch(record, 2, TIMED)])
+    return {
+        "wall_s": record["thread_s"],
+        "oases_s": record["by_package"].get("megatron_oases", 0.0),
+    }
 
 
 def _by_op_worker(jobs):

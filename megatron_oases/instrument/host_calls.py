@@ -82,3 +82,60 @@ def profiled_step_patch(record, at_call=2, trace_path=None):
         return out
 
     return Patch("step-profiler", [(training, "train_step", train_step)])
+
+
+#: Python self time is bucketed by the package a frame's file lives in (the first that matches).
+PACKAGES = ("megatron_oases", "megatron", "torch")
+
+
+def _package(filename):
+    import os
+
+    for name in PACKAGES:
+        if f"{os.sep}{name}{os.sep}" in filename:
+            return name
+    return "builtin" if filename == "~" else "other"
+
+
+def python_time_patch(record, first_call=2, calls=6, top=12):
+    """A :class:`Patch` on ``training.train_step``: calls ``first_call`` .. ``first_call + calls -
+    1`` run under cProfile timed by the thread's CPU time (the host's own cost, unmoved by other
+    processes; waiting on the GPU is not counted unless the driver spins). ``record`` gets the
+    fastest call's ``thread_s``, its self time per package (``by_package``: megatron_oases,
+    megatron, torch, builtin (C functions), other) and its ``top`` megatron_oases functions by self
+    time (``top_oases``: ``[function, self s, calls]``)."""
+    import cProfile
+    import pstats
+    import time as _time
+
+    from megatron.training import training
+
+    original = training.train_step
+    state = {"n": 0}
+    record.setdefault("thread_s", float("inf"))
+
+    def train_step(*args, **kwargs):
+        state["n"] += 1
+        if not first_call <= state["n"] < first_call + calls:
+            return original(*args, **kwargs)
+        prof = cProfile.Profile(_time.thread_time)
+        t0 = _time.thread_time()
+        prof.enable()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            prof.disable()
+            spent = _time.thread_time() - t0
+            if spent < record["thread_s"]:
+                stats = pstats.Stats(prof).stats
+                by_package, ours = {}, []
+                for (f, line, func), v in stats.items():
+                    pkg = _package(f)
+                    by_package[pkg] = by_package.get(pkg, 0.0) + v[2]
+                    if pkg == "megatron_oases":
+                        where = f.rsplit("megatron_oases", 1)[-1].lstrip("/\\")
+                        ours.append([f"{where}:{line}({func})", v[2], v[1]])
+                ours.sort(key=lambda r: -r[1])
+                record.update(thread_s=spent, by_package=by_package, top_oases=ours[:top])
+
+    return Patch("step-cprofile", [(training, "train_step", train_step)])
