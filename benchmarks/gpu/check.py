@@ -472,7 +472,7 @@ def step_python(dry, save=None):
                 argv = _argv(
                     f"--num-layers {layers} {s['host']} --vocab-size {s['vocab']} --mock-data "
                     "--tensor-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 2 "
-                    "--hidden-dropout 0 --attention-dropout 0 --train-iters 5 --log-interval 1 "
+                    "--hidden-dropout 0 --attention-dropout 0 --train-iters 9 --log-interval 1 "
                     "--fake-process-group"
                 )
                 argv += (["--bf16"] if _cuda() else []) + _variant_flags(name, 2, layers)
@@ -492,6 +492,9 @@ def step_python(dry, save=None):
         ours = by_package.get("megatron_oases", 0.0)
         out[label] = {
             "host_ms_per_layer": 1e3 * layer_s,
+            "host_ms_per_layer_unprofiled": 1e3
+            * (b["thread_s_unprofiled"] - a["thread_s_unprofiled"])
+            / 4,
             "ms_per_layer_by_package": {k: 1e3 * v for k, v in sorted(by_package.items())},
             "oases_share": ours / layer_s if layer_s > 0 else None,
             "step_thread_s_8_layers": b["thread_s"],
@@ -589,7 +592,7 @@ def step_graphs(dry, save=None, gemm_rate=None, trace_dir=None):
         for name, extra in (host_variants[0], host_variants[2]):
             label = name + ("+graphs" if extra else "")
             argv = emulated_argv(s, shape, 2, mb, profile, name, extra)
-            path = os.path.join(trace_dir, f"trace-{profile}-{label}.json")
+            path = os.path.join(trace_dir, f"trace-{profile}-{label.replace('+', '-')}.json")
             try:
                 one_rank_job(argv, 3, profile_at=3, trace_path=path)
                 subprocess.run(["gzip", "-f", path], check=False)
@@ -753,7 +756,9 @@ def _python_report(py):
         "",
         "## Host time per layer by package (cProfile, thread CPU time, fastest of 4 steps)",
         "",
-        "| variant | host ms/layer | " + " | ".join(packages) + " | megatron_oases share |",
+        "| variant | host ms/layer (unprofiled) | "
+        + " | ".join(packages)
+        + " | megatron_oases share |",
         "|---|---|" + "---|" * len(packages) + "---|",
     ]
     for v, r in py.items():
@@ -763,7 +768,8 @@ def _python_report(py):
         ms = r["ms_per_layer_by_package"]
         cells = " | ".join(_fmt(ms.get(k, 0.0), "{:.2f}") for k in packages)
         lines.append(
-            f"| {v} | {_fmt(r['host_ms_per_layer'], '{:.2f}')} | {cells} | "
+            f"| {v} | {_fmt(r['host_ms_per_layer'], '{:.2f}')} "
+            f"({_fmt(r.get('host_ms_per_layer_unprofiled'), '{:.2f}')}) | {cells} | "
             f"{_fmt(r['oases_share'], '{:.1%}')} |"
         )
     for v, r in py.items():

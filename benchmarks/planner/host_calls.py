@@ -109,7 +109,7 @@ def _python_time(argv):
     from megatron_oases.training.pretrain import run_in_process
 
     record = {}
-    argv = list(argv) + ["--train-iters", str(1 + TIMED)]
+    argv = list(argv) + ["--train-iters", str(1 + 2 * TIMED)]
     run_in_process(argv, demo=True, extra_patches=[python_time_patch(record, 2, TIMED)])
     return {
         "wall_s": record["thread_s"],
