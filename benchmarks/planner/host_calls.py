@@ -114,6 +114,7 @@ def _python_time(argv):
     return {
         "wall_s": record["thread_s"],
         "oases_s": record["by_package"].get("megatron_oases", 0.0),
+        "unprofiled_s": record["thread_s_unprofiled"],
     }
 
 
@@ -160,6 +161,7 @@ def by_op(layers=4, settings=BY_OP_SETTINGS, shape=BY_OP_SHAPE):
             "total": sum(ops.values()),
             "oases_s": (b["oases_s"] - a["oases_s"]) / layers,
             "wall_s": (b["wall_s"] - a["wall_s"]) / layers,
+            "unprofiled_s": (b["unprofiled_s"] - a["unprofiled_s"]) / layers,
         }
     return out
 
@@ -184,7 +186,8 @@ def print_by_op(table, pairs=(("overlap/none", "off x2/none"), ("oases/full", "o
     for name, r in table.items():
         share = 100 * r["oases_s"] / r["wall_s"] if r["wall_s"] > 0 else float("nan")
         print(f"  {name:18s} {1e3 * r['oases_s']:8.2f} ms of {1e3 * r['wall_s']:8.2f} ms "
-              f"({share:.1f} %), {r['total']:.0f} aten calls")  # fmt: skip
+              f"({share:.1f} %), {r['total']:.0f} aten calls; unprofiled "
+              f"{1e3 * r['unprofiled_s']:.2f} ms per layer")  # fmt: skip
 
 
 def main(argv=None):

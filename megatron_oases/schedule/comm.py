@@ -20,16 +20,27 @@ def deferring():
     return getattr(_local, "defer", False)
 
 
-@contextlib.contextmanager
-def deferred_tmp_comm(enabled=True, early=None):
-    """``early``: the :class:`EarlyReductions` that column linears called now hand their
-    backward all-reduce to (None: the engine issues it after the backward op)."""
-    prev = deferring(), getattr(_local, "early", None)
-    _local.defer, _local.early = enabled, early
-    try:
-        yield
-    finally:
-        _local.defer, _local.early = prev
+class deferred_tmp_comm:  # noqa: N801 (used as a context manager, like contextlib's)
+    """Context: Megatron's TMP linears defer their communication to the schedule. ``early``:
+    the :class:`EarlyReductions` that column linears called now hand their backward all-reduce
+    to (None: the engine issues it after the backward op). Reusable and reentrant (the engine
+    enters one object around every compute op, nested where a yield point runs another
+    sub-batch's ops); a class, not a generator, whose machinery cost more Python than the
+    op's own bookkeeping."""
+
+    __slots__ = ("enabled", "early", "outer")
+
+    def __init__(self, enabled=True, early=None):
+        self.enabled, self.early, self.outer = enabled, early, []
+
+    def __enter__(self):
+        self.outer.append((getattr(_local, "defer", False), getattr(_local, "early", None)))
+        _local.defer, _local.early = self.enabled, self.early
+        return self
+
+    def __exit__(self, *exc):
+        _local.defer, _local.early = self.outer.pop()
+        return False
 
 
 def start_collective(kind, tensor, group, op=dist.ReduceOp.SUM):

@@ -134,7 +134,7 @@ class ScheduledLayers:
                 early=self.early,
                 interleave=self.interleave,
                 ids=order,
-                compute_context=lambda: deferred_tmp_comm(early=self.early),
+                compute_context=deferred_tmp_comm(early=self.early),
             )
 
     def forward(self, hidden):

@@ -129,7 +129,7 @@ class _Run:
 
     def __init__(self, programs, tracer, early, ids=None, compute_context=None):
         self.programs, self.tracer, self.early = programs, tracer, early
-        self.compute_context = compute_context or contextlib.nullcontext
+        self.compute_context = compute_context or contextlib.nullcontext()
         self.ids = list(range(len(programs))) if ids is None else list(ids)  # trace labels
         self.pos = [0] * len(programs)
         # sub-batch -> its collectives in flight, in issue order (more than one only after a
@@ -144,7 +144,7 @@ class _Run:
         key = (id(self), len(self.running))
         self.running.append((x, key))
         try:
-            with self.compute_context():
+            with self.compute_context:
                 if self.tracer is None:
                     op.fn()
                 else:
@@ -229,8 +229,8 @@ def run_programs(
     adopts the started work instead of issuing another. ``interleave`` (an :class:`Interleave`,
     optional): the yield points inside compute ops call into this run. ``ids``: each program's
     sub-batch index for the trace (default its position; the first program leads).
-    ``compute_context``: a context manager factory every compute op runs in (the engine's
-    deferral of Megatron's own TMP communication, :func:`.comm.deferred_tmp_comm`)."""
+    ``compute_context``: a reentrant context manager every compute op runs in (the engine's
+    deferral of Megatron's own TMP communication, :class:`.comm.deferred_tmp_comm`)."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
     run = _Run(programs, tracer, early, ids, compute_context)
     active = interleave.active(run) if interleave is not None else contextlib.nullcontext()

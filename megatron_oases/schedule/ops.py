@@ -53,6 +53,7 @@ class BlockOps:
         self.sp = blocks.sequence_parallel
         self.reduction = "reduce_scatter" if self.sp else "all_reduce"
         self.zeros = {}  # zero tensors by shape, for backward's bda probes (:mod:`.backward`)
+        self._labels = {}  # (j, pass) -> labels: built once per micro-batch, not once per op
 
     def keeps(self, j):
         """Block j keeps its autograd graph from forward (its layer is not recomputed)."""
@@ -66,7 +67,14 @@ class BlockOps:
     # ------------------------------------------------------------------ op factories
     def labels(self, j, pass_):
         """Tracer labels of block j's ops (``pass`` is a keyword, hence the dict)."""
-        return {"pass": pass_, "layer": self.blocks.global_layer(j), "block": self.blocks.kind(j)}
+        labels = self._labels.get((j, pass_))
+        if labels is None:
+            labels = self._labels[(j, pass_)] = {
+                "pass": pass_,
+                "layer": self.blocks.global_layer(j),
+                "block": self.blocks.kind(j),
+            }
+        return labels
 
     def compute(self, fn, j, pass_, early=False, light=False):
         return Compute(fn, early=early, light=light, **self.labels(j, pass_))

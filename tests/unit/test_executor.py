@@ -339,7 +339,7 @@ def test_computes_run_with_tmp_comm_deferred(fake):
     a, sa = program(fake, "a", 2, FakeGroup(2))
     b, _ = program(fake, "b", 2, FakeGroup(2))
     assert not comm.deferring()
-    run_programs([a, b], compute_context=comm.deferred_tmp_comm)
+    run_programs([a, b], compute_context=comm.deferred_tmp_comm())
     assert sa["deferring"] == [True, True, True]
     assert sa["get_deferring"] == [False, False]
     assert sa["done_deferring"] == [False, False]
@@ -352,7 +352,7 @@ def test_compute_error_propagates_and_restores_deferral(fake):
 
     a, _ = program(fake, "a", 1, FakeGroup(2))
     with pytest.raises(ValueError, match="compute failed"):
-        run_programs([a, [Compute(boom)]], compute_context=comm.deferred_tmp_comm)
+        run_programs([a, [Compute(boom)]], compute_context=comm.deferred_tmp_comm())
     assert not comm.deferring()
     assert ("compute", "a0") in fake.log
 
@@ -595,3 +595,16 @@ def test_yield_point_splits_the_running_op_trace_segment(fake):
     segments = sorted((e["ts"], e["ts"] + e["dur"], e["args"]["block"]) for e in tracer.events)
     assert [s[2] for s in segments] == ["a0", "b0", "a1", "b0", "a2", "b1", "a2", "b2"]
     assert all(end <= nxt + 1e-6 for (_, end, _), (nxt, _, _) in zip(segments, segments[1:]))
+
+
+def test_deferral_context_is_reentrant():
+    """One deferral object is entered around every compute op, nested where a yield point runs
+    another sub-batch's ops inside a running one: each exit restores what its enter found."""
+    ctx, off = comm.deferred_tmp_comm(early="e"), comm.deferred_tmp_comm(False)
+    with ctx:
+        with off:
+            with ctx:
+                assert comm.deferring()
+            assert not comm.deferring()
+        assert comm.deferring()
+    assert not comm.deferring()
