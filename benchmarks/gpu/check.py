@@ -705,7 +705,7 @@ def write_report(report, out):
                 f"{_fmt(r.get(v), '{:.4f}')}" + (f" ({sp[v]:.2f}x)" if v in sp else "")
                 for v in ("megatron", "oases", "overlap-norecompute")
             ]
-            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+            lines.append(f"| {n}{_dilation(n, env)} | " + " | ".join(cells) + " |")
         lines += ["", f"collectives stood in for by: {kernel.get('kernel') or 'host-clock waits'}"
                   + (f" (Triton's kernel failed: {kernel['fallback_reason']})"
                      if kernel.get("fallback_reason") else "")]  # fmt: skip
@@ -730,7 +730,7 @@ def write_report(report, out):
                 )
     graphs = (steps.get("graphs") or {}).get("result")
     if graphs:
-        lines += _graphs_report(graphs)
+        lines += _graphs_report(graphs, env)
     python = (steps.get("python") or {}).get("result")
     if python:
         lines += _python_report(python)
@@ -783,7 +783,23 @@ def _python_report(py):
     return lines
 
 
-def _graphs_report(g):
+def _dilation(row, env):
+    """' (D = …)' for an emulated row named after its cluster profile: D < 1 shrinks the link
+    instead of stretching compute, so the host's issue cost weighs 1/D times too much there."""
+    from megatron_oases.testbed.clusters import load_cluster
+
+    rates = (env or {}).get("gemm_tflops") or {}
+    rate = rates.get("bfloat16" if (env or {}).get("cuda_available") else "float32")
+    profile = next((p for p in ("rtx3090-pcie", "rtx3090-nvlink", "rtx4090-pcie", "a100-nvlink",
+                                "h100-nvlink") if row.startswith(p)), None)  # fmt: skip
+    if not rate or profile is None:
+        return ""
+    d = load_cluster(profile).sustained_tflops / rate
+    note = f"; the host weighs {1 / d:.3g}x too much" if d < 1 else ""
+    return f" (D = {d:.3g}{note})"
+
+
+def _graphs_report(g, env=None):
     lines = [
         "",
         f"## CUDA graphs (`{g['flag']}`)",
@@ -824,7 +840,7 @@ def _graphs_report(g):
             for k, v in r.items()
             if k != "speedup"
         )
-        lines.append(f"- {n}: {cells}")
+        lines.append(f"- {n}{_dilation(n, env)}: {cells}")
     if g.get("traces"):
         lines += ["", "Kernel timelines of the first row (Chrome traces, next to this report): "
                   + ", ".join(f"`{t}`" for t in g["traces"])]  # fmt: skip
