@@ -37,7 +37,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["dry_run"] is True
     steps = report["steps"]
-    assert list(steps) == ["env", "parity", "timing", "host", "split", "graphs"]
+    assert list(steps) == ["env", "parity", "timing", "host", "split", "graphs", "python"]
     assert all(s["status"] == "ok" for s in steps.values()), steps
     # parity: every configuration ran and matched stock within its stated tolerance
     parity = steps["parity"]["result"]
@@ -69,7 +69,19 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert all(r["aten_calls_per_layer"] > 0 for r in graphs["host"].values())
     (row,) = graphs["timing"].values()
     assert set(row["speedup"]) == {"megatron", "oases", "oases+graphs"}
+    # the traces come back from the device tool, which drops names with '+'
+    assert graphs["traces"] and all("+" not in t for t in graphs["traces"]), graphs["traces"]
+    assert all((out / t).exists() for t in graphs["traces"])
+    # python: host time per layer by package; the schedule's own frames show, stock's hardly
+    python = steps["python"]["result"]
+    assert set(python) == {"megatron", "oases", "oases+graphs"}
+    for name, r in python.items():
+        assert r["host_ms_per_layer"] > 0 and r["host_ms_per_layer_unprofiled"] > 0, (name, r)
+        assert all(v > -0.5 for v in r["ms_per_layer_by_package"].values()), (name, r)
+    assert python["oases"]["oases_share"] > python["megatron"]["oases_share"]
+    assert any("schedule/" in f for f, _, _ in python["oases"]["top_oases_8_layers"])
     md = (out / "report.md").read_text()
+    assert "## Host time per layer by package" in md
     assert "dry run on the CPU" in md and "## Parity against stock" in md and "## Host floor" in md
     assert "## CUDA graphs" in md
     # the budget for the dry run
