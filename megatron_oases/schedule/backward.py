@@ -68,20 +68,27 @@ def _zeros(ops, like):
 
 
 def layer_phases(ops, sb, layer):
-    """Recompute ops (with the layer's forward reductions) and backward ops of one layer."""
-    a, m = 2 * layer, 2 * layer + 1
-    # the layer's first block from its saved input only (block m needs the recomputed R_a)
-    recompute = _recompute_to_main(ops, sb, a, lambda: _recompute_norm(ops, sb, a), early=True)
-    recompute.append(_recomputed_reduction(ops, sb, a))
-    recompute += _recompute_to_main(ops, sb, m, lambda: _recompute_bda_and_norm(ops, sb, a, m))
-    recompute.append(_recomputed_reduction(ops, sb, m))
-    recompute.append(ops.light(lambda: _recompute_bda(ops, sb, m), m, "recompute"))
-    program = [ops.light(lambda: ops.bda_grad(sb, m), m, "backward")]
-    program += ops.main_backward(sb, m)
-    program.append(ops.light(lambda: ops.norm_grad(sb, m), m, "backward"))
-    program.append(ops.light(lambda: ops.bda_grad(sb, a), a, "backward"))
-    program += ops.main_backward(sb, a)
-    program.append(ops.light(lambda: ops.norm_grad(sb, a), a, "backward"))
+    """Recompute ops (with the layer's forward reductions) and backward ops of one layer (its
+    blocks: attention and MLP of a GPT layer, one of them of a hybrid layer)."""
+    blocks = ops.blocks.layer_blocks(layer)
+    first = blocks[0]
+    # the layer's first block from its saved input only (each next one needs the recomputed
+    # reduction of the one before)
+    recompute = _recompute_to_main(
+        ops, sb, first, lambda: _recompute_norm(ops, sb, first), early=True
+    )
+    recompute.append(_recomputed_reduction(ops, sb, first))
+    for a, m in zip(blocks, blocks[1:]):
+        norm = lambda a=a, m=m: _recompute_bda_and_norm(ops, sb, a, m)  # noqa: E731
+        recompute += _recompute_to_main(ops, sb, m, norm)
+        recompute.append(_recomputed_reduction(ops, sb, m))
+    last = blocks[-1]
+    recompute.append(ops.light(lambda: _recompute_bda(ops, sb, last), last, "recompute"))
+    program = []
+    for j in reversed(blocks):
+        program.append(ops.light(lambda j=j: ops.bda_grad(sb, j), j, "backward"))
+        program += ops.main_backward(sb, j)
+        program.append(ops.light(lambda j=j: ops.norm_grad(sb, j), j, "backward"))
     return recompute, program
 
 

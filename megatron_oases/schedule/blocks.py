@@ -1,6 +1,9 @@
 """A Megatron ``TransformerLayer`` seen as two blocks (paper §4.1: computation then all-reduce).
 
-Block ``j`` of a stage is layer ``j // 2``'s attention (even j) or MLP (odd j) half:
+Block ``j`` of a stage is one layer's attention or MLP half, in layer order: a GPT layer gives
+two (block ``j`` is layer ``j // 2``'s attention for even j, MLP for odd j); a ``HybridModel``
+layer of ``--hybrid-layer-pattern`` gives one (``*`` its attention, ``-`` its MLP; the other
+half is Megatron's ``IdentityOp``):
 
     H_j ──ln_j──▶ L_j ──main_j──▶ partial_j ══all-reduce══▶ R_j ──bda_j(R_j, bias_j, H_j)──▶ H_{j+1}
 
@@ -35,6 +38,10 @@ class LayerBlocks:
         self, layers, attention_mask=None, rotary_pos_emb=None, attention_bias=None, graphs=None
     ):
         self.layers = list(layers)
+        # (layer, kind, position of the layer in the stage) per block, in forward order
+        self.table = [
+            (layer, kind, i) for i, layer in enumerate(self.layers) for kind in halves(layer)
+        ]
         self.graphs = graphs
         self.attention_mask = attention_mask
         self.rotary_pos_emb = rotary_pos_emb
@@ -47,25 +54,47 @@ class LayerBlocks:
         return bool(self.layers) and self.layers[0].config.sequence_parallel
 
     def tp_group(self, j):
-        return self.layer(j).self_attention.linear_proj.tp_group
+        layer = self.layer(j)
+        return (
+            layer.self_attention.linear_proj if self.attention(j) else layer.mlp.linear_fc2
+        ).tp_group
 
     @property
     def num_blocks(self):
-        return 2 * len(self.layers)
+        return len(self.table)
 
     def layer(self, j):
-        return self.layers[j // 2]
+        return self.table[j][0]
 
-    @staticmethod
-    def kind(j):
-        return "attention" if j % 2 == 0 else "mlp"
+    def kind(self, j):
+        """``"attention"`` or ``"mlp"``."""
+        return self.table[j][1]
+
+    def attention(self, j):
+        return self.table[j][1] == "attention"
+
+    def layer_index(self, j):
+        """Block j's layer's position in the stage."""
+        return self.table[j][2]
+
+    def first_block(self, i):
+        """The first block of the stage's layer ``i`` (``num_blocks`` for ``i = len(layers)``)."""
+        return next((j for j, (_, _, k) in enumerate(self.table) if k >= i), len(self.table))
+
+    def layer_blocks(self, i):
+        """The blocks of the stage's layer ``i``, in forward order."""
+        return [j for j, (_, _, k) in enumerate(self.table) if k == i]
+
+    def starts_layer(self, j):
+        """Block j is its layer's first (its input is the layer's)."""
+        return j == 0 or self.table[j - 1][2] != self.table[j][2]
 
     def global_layer(self, j):
         return self.layer(j).layer_number - 1
 
     def ln(self, j, h):
         layer = self.layer(j)
-        return layer.input_layernorm(h) if j % 2 == 0 else layer.pre_mlp_layernorm(h)
+        return layer.input_layernorm(h) if self.attention(j) else layer.pre_mlp_layernorm(h)
 
     def ln_discardable(self, j, h):
         """``ln(j, h)`` and, where Megatron recomputes this norm (``--recompute-modules
@@ -74,7 +103,7 @@ class LayerBlocks:
         R_j, as ``TransformerLayer`` does on the gradient of the attention / MLP output. None
         otherwise."""
         layer = self.layer(j)
-        if j % 2 == 0:
+        if self.attention(j):
             norm, recompute = layer.input_layernorm, layer.recompute_input_layernorm
         else:
             norm, recompute = layer.pre_mlp_layernorm, layer.recompute_pre_mlp_layernorm
@@ -125,16 +154,18 @@ class LayerBlocks:
         """Partial (pre-all-reduce) output and bias of the attention / MLP block; ``mask`` and
         ``rotary_pos_emb``: the sub-batch's (:mod:`.split`)."""
         layer = self.layer(j)
-        owner = layer.self_attention if j % 2 == 0 else layer.mlp
+        attention = self.attention(j)
+        owner = layer.self_attention if attention else layer.mlp
         if self.graphs is not None:
             args = (x, mask, rotary_pos_emb, self.attention_bias)
             # the graphs keep the callable: one that holds no micro-batch's LayerBlocks
-            return self.graphs.run(owner, functools.partial(LayerBlocks._main, owner, j), args)
-        return self._main(owner, j, x, mask, rotary_pos_emb, self.attention_bias)
+            call = functools.partial(LayerBlocks._main, owner, attention)
+            return self.graphs.run(owner, call, args)
+        return self._main(owner, attention, x, mask, rotary_pos_emb, self.attention_bias)
 
     @staticmethod
-    def _main(owner, j, x, mask, rotary_pos_emb, attention_bias):
-        if j % 2 == 0:
+    def _main(owner, attention, x, mask, rotary_pos_emb, attention_bias):
+        if attention:
             return owner(
                 x, attention_mask=mask, rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias
             )
@@ -143,10 +174,26 @@ class LayerBlocks:
     def bda(self, j, reduced, bias, residual):
         """Bias-dropout-add: residual + dropout(reduced + bias) — affine in (reduced, residual)."""
         layer = self.layer(j)
-        fn = layer.self_attn_bda if j % 2 == 0 else layer.mlp_bda
+        fn = layer.self_attn_bda if self.attention(j) else layer.mlp_bda
         return fn(layer.training, layer.config.bias_dropout_fusion)(
             (reduced, bias), residual, layer.hidden_dropout
         )
+
+
+def halves(layer):
+    """The blocks a layer has: ``("attention", "mlp")`` for a GPT layer, one of them for a
+    ``HybridModel`` layer (the other half is an ``IdentityOp``)."""
+    kinds = tuple(
+        kind
+        for kind, module in (("attention", layer.self_attention), ("mlp", layer.mlp))
+        if not isinstance(module, (IdentityOp, IdentityFuncOp))
+    )
+    if not kinds:
+        raise OasesConfigError(
+            f"{type(layer).__name__} has neither self-attention nor an MLP; "
+            "use --oases-schedule off"
+        )
+    return kinds
 
 
 def check_layer(layer):
@@ -167,7 +214,10 @@ def check_layer(layer):
             )
     config = layer.config
     check_transformer_impl(getattr(config, "transformer_impl", "local"))
-    for lin in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
+    kinds = halves(layer)
+    owners = [layer.self_attention.linear_proj] if "attention" in kinds else []
+    owners += [layer.mlp.linear_fc2] if "mlp" in kinds else []
+    for lin in owners:
         if not getattr(lin, "skip_bias_add", True) and lin.bias is not None:
             raise OasesConfigError(
                 "row-parallel linears must use skip_bias_add (Megatron's "

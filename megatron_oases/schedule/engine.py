@@ -102,7 +102,7 @@ class ScheduledLayers:
         self.blocks, self.mode, self.microbatch, self.tracer = blocks, mode, microbatch, tracer
         self.parts, self.split_kind = parts, split
         self.embedding, self.output = embedding, output
-        layers = blocks.num_blocks // 2
+        layers = len(blocks.layers)
         if mode == "overlap" and not recompute:
             layers = 0
         elif recompute_layers is not None:
@@ -143,7 +143,7 @@ class ScheduledLayers:
         rotary = split.rotary(self.blocks.rotary_pos_emb)
         self.prefix = split.prefix_attention(self.blocks)
         anchor = torch.zeros((), device=hidden.device, requires_grad=True)
-        first_kept = 2 * self.recomputed_layers
+        first_kept = self.blocks.first_block(self.recomputed_layers)
         ops = self.ops = BlockOps(
             self.blocks, self.microbatch, self.tracer, first_kept, anchor, self.prefix
         )

@@ -47,7 +47,8 @@ def tail_pieces(ops, sb, j, last_sub_batch):
     reduce-scatter would not give a rank its own run of the sequence."""
     if ops.sp or j != ops.blocks.num_blocks - 1 or not last_sub_batch:
         return 1
-    assert ops.blocks.kind(j) == "mlp", j
+    if ops.blocks.attention(j):  # attention mixes tokens: its runs of tokens are not separable
+        return 1
     return min(TAIL_PIECES, sb.rows)
 
 
@@ -58,7 +59,7 @@ def _bda(ops, sb, j, layer_checkpoint):
         if not ops.keeps(j):  # recomputed in backward
             block.rng_bda = snapshot()
             out = ops.blocks.bda(j, block.take("reduced"), block.bias, block.input)
-            if layer_checkpoint and j % 2 == 1:
+            if layer_checkpoint and not ops.blocks.starts_layer(j):
                 block.input = None  # keep only layer inputs
             return out
         R = ops.sink(block.take("reduced"), ops.store(block, "reduced_grad"))

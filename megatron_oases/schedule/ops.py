@@ -214,13 +214,13 @@ class BlockOps:
             return
         freed = P.numel() != g.numel()  # data freed in forward (kept graph) unless kept
         roots, grads = [], []
-        attention = self.prefix is not None and j % 2 == 0
+        attention = self.prefix is not None and self.blocks.attention(j)
         if attention:  # the later chunks' key/value gradients
-            roots, grads = self.prefix.backward_roots(j // 2, sb.index)
+            roots, grads = self.prefix.backward_roots(self.blocks.layer_index(j), sb.index)
         with self.chunk(sb):  # Megatron's selective recompute re-runs core attention in here
             (backward_freed if freed else backward)([P] + roots, [g] + grads)
         if attention:
-            self.prefix.collect(j // 2, sb.index)
+            self.prefix.collect(self.blocks.layer_index(j), sb.index)
         if self.regathers(j):
             block.gathered = None  # main_j's input gradient has landed in norm_grad
 

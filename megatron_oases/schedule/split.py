@@ -24,6 +24,7 @@ import contextlib
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
 from ..errors import OasesConfigError
 from ..validation import SUB_BATCHES, check_splittable
@@ -161,8 +162,14 @@ class PrefixAttention:
     """
 
     def __init__(self, layers, parts):
-        self.layers, self.parts = list(layers), parts
-        for layer in self.layers:
+        # by position in the stage; a hybrid stack's MLP layers have no attention to share
+        self.layers = {
+            l: layer
+            for l, layer in enumerate(layers)
+            if not isinstance(layer.self_attention, (IdentityOp, IdentityFuncOp))
+        }
+        self.parts = parts
+        for layer in self.layers.values():
             if type(layer.self_attention.core_attention) is not DotProductAttention:
                 raise OasesConfigError(
                     "--oases-split sequence needs Megatron's unfused DotProductAttention (got "
@@ -187,7 +194,7 @@ class PrefixAttention:
                 lambda module, args, kwargs, l=l: self._pre_hook(l, args, kwargs),
                 with_kwargs=True,
             )
-            for l, layer in enumerate(self.layers)
+            for l, layer in self.layers.items()
         ]
         try:
             yield

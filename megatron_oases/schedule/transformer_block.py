@@ -272,6 +272,21 @@ def _early_all_reduce():
     return (torch.distributed, "all_reduce", make_all_reduce(original))
 
 
+def _hybrid_stack(config, mode, tracer, graphs):
+    """``HybridStack.forward`` (:mod:`.hybrid_stack`), checked to be the loop it replaces."""
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+
+    from .hybrid_stack import make_stack_forward
+
+    original = require_symbol(
+        HybridStack, "forward", parameters=("hidden_states", "attention_mask", "rotary_pos_emb")
+    )
+    require_call(HybridStack.forward, "for layer in self.layers:")
+    require_call(HybridStack.forward, "self.final_norm(hidden_states)")
+    forward = make_stack_forward(original, mode, tracer, config.sub_batches, config.split, graphs)
+    return (HybridStack, "forward", forward)
+
+
 def make_patch(config, built=None):
     """``oases-schedule`` for a checked :class:`~megatron_oases.config.OasesConfig` asking for a
     split schedule or a per-layer plan, else None. ``built``: the patches built before this one
@@ -295,7 +310,10 @@ def make_patch(config, built=None):
     forward = make_block_forward(
         TransformerBlock.forward, mode, tracer, config.sub_batches, config.split, graphs
     )
-    replacements = [(TransformerBlock, "forward", forward)]
+    replacements = [
+        (TransformerBlock, "forward", forward),
+        _hybrid_stack(config, mode, tracer, graphs),
+    ]
     if mode != "off" and not plan:
         replacements += _stage_end_replacements()
     embed = VocabParallelEmbedding.forward  # the embedding's reduction (.stage)

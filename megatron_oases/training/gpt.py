@@ -35,7 +35,8 @@ def model_provider(
     args,
     oases,
 ):
-    """One pipeline stage of the GPT model: Megatron's builder, then the per-layer plan if any.
+    """One pipeline stage of the GPT model (a ``HybridModel`` with ``--hybrid-layer-pattern``, as
+    Megatron-LM's ``pretrain_hybrid.py`` builds): Megatron's builder, then the per-layer plan if any.
     ``args``/``oases``: the parsed Megatron args and :class:`~megatron_oases.config.OasesConfig`,
     bound by :func:`bind_model_provider` (``config`` is Megatron's own model config)."""
     prepare.install(oases, args)  # idempotent: after parsing and distributed init, before a model
@@ -43,7 +44,10 @@ def model_provider(
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
-    model = build_gpt_model(args, pg_collection, pre_process, post_process, vp_stage, config)
+    build = build_gpt_model
+    if getattr(args, "hybrid_layer_pattern", None):  # Megatron's HybridModel (pretrain_hybrid.py)
+        from .hybrid import build_hybrid_model as build
+    model = build(args, pg_collection, pre_process, post_process, vp_stage, config)
     return prepare.prepare_model(model, oases)
 
 

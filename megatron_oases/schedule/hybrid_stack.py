@@ -1,0 +1,83 @@
+"""The ``oases-schedule`` patch's ``HybridStack.forward``: a ``HybridModel`` stage's layers through
+the overlapped schedule.
+
+Each ``*`` (attention) or ``-`` (MLP) layer of ``--hybrid-layer-pattern`` is one block of
+:mod:`.blocks`, so a ``*-*-`` stack is scheduled exactly as the GPT layers it migrates from.
+What stays stock: evaluation and inference, the PP input tensor, the final norm, and the stage's
+ends (the embedding and the output layer + loss run outside the programs: their overlap is wired
+into ``GPTModel`` only, :mod:`.stage`). Unlike ``TransformerBlock``, ``HybridStack`` runs its
+layers outside the model-parallel RNG fork under sequence parallelism, and so does this.
+"""
+
+import torch
+from megatron.core.utils import make_viewless_tensor
+
+from ..errors import OasesConfigError
+from ..hetero.runtime import stage_of
+from ..validation import SUB_BATCHES
+from .blocks import LayerBlocks
+from .engine import ScheduledLayers, ScheduledLayersFunction
+from .transformer_block import recomputed_layers
+
+
+def make_stack_forward(original, mode, tracer=None, parts=SUB_BATCHES, split="batch", graphs=None):
+    """``HybridStack.forward`` running its layers through ``mode`` (arguments as
+    :func:`.transformer_block.make_block_forward`'s)."""
+    counter = {"microbatch": 0}
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        inference_context=None,
+        rotary_pos_emb=None,
+        *,
+        inference_params=None,
+        packed_seq_params=None,
+        padding_mask=None,
+    ):
+        if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0:
+            return original(
+                self,
+                hidden_states,
+                attention_mask,
+                inference_context,
+                rotary_pos_emb,
+                inference_params=inference_params,
+                packed_seq_params=packed_seq_params,
+                padding_mask=padding_mask,
+            )
+        if packed_seq_params is not None or inference_context or inference_params:
+            raise OasesConfigError(
+                "--oases-schedule supports HybridModel training without packed sequences; "
+                "use --oases-schedule off"
+            )
+        if stage_of(self) is not None:
+            raise OasesConfigError(
+                "per-layer TMP plans (--oases-plan) support GPTModel only; drop --oases-plan "
+                "for a HybridModel"
+            )
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        if hasattr(hidden_states, "unwrap"):  # a WrappedTensor (Megatron's inference path)
+            hidden_states = hidden_states.unwrap()
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+        mb = tracer.next_microbatch() if tracer else counter["microbatch"]
+        counter["microbatch"] += 1
+        run = ScheduledLayers(
+            LayerBlocks(self.layers, attention_mask, rotary_pos_emb, None, graphs),
+            mode,
+            microbatch=mb,
+            recompute=self.config.recompute_granularity == "full",
+            recompute_layers=recomputed_layers(self.config, range(len(self.layers))),
+            tracer=tracer,
+            parts=parts,
+            split=split,
+        )
+        hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
+        if self.post_process and self.post_layer_norm:
+            hidden_states = self.final_norm(hidden_states)
+        return make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+
+    forward.__wrapped__ = original
+    return forward
