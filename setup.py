@@ -29,6 +29,7 @@ setup(
         "console_scripts": [
             "oases=megatron_oases.cli:main",
             "oases-pretrain-gpt=megatron_oases.training.pretrain:console_main",
+            "oases-pretrain-hybrid=megatron_oases.training.pretrain:hybrid_console_main",
         ]
     },
 )

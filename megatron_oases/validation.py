@@ -288,6 +288,45 @@ def check_megatron_features(mode, args):
         )
 
 
+#: ``--hybrid-layer-pattern`` symbols whose layers are schedule blocks (self-attention, dense MLP;
+#: each ends in one TMP all-reduce) and the pipeline boundary; Megatron's others (Mamba, gated
+#: delta net, sparse attention, MoE, the MTP separator) are not scheduled.
+HYBRID_SCHEDULED = "*-"
+HYBRID_SEPARATORS = "|"
+
+
+def check_hybrid(mode, args, plan=None):
+    """A ``HybridModel`` (``--hybrid-layer-pattern``): without Transformer Engine only ``*`` and
+    ``-`` layers can be built (Megatron's other layers are TE-only); the split schedules run
+    ``*`` and ``-`` layers, with the batch split and a uniform TMP degree."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if not pattern:
+        return
+    other = "".join(sorted(set(pattern) - set(HYBRID_SCHEDULED + HYBRID_SEPARATORS)))
+    local = getattr(args, "transformer_impl", "local") == "local"
+    if other and local and getattr(args, "spec", None) is None:
+        raise OasesConfigError(
+            f"--hybrid-layer-pattern {pattern!r}: {other!r} layers need Transformer Engine "
+            "(--transformer-impl transformer_engine); the local build has '*' (attention) and "
+            "'-' (MLP) layers"
+        )
+    if mode == "off" and plan is None and not getattr(args, "oases_plan", None):
+        return
+    if plan is not None or getattr(args, "oases_plan", None):
+        raise OasesConfigError(
+            "--oases-plan supports GPTModel only; drop it for a HybridModel (--hybrid-layer-pattern)"
+        )
+    if other:
+        raise OasesConfigError(
+            f"--oases-schedule {mode} schedules the '*' (attention) and '-' (MLP) layers of "
+            f"--hybrid-layer-pattern; {pattern!r} also has {other!r}: use --oases-schedule off"
+        )
+    if split_kind(args) == "sequence":
+        raise OasesConfigError(
+            "--oases-split sequence is not supported for a HybridModel; use --oases-split batch"
+        )
+
+
 def check_cuda_graphs(args, cuda_available):
     """``--oases-cuda-graphs``: graphs of the split schedules' main ops, which capture no
     collective, no RNG state change and no host-side gradient bookkeeping."""
@@ -361,6 +400,7 @@ def check_oases_args(args, before_megatron=False, plan=None, cuda_available=None
     if before_megatron:
         return args
     check_megatron_features(mode, args)
+    check_hybrid(mode, args, plan)
     check_schedule_recompute(mode, args.recompute_granularity == "full")
     if (mode != "off" or plan is not None) and (
         args.recompute_granularity == "full"

@@ -240,6 +240,35 @@ def _schedule_problem(saved, args):
     return None
 
 
+def _gpt_into_hybrid(saved, args):
+    """A GPT checkpoint loaded into a ``HybridModel`` (Megatron translates its keys at load time,
+    ``gpt_checkpoint_interop``): its layer count is the pattern's GPT layers, not the hybrid
+    layers (each GPT layer is a ``*`` and a ``-``). Returns the arguments Megatron's comparison
+    skips then ({"num_layers"}), after checking that pairing; None for any other load."""
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    saved_pattern = getattr(saved, "hybrid_layer_pattern", None) or getattr(
+        saved, "hybrid_override_pattern", None
+    )
+    if not pattern or saved_pattern:
+        return None
+    from megatron.core.dist_checkpointing.gpt_checkpoint_interop import gpt_compatible_layer_maps
+
+    try:
+        gpt_layers = gpt_compatible_layer_maps(pattern).num_gpt_layers
+    except ValueError as exc:
+        raise OasesConfigError(
+            f"--load {args.load} holds a GPT checkpoint that --hybrid-layer-pattern {pattern!r} "
+            f"cannot take: {_first_line(exc)}"
+        ) from None
+    if getattr(saved, "num_layers", gpt_layers) != gpt_layers:
+        raise OasesConfigError(
+            f"--load {args.load} holds a GPT checkpoint of {saved.num_layers} layers; "
+            f"--hybrid-layer-pattern {pattern!r} pairs with {gpt_layers} (one '*' and one '-' "
+            "per GPT layer)"
+        )
+    return {"num_layers"}
+
+
 def check_nothing_to_load(args):
     """``--load`` without a checkpoint: right for a run's first start when it is also the
     ``--save`` directory (the restart-safe idiom: say so once), a mistyped resume otherwise."""
@@ -297,8 +326,9 @@ def check_load(args):
         return
     checkpointing.set_checkpoint_version(state_dict.get("checkpoint_version", 0))
     problems = []
+    skip = _gpt_into_hybrid(saved, args)
     try:
-        check(saved)
+        check(saved, **({"skip_args": skip} if skip else {}))
     except AssertionError as exc:
         problems.append(str(exc).strip())
     for name in MODEL_FLAGS:

@@ -15,11 +15,6 @@ from megatron.core.models.hybrid import hybrid_block
 from ..errors import OasesConfigError
 from ..patching import Patch
 
-#: The pattern symbols whose layers are an attention or MLP block (``docs/megatron-lm.md``).
-SCHEDULED_SYMBOLS = "*-"
-#: Pattern characters that structure the pattern rather than name a layer.
-SEPARATORS = "|/"
-
 
 def _local_layer_spec(config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -41,13 +36,20 @@ def local_hybrid_stack_spec(config):
     )
 
     gpt = _local_layer_spec(config).submodules
+    # the GPT local layer's checkpoint keys (its norms saved where TE's fused linears keep
+    # them), so that GPT and hybrid checkpoints share their layout
+    keys = dict(gpt.sharded_state_dict_keys_map)
     attention = TransformerLayerSubmodules(
         input_layernorm=gpt.input_layernorm,
         self_attention=gpt.self_attention,
         self_attn_bda=gpt.self_attn_bda,
+        sharded_state_dict_keys_map=keys,
     )
     mlp = TransformerLayerSubmodules(
-        pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda
+        pre_mlp_layernorm=gpt.pre_mlp_layernorm,
+        mlp=gpt.mlp,
+        mlp_bda=gpt.mlp_bda,
+        sharded_state_dict_keys_map=keys,
     )
     return ModuleSpec(
         module=HybridStack,
@@ -74,26 +76,6 @@ def local_norm_patch(config):
     return Patch("hybrid-local-norm", [(hybrid_block, "TENorm", local_norm)])
 
 
-def check_pattern(args):
-    """One line for a pattern with layer families this build does not have locally."""
-    pattern = getattr(args, "hybrid_layer_pattern", None)
-    if not pattern:
-        raise OasesConfigError(
-            "a HybridModel needs --hybrid-layer-pattern (e.g. '*-*-' for a GPT-like stack)"
-        )
-    if (
-        getattr(args, "transformer_impl", "local") == "local"
-        and getattr(args, "spec", None) is None
-    ):
-        other = sorted({c for c in pattern if c not in SCHEDULED_SYMBOLS + SEPARATORS})
-        if other:
-            raise OasesConfigError(
-                f"--hybrid-layer-pattern {pattern!r}: layers {''.join(other)!r} need Transformer "
-                "Engine (--transformer-impl transformer_engine); the local build has '*' "
-                "(attention) and '-' (MLP) only"
-            )
-
-
 def build_hybrid_model(args, pg_collection, pre_process=True, post_process=True, vp_stage=None,
                        config=None):  # fmt: skip
     """One ``HybridModel`` stage through Megatron's ``HybridModelBuilder`` (local modules without
@@ -101,7 +83,6 @@ def build_hybrid_model(args, pg_collection, pre_process=True, post_process=True,
     from megatron.training.argument_utils import hybrid_config_from_args
     from megatron.training.models.hybrid import HybridModelBuilder
 
-    check_pattern(args)
     model_config = hybrid_config_from_args(args, config=config)
     local = model_config.transformer.transformer_impl == "local" and args.spec is None
     if local:

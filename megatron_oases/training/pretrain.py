@@ -145,5 +145,28 @@ def console_main(argv=None):
         return exit_status(exc, PROG, stopped=(TrainingStopped,))
 
 
+HYBRID_PROG = "oases-pretrain-hybrid"
+
+
+def hybrid_console_main(argv=None):
+    """Entry of ``oases-pretrain-hybrid`` (Megatron-LM's ``pretrain_hybrid.py``): the same loop on
+    a ``HybridModel``, which ``--hybrid-layer-pattern`` describes."""
+    from ..errors import OasesConfigError, exit_status
+    from . import quiet
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    quiet.install()
+    try:
+        if not any(a.split("=")[0] in ("--hybrid-layer-pattern", "--hybrid-override-pattern")
+                   for a in argv):  # fmt: skip
+            raise OasesConfigError(
+                f"{HYBRID_PROG} builds a HybridModel: add --hybrid-layer-pattern (e.g. '*-*-' for "
+                "a GPT-like stack of attention and MLP layers)"
+            )
+        return run(argv, prog=HYBRID_PROG) or 0
+    except Exception as exc:  # ours: one line once per job; anything else: raised again
+        return exit_status(exc, HYBRID_PROG, stopped=(TrainingStopped,))
+
+
 if __name__ == "__main__":
     sys.exit(console_main())
