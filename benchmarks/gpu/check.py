@@ -171,6 +171,7 @@ def parity_configs(dry):
         " --swiglu --normalization RMSNorm --group-query-attention --num-query-groups 4 "
         "--position-embedding-type rope --disable-bias-linear --untie-embeddings-and-output-weights"
     )
+    hybrid = base.replace("--num-layers 2", "--hybrid-layer-pattern '*--*'")
     all4 = ["off", "overlap", "cross-pass", "oases"]
     # tolerances: fp32 on a GPU, a split's GEMMs may take other kernels (reassociated sums, ~1e-6
     # relative; 1e-4 leaves room); bf16 rounds at 2^-8 = 3.9e-3, and a reassociated gradient sum
@@ -180,7 +181,12 @@ def parity_configs(dry):
         ("gpt-bf16", base + " --bf16", ["off", "oases", "overlap"], 3e-2),
         ("gpt-sp-fp32", base + " --sequence-parallel", ["off", "oases"], 1e-4),
         ("llama-fp32", base + llama, ["off", "oases"], 1e-4),
+        # HybridModel: '*' attention and '-' MLP layers, not alternating, the stage ending on '*'
+        ("hybrid-fp32", hybrid + llama, ["off", "oases", "overlap"], 1e-4),
+        ("hybrid-bf16", hybrid + llama + " --bf16", ["off", "oases"], 3e-2),
     ]
+    if dry:  # CI's time: the hybrid stack's bf16 adds nothing the CPU would show
+        cfgs = [c for c in cfgs if c[0] != "hybrid-bf16"]
     if _cuda():  # PyTorch's flash kernel: CUDA and bf16 only
         cfgs.append(
             (
