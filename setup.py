@@ -12,7 +12,7 @@ setup(
     package_data={"megatron_oases": ["py.typed", "configs/*.yaml", "configs/*/*.yaml"]},
     python_requires=">=3.12",
     install_requires=[
-        "megatron-core>=0.18,<0.20",
+        "megatron-core>=0.18,<0.21",
         "torch>=2.6",
         "psutil",  # megatron-core's torch_dist checkpoints need it, the wheel does not declare it
         "pulp>=2.7,<3",  # 2.x bundles the CBC solver the ILP uses; 3+ ships none

@@ -33,23 +33,26 @@ def test_the_imported_megatron_core_is_the_one_checked(monkeypatch):
     fake = types.SimpleNamespace(__version__="0.20.0+d98e8a6")
     monkeypatch.setitem(sys.modules, "megatron.core.package_info", fake)
     assert compat.megatron_core_version() == "0.20.0"
-    with pytest.raises(OasesConfigError, match="megatron-core 0.20.0 is not supported"):
+    assert compat.check_megatron_core() == "0.20.0"
+    fake.__version__ = "0.21.0+abcdef0"
+    with pytest.raises(OasesConfigError, match="megatron-core 0.21.0 is not supported"):
         compat.check_megatron_core()
 
 
 def test_the_next_release_is_admitted_only_to_check_its_branch(monkeypatch):
-    """``tests/megatron_main.sh`` runs the suite on Megatron-LM main (0.20-dev) before 0.20 is
-    released; without its switch 0.20 stays refused, and 0.21 is refused either way."""
+    """``tests/megatron_main.sh`` runs the suite on Megatron-LM main before its release: once main
+    moves past 0.20 (0.21-dev), only its switch admits 0.21; 0.22 is refused either way."""
     monkeypatch.setenv(compat.NEXT_ENV, "1")
-    assert compat.check_megatron_core("0.20.0") == "0.20.0"
+    assert compat.check_megatron_core("0.21.0") == "0.21.0"
+    with pytest.raises(OasesConfigError, match="0.22.0 is not supported"):
+        compat.check_megatron_core("0.22.0")
+    monkeypatch.delenv(compat.NEXT_ENV)
     with pytest.raises(OasesConfigError, match="0.21.0 is not supported"):
         compat.check_megatron_core("0.21.0")
-    monkeypatch.delenv(compat.NEXT_ENV)
-    with pytest.raises(OasesConfigError, match="0.20.0 is not supported"):
-        compat.check_megatron_core("0.20.0")
+    assert compat.check_megatron_core("0.20.0") == "0.20.0"  # admitted: the suite passed on main
 
 
-@pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.20.0"])
+@pytest.mark.parametrize("version", ["0.16.1", "0.17.1", "0.21.0"])
 def test_versions_out_of_range_are_refused(version, monkeypatch):
     monkeypatch.delenv(compat.NEXT_ENV, raising=False)
     with pytest.raises(OasesConfigError, match=f"megatron-core {version} is not supported"):
