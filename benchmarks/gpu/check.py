@@ -307,6 +307,18 @@ def one_rank_job(argv, iters, profile_at=None, trace_path=None):
     return {"iteration_s": times, "median_s": statistics.median(times[1:] or times), **record}
 
 
+def layers_argv(s, shape, layers, variant, extra=()):
+    """A one-rank job of ``layers`` layers of ``variant`` (and ``extra`` flags) at ``shape``: TMP 2,
+    micro-batch 2, dropout 0, bf16 on CUDA (the host-count steps: L and 2L layers)."""
+    argv = _argv(
+        f"--num-layers {layers} {s[shape]} --vocab-size {s['vocab']} --mock-data "
+        "--tensor-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 2 "
+        "--hidden-dropout 0 --attention-dropout 0"
+    )
+    dtype = ["--bf16"] if _cuda() else []
+    return argv + dtype + _variant_flags(variant, 2, layers) + list(extra)
+
+
 def emulated_argv(s, shape, tp, mb, profile, variant, extra=()):
     """A 2-layer one-rank job of ``variant`` (and ``extra`` flags) under ``--emulate-link``."""
     argv = _argv(
@@ -390,12 +402,7 @@ def step_host(dry):
         for name in ("megatron", "oases"):
             per = {}
             for layers in (4, 8):
-                argv = _argv(
-                    f"--num-layers {layers} {s[shape_name]} --vocab-size {s['vocab']} "
-                    "--mock-data --tensor-model-parallel-size 2 --micro-batch-size 2 "
-                    "--global-batch-size 2 --hidden-dropout 0 --attention-dropout 0"
-                )
-                argv += (["--bf16"] if _cuda() else []) + _variant_flags(name, 2, layers)
+                argv = layers_argv(s, shape_name, layers, name)
                 per[layers] = one_rank_job(argv, 4, profile_at=4)
             a4, a8 = per[4]["aten_calls"], per[8]["aten_calls"]
             unprofiled = statistics.median(per[8]["iteration_s"][1:3])  # iterations 2 and 3
@@ -475,14 +482,8 @@ def step_python(dry, save=None):
         per = {}
         try:
             for layers in (4, 8):
-                argv = _argv(
-                    f"--num-layers {layers} {s['host']} --vocab-size {s['vocab']} --mock-data "
-                    "--tensor-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 2 "
-                    "--hidden-dropout 0 --attention-dropout 0 --train-iters 9 --log-interval 1 "
-                    "--fake-process-group"
-                )
-                argv += (["--bf16"] if _cuda() else []) + _variant_flags(name, 2, layers)
-                argv += KERNEL_FLAGS + extra
+                argv = layers_argv(s, "host", layers, name, extra) + KERNEL_FLAGS
+                argv += ["--train-iters", "9", "--log-interval", "1", "--fake-process-group"]
                 record = {}
                 run_in_process(argv, demo=True, extra_patches=[python_time_patch(record, 2, 4)])
                 per[layers] = record
@@ -538,7 +539,6 @@ def step_graphs(dry, save=None, gemm_rate=None, trace_dir=None):
         save(out)
     # host floor: calls per layer (8 − 4 layers) and the GPU's idle share, one rank
     _fake_group(2)
-    dtype = ["--bf16"] if _cuda() else []
     host_variants = [
         ("megatron", []),
         ("oases", []),
@@ -554,12 +554,7 @@ def step_graphs(dry, save=None, gemm_rate=None, trace_dir=None):
         per = {}
         try:
             for layers in (4, 8):
-                argv = _argv(
-                    f"--num-layers {layers} {s['host']} --vocab-size {s['vocab']} --mock-data "
-                    "--tensor-model-parallel-size 2 --micro-batch-size 2 --global-batch-size 2 "
-                    "--hidden-dropout 0 --attention-dropout 0"
-                )
-                argv += dtype + _variant_flags(name, 2, layers) + extra
+                argv = layers_argv(s, "host", layers, name, extra)
                 per[layers] = one_rank_job(argv, 5, profile_at=4)
         except Exception as exc:  # noqa: BLE001
             out["host"][label] = {"error": last_line(exc)[:400]}

@@ -2,16 +2,12 @@
 ``oases`` continues exactly as the GPT run does (Megatron translates the checkpoint's keys at
 load time), and bad hybrid command lines are one line once per job before anything starts."""
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 from helpers import NO_DROP, RECOMPUTE, SHAPE
-
-from megatron_oases.launch import torchrun_command
+from helpers.console import console_script, torchrun
 
 RUN = (
     SHAPE + NO_DROP + RECOMPUTE + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
@@ -19,25 +15,8 @@ RUN = (
 ).split()
 
 
-def _program(name):
-    path = shutil.which(
-        name, path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-    )
-    assert path, f"{name} is not installed next to {sys.executable} (pip install -e .)"
-    return path
-
-
-def _torchrun(name, argv, nproc=2, timeout=240):
-    cmd = torchrun_command(argv, nproc, program=_program(name))
-    proc = subprocess.run(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    return proc.returncode, proc.stdout
+def _torchrun(name, argv, timeout=240):
+    return torchrun(console_script(name), argv, timeout=timeout)
 
 
 def _losses(log):

@@ -8,10 +8,9 @@ Each ``*`` (attention) or ``-`` (MLP) layer is one schedule block; ``*-*-`` is t
 
 import pytest
 from helpers import DROP, LLAMA, NO_DROP, RECOMPUTE, SHAPE, variants_worker
-from helpers.runs import assert_matches, max_rel_diff
+from helpers.runs import assert_schedules_match_stock, max_rel_diff
 from helpers.variants import ITERS
 from helpers.variants import SCHEDULE_VARIANTS as VARIANTS
-from helpers.variants import SPLIT_SCHEDULES
 
 from megatron_oases.launch import run_distributed
 
@@ -44,16 +43,7 @@ def test_hybrid_schedules_match_stock(config):
     world, *layout = CONFIGS[config]
     base = _base(*layout) + ITERS + NO_DROP + RECOMPUTE
     results = run_distributed(variants_worker, world, base, VARIANTS, timeout=560)
-    worst = 0.0
-    for rank, res in enumerate(results):
-        stock = res["stock"]
-        assert stock["installed"] == []
-        for name in SPLIT_SCHEDULES:
-            got = res[name]
-            assert got["installed"] == ["oases-schedule"]
-            assert len(got["losses"]) == len(stock["losses"]) == 2
-            worst = max(worst, assert_matches(got, stock, f"{config} {name} rank {rank}"))
-    print(f"{config}: worst relative difference (loss and gradients) {worst:.2e}")
+    assert_schedules_match_stock(results, config, nonzero=False)
 
 
 @pytest.mark.timeout(600)

@@ -12,19 +12,18 @@ import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import types
 
 import helpers
 import pytest
+from helpers.console import console_script, torchrun
 from helpers.paths import LAUNCHER, REPO
 from helpers.variants import MEGATRON_LM_MOCK as MOCK
 from helpers.variants import MEGATRON_LM_TINY as TINY
 
 from megatron_oases.arguments import CPU_DEFAULTS, LOOP_DEFAULTS
-from megatron_oases.launch import torchrun_command
 
 PROG = "oases-pretrain-gpt"
 
@@ -67,27 +66,7 @@ if __name__ == "__main__":
 
 
 def _console_script():
-    path = shutil.which(
-        PROG, path=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
-    )
-    assert path, f"{PROG} is not installed next to {sys.executable} (pip install -e .)"
-    return path
-
-
-def torchrun(program, argv, nproc=2, timeout=240, cwd=None):
-    """``torchrun --nproc_per_node N PROGRAM ARGV`` with this interpreter; stdout+stderr together."""
-    cmd = torchrun_command(argv, nproc, program=program)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cwd,
-    )
-    return proc.returncode, proc.stdout
+    return console_script(PROG)
 
 
 def _losses(path):

@@ -8,9 +8,8 @@ checks the first optimizer step.
 """
 
 import pytest
-import torch
 from helpers import BLOCK, DROP, GPT, LLAMA, NO_DROP, RECOMPUTE, SELECTIVE_LN, variants_worker
-from helpers.runs import assert_matches, max_rel_diff
+from helpers.runs import assert_matches, assert_schedules_match_stock, max_rel_diff
 from helpers.variants import ITERS
 from helpers.variants import SCHEDULE_VARIANTS as VARIANTS
 from helpers.variants import SPLIT_SCHEDULES, layout
@@ -33,18 +32,7 @@ def test_schedules_match_stock(config):
     results = run_distributed(
         variants_worker, world, base + " " + ITERS + NO_DROP + RECOMPUTE, VARIANTS, timeout=560
     )
-    worst = 0.0
-    for rank, res in enumerate(results):
-        stock = res["stock"]
-        assert stock["installed"] == []
-        for name in SPLIT_SCHEDULES:
-            got = res[name]
-            assert got["installed"] == ["oases-schedule"]
-            assert len(got["losses"]) == len(stock["losses"]) == 2
-            for pname, g in stock["grads"].items():
-                assert torch.count_nonzero(g) > 0 or "bias" in pname, pname
-            worst = max(worst, assert_matches(got, stock, f"{config} {name} rank {rank}"))
-    print(f"{config}: worst relative difference (loss and gradients) {worst:.2e}")
+    assert_schedules_match_stock(results, config)
 
 
 #: ``overlap`` at the memory settings other than full recomputation, each against stock Megatron

@@ -7,7 +7,6 @@ The end-to-end checks (parity with stock Megatron, overlap in the trace) are in
 test_schedule_parity.py and test_schedule_behaviour.py.
 """
 
-
 import pytest
 import torch
 from helpers.runs import max_rel_diff

@@ -101,3 +101,26 @@ def assert_matches(got, ref, what, tol=1e-5):
         assert err < tol, f"{what} {pname}: rel err {err:.2e}"
         worst = max(worst, err)
     return worst
+
+
+def assert_schedules_match_stock(results, what, nonzero=True):
+    """Per rank of ``variants_worker`` results over :data:`helpers.variants.SCHEDULE_VARIANTS`:
+    stock ran unpatched, every split schedule under the ``oases-schedule`` patch, two losses each,
+    (``nonzero``) stock's gradients non-trivial (biases aside; an untied embedding shard that no
+    token of a tiny batch hits has none), and loss and every gradient of each schedule within
+    :func:`assert_matches`'s tolerance of stock's. Returns the worst difference."""
+    from megatron_oases.validation import SPLIT_SCHEDULES
+
+    worst = 0.0
+    for rank, res in enumerate(results):
+        stock = res["stock"]
+        assert stock["installed"] == []
+        for pname, g in stock["grads"].items():
+            assert not nonzero or torch.count_nonzero(g) > 0 or "bias" in pname, pname
+        for name in SPLIT_SCHEDULES:
+            got = res[name]
+            assert got["installed"] == ["oases-schedule"]
+            assert len(got["losses"]) == len(stock["losses"]) == 2
+            worst = max(worst, assert_matches(got, stock, f"{what} {name} rank {rank}"))
+    print(f"{what}: worst relative difference (loss and gradients) {worst:.2e}")
+    return worst
