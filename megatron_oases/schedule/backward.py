@@ -13,7 +13,7 @@ interleaved; runs follow each other with a barrier between them. Design notes:
 
 import torch
 
-from .ops import backward, leaf
+from .ops import backward
 from .rng import replay
 
 
@@ -34,7 +34,7 @@ def fine_grained(ops, sb):
     J = ops.first_kept
     program = [ops.light(lambda: _bda_grad_from_rng(ops, sb, J - 1), J - 1, "backward")]
     for j in reversed(range(J)):
-        norm = lambda j=j: _recompute_norm(ops, sb, j)  # noqa: E731
+        norm = lambda j=j: _recompute_norm(ops, sb, j, residual=False)  # noqa: E731
         program += _recompute_to_main(ops, sb, j, norm, early=True)
         program += ops.main_backward(sb, j)
         program.append(ops.light(lambda j=j: ops.norm_grad(sb, j), j, "backward"))
@@ -47,13 +47,13 @@ def fine_grained(ops, sb):
 def _bda_grad_from_rng(ops, sb, j):
     """Backward of bda_j from its RNG snapshot: bda is affine, so a zero probe input gives the
     exact gradients (dropout mask · g for R_j and bias, identity for the residual)."""
-    block = sb[j]
-    g = sb[j + 1].take("input_grad")
+    block = sb.blocks[j]
+    g = sb.blocks[j + 1].take("input_grad")
     zeros = _zeros(ops, g)
     probe = zeros.detach().requires_grad_()  # bda writes to neither (out of place in training)
     with replay(block.take("rng_bda")):
         out = ops.blocks.bda(j, probe, block.bias, zeros)
-    backward(out, g)
+    backward([out], [g])
     block.reduced_grad = probe.grad
     block.input_grad = g  # residual path; ln_j's backward adds its own
 
@@ -102,23 +102,23 @@ def cross_pass(ops, sb, layers):
 
 
 def _recomputed_reduction(ops, sb, j):
-    block = sb[j]
-    get = lambda: block.partial.detach()  # noqa: E731
+    block = sb.blocks[j]
+    get = lambda: block.partial.data  # noqa: E731  (no graph: see forward._main's outbox)
     return ops.reduce(get, ops.store(block, "reduced"), j, "recompute")
 
 
 def _recompute_bda(ops, sb, j):
     """bda_j again from the recomputed reduction, its graph kept for backward."""
-    block = sb[j]
+    block = sb.blocks[j]
     R = ops.sink(block.take("reduced"), ops.store(block, "reduced_grad"))
     with replay(block.take("rng_bda")):
-        block.output = ops.blocks.bda(j, R, block.bias, block.input)
+        block.output = ops.blocks.bda(j, R, block.bias, block.take("residual"))
     return block.output
 
 
 def _recompute_bda_and_norm(ops, sb, a, m):
     """Recompute bda_a (it needs the recomputed reduction) and block m's ln (and main)."""
-    sb[m].input = _recompute_bda(ops, sb, a)
+    sb.blocks[m].input = _recompute_bda(ops, sb, a)
     _recompute_norm(ops, sb, m)
 
 
@@ -131,14 +131,16 @@ def _recompute_to_main(ops, sb, j, first, early=False):
     return ops.to_main(sb, j, "recompute", first, main, early=early)
 
 
-def _recompute_norm(ops, sb, j):
-    block = sb[j]
-    H = block.input = leaf(block.input)
-    norm_output = block.norm_output = ops.blocks.ln(j, H)
+def _recompute_norm(ops, sb, j, residual=True):
+    """ln_j again from block j's input. ``residual``: keep it for bda_j's recomputation (not
+    for ``oases``, whose bda backward needs its RNG snapshot alone, :func:`_bda_grad_from_rng`)."""
+    block = sb.blocks[j]
+    x = ops.block_input(block, block.take("input"), residual=residual)
+    norm_output = block.norm_output = ops.blocks.ln(j, x)
     ops.norm_output_ready(block, norm_output, lambda x: _recompute_main(ops, sb, j, x))
 
 
 def _recompute_main(ops, sb, j, x):
-    block = sb[j]
+    block = sb.blocks[j]
     with replay(block.take("rng_main")):
         block.partial, _ = ops.main(sb, j, ops.sink(x, ops.store(block, "norm_grad")))

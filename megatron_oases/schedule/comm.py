@@ -13,11 +13,23 @@ import threading
 import torch
 import torch.distributed as dist
 
-_local = threading.local()
+
+class _State(threading.local):
+    """Per thread: the deferral flag, the column linears' :class:`EarlyReductions`, a supplied
+    reduction and the embedding's scatter cut; class defaults, so reading one is an attribute
+    access (the linears' wrappers read them on every call)."""
+
+    defer = False
+    early = None
+    supply = None
+    cut = None
+
+
+_local = _State()
 
 
 def deferring():
-    return getattr(_local, "defer", False)
+    return _local.defer
 
 
 class deferred_tmp_comm:  # noqa: N801 (used as a context manager, like contextlib's)
@@ -34,7 +46,7 @@ class deferred_tmp_comm:  # noqa: N801 (used as a context manager, like contextl
         self.enabled, self.early, self.outer = enabled, early, []
 
     def __enter__(self):
-        self.outer.append((getattr(_local, "defer", False), getattr(_local, "early", None)))
+        self.outer.append((_local.defer, _local.early))
         _local.defer, _local.early = self.enabled, self.early
         return self
 
@@ -166,12 +178,12 @@ def make_all_reduce(original):
 def supplied_reduction(reduced):
     """The next deferred reduction returns ``reduced`` (its result, computed by the schedule)
     instead of its input; used once."""
-    prev = getattr(_local, "supply", None)
+    prev = _local.supply
     _local.supply = reduced
     try:
         yield
     finally:
-        unused = getattr(_local, "supply", None) is not None
+        unused = _local.supply is not None
         _local.supply = prev
         if unused:
             raise RuntimeError("oases: a supplied reduction was not consumed (Megatron changed?)")
@@ -184,15 +196,15 @@ def make_deferred_reduction(original, scatters=False):
     cut there (its backward is the all-gather the schedule issues)."""
 
     def reduction(input_, *args, **kwargs):
-        if not deferring():
+        if not _local.defer:
             return original(input_, *args, **kwargs)
-        if scatters and getattr(_local, "cut", None) is not None:
+        if scatters and _local.cut is not None:
             group = kwargs.get("group", args[0] if args else None)
             if group is None:
                 raise RuntimeError("oases: a reduce-scatter to cut without its group")
             n = input_.size(0) // group.size()
             return _cut(input_, input_[group.rank() * n : (group.rank() + 1) * n])
-        supplied = getattr(_local, "supply", None)
+        supplied = _local.supply
         if supplied is None:
             return input_
         _local.supply = None
@@ -219,29 +231,45 @@ def _gathers(linear, args, kwargs):
 
 
 def make_column_forward(original):
-    """Replacement for ``ColumnParallelLinear.forward`` honouring the deferral flag."""
+    """Replacement for ``ColumnParallelLinear.forward`` honouring the deferral flag. The
+    attributes a deferred call overrides are written in the instance's ``__dict__`` (plain
+    attributes there: read with ``[]``, which fails loudly were one to become a property), not
+    through ``nn.Module.__setattr__``, a Python call each, six per linear call."""
 
     def forward(self, input_, *args, **kwargs):
-        if not deferring():
+        if not _local.defer:
             return original(self, input_, *args, **kwargs)
-        early = getattr(_local, "early", None)
-        reduces = self.allreduce_dgrad or self.sequence_parallel  # (never both: Megatron)
-        if early is not None and reduces and not _gathers(self, args, kwargs):
+        d = self.__dict__
+        try:
+            saved = (
+                d["tp_group"],
+                d["allreduce_dgrad"],
+                d["disable_grad_reduce"],
+                d["sequence_parallel"],
+            )
+        except KeyError as e:
+            raise RuntimeError(
+                f"oases: ColumnParallelLinear has no instance attribute {e} (Megatron changed?); "
+                "run with --oases-schedule off and report it"
+            ) from None
+        early = _local.early
+        reduces = saved[1] or saved[3]  # allreduce_dgrad or sequence_parallel (never both)
+        gathers = _gathers(self, args, kwargs) if (args or kwargs) else self.gather_output
+        if early is not None and reduces and not gathers:
             # under SP the input is gathered by the schedule: reduce-scatter its gradient
-            scatter = self.sequence_parallel
-            saved = self.tp_group, self.allreduce_dgrad, self.sequence_parallel
-            self.tp_group = ReducingGroup(self.tp_group, early, scatter=scatter)
-            self.allreduce_dgrad, self.sequence_parallel = True, False
-            try:
-                return original(self, input_, *args, **kwargs)
-            finally:
-                self.tp_group, self.allreduce_dgrad, self.sequence_parallel = saved
-        saved = self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel
-        self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel = False, True, False
+            d["tp_group"] = ReducingGroup(saved[0], early, scatter=saved[3])
+            d["allreduce_dgrad"], d["sequence_parallel"] = True, False
+        else:
+            d["allreduce_dgrad"], d["disable_grad_reduce"], d["sequence_parallel"] = (
+                False,
+                True,
+                False,
+            )
         try:
             return original(self, input_, *args, **kwargs)
         finally:
-            self.allreduce_dgrad, self.disable_grad_reduce, self.sequence_parallel = saved
+            d["tp_group"], d["allreduce_dgrad"], d["disable_grad_reduce"] = saved[:3]
+            d["sequence_parallel"] = saved[3]
 
     forward.__wrapped__ = original
     return forward
@@ -255,7 +283,7 @@ def cut_at_scatter():
     ``(input, leaf)`` in the yielded list: a backward through the output then stops at the leaf,
     and the schedule all-gathers ``leaf.grad`` itself before continuing from ``input``. Used
     exactly once (else Megatron changed)."""
-    prev = getattr(_local, "cut", None)
+    prev = _local.cut
     cuts = _local.cut = []
     try:
         yield cuts
@@ -279,7 +307,7 @@ def make_scatter(original):
     :func:`cut_at_scatter`; stock outside it."""
 
     def scatter(input_, *args, **kwargs):
-        if getattr(_local, "cut", None) is None:
+        if _local.cut is None:
             return original(input_, *args, **kwargs)
         with torch.no_grad():
             return _cut(input_, original(input_.detach(), *args, **kwargs))

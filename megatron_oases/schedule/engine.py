@@ -16,7 +16,7 @@ from . import backward as programs
 from .comm import EarlyReductions, deferred_tmp_comm
 from .executor import Interleave, run_programs
 from .forward import forward_program
-from .ops import BlockOps, leaf
+from .ops import BlockOps
 from .split import make_split
 from .state import SubBatch
 
@@ -153,8 +153,8 @@ class ScheduledLayers:
         # each block's ops set their own grad mode
         with torch.set_grad_enabled(ops.keeps(0)):
             cut = split.hidden(hidden.detach())
-            if self.embedding is None:
-                inputs = [leaf(p) if ops.keeps(0) else p for p in cut]
+            if self.embedding is None:  # block 0 cuts its graph (BlockOps.block_input)
+                inputs = list(cut)
             else:  # the embedding ops deliver each sub-batch's input
                 inputs = [None] * len(cut)
             J = self.blocks.num_blocks
@@ -189,7 +189,7 @@ class ScheduledLayers:
                 sb.ends.loss_grad = g
         else:
             for sb, g in zip(self.sbs, split.hidden(grad_output.contiguous())):
-                sb[J].input_grad = g
+                sb.blocks[J].input_grad = g
         if self.prefix is not None:
             self.prefix.start_backward()
         build = BACKWARD[(self.mode, self.saved)]
@@ -203,7 +203,7 @@ class ScheduledLayers:
         if self.embedding is not None:  # the gradient went into the embedding's parameters
             out = None
         else:
-            out = split.join_hidden([sb[0].take("input_grad") for sb in self.sbs])
+            out = split.join_hidden([sb.blocks[0].take("input_grad") for sb in self.sbs])
         self.sbs, self.ops, self.split, self.prefix = [], None, None, None
         return out
 

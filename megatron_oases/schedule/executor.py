@@ -30,6 +30,7 @@ class Compute:
     sub-batch's yield point (see :class:`Interleave`)."""
 
     __slots__ = ("fn", "labels", "early", "light")
+    is_comm = False  # the executor's test, an attribute read rather than isinstance()
 
     def __init__(self, fn, early=False, light=False, **labels):
         self.fn, self.labels, self.early, self.light = fn, labels, early, light
@@ -52,6 +53,7 @@ class Comm:
     tail pieces in :mod:`.forward`)."""
 
     __slots__ = ("get", "done", "group", "kind", "reduce_op", "switch", "labels")
+    is_comm = True
 
     def __init__(self, get, done, group, kind="all_reduce", reduce_op=None, switch=True, **labels):
         assert kind in KINDS, kind
@@ -127,9 +129,10 @@ class Interleave:
 class _Run:
     """The state of one :func:`run_programs` call."""
 
-    def __init__(self, programs, tracer, early, ids=None, compute_context=None):
+    def __init__(self, programs, tracer, early, ids=None, interleave=False):
         self.programs, self.tracer, self.early = programs, tracer, early
-        self.compute_context = compute_context or contextlib.nullcontext()
+        # the running computes are tracked for the tracer and for yield points only
+        self.tracked = tracer is not None or interleave
         self.ids = list(range(len(programs))) if ids is None else list(ids)  # trace labels
         self.pos = [0] * len(programs)
         # sub-batch -> its collectives in flight, in issue order (more than one only after a
@@ -141,19 +144,21 @@ class _Run:
         self.yielding = False
 
     def compute(self, x, op):
+        if not self.tracked:
+            op.fn()
+            return
         key = (id(self), len(self.running))
         self.running.append((x, key))
         try:
-            with self.compute_context:
-                if self.tracer is None:
-                    op.fn()
-                else:
-                    with self.tracer.context(sub_batch=self.ids[x], **op.labels):
-                        self.tracer.open_compute(key)
-                        try:
-                            op.fn()
-                        finally:
-                            self.tracer.close_compute(key)
+            if self.tracer is None:
+                op.fn()
+            else:
+                with self.tracer.context(sub_batch=self.ids[x], **op.labels):
+                    self.tracer.open_compute(key)
+                    try:
+                        op.fn()
+                    finally:
+                        self.tracer.close_compute(key)
         finally:
             self.running.pop()
 
@@ -161,36 +166,35 @@ class _Run:
         """x's pending results, its computes up to its next collective, and that collective's
         issue (up to the next one where a ``Comm(switch=False)`` was issued). Early computes of
         the stretch run before the wait (see :class:`Compute`)."""
-        prog, pos = self.programs[x], self.pos
+        prog, pos, ran_early = self.programs[x], self.pos, self.ran_early[x]
+        n = len(prog)
         if x in self.pending:
             k = pos[x]
-            while k < len(prog) and isinstance(prog[k], Compute):
+            while k < n and not prog[k].is_comm:
                 if prog[k].early:
                     self.compute(x, prog[k])
-                    self.ran_early[x].add(k)
+                    ran_early.add(k)
                 k += 1
             for op in self.pending.pop(x):
                 op.finish()
-        while pos[x] < len(prog):
-            while pos[x] < len(prog) and isinstance(prog[pos[x]], Compute):
-                if pos[x] not in self.ran_early[x]:
-                    self.compute(x, prog[pos[x]])
+        while pos[x] < n:
+            op = prog[pos[x]]
+            if not op.is_comm:
+                if pos[x] not in ran_early:
+                    self.compute(x, op)
                 pos[x] += 1
-            if pos[x] == len(prog):
-                return
-            comm = prog[pos[x]]  # queue it; the caller then switches, unless told not to
-            self.pending.setdefault(x, []).append(
-                _issue(self.ids[x], comm, self.tracer, self.early)
-            )
+                continue
+            # a collective: queue it; the caller then switches, unless told not to
+            self.pending.setdefault(x, []).append(_issue(self.ids[x], op, self.tracer, self.early))
             pos[x] += 1
-            if comm.switch:
+            if op.switch:
                 return
 
     def _light_stretch(self, y):
         prog, k = self.programs[y], self.pos[y]
-        if y not in self.pending or k >= len(prog) or not isinstance(prog[k], Compute):
+        if y not in self.pending or k >= len(prog) or prog[k].is_comm:
             return False
-        while k < len(prog) and isinstance(prog[k], Compute):
+        while k < len(prog) and not prog[k].is_comm:
             if not (prog[k].light or k in self.ran_early[y]):
                 return False
             k += 1
@@ -229,14 +233,17 @@ def run_programs(
     adopts the started work instead of issuing another. ``interleave`` (an :class:`Interleave`,
     optional): the yield points inside compute ops call into this run. ``ids``: each program's
     sub-batch index for the trace (default its position; the first program leads).
-    ``compute_context``: a reentrant context manager every compute op runs in (the engine's
-    deferral of Megatron's own TMP communication, :class:`.comm.deferred_tmp_comm`)."""
+    ``compute_context``: a context manager the run executes in (the engine's deferral of
+    Megatron's own TMP communication, :class:`.comm.deferred_tmp_comm`): entered once, not per
+    compute op, as only compute ops call Megatron's layers (a collective's issue and its ``done``
+    do not)."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
-    run = _Run(programs, tracer, early, ids, compute_context)
+    run = _Run(programs, tracer, early, ids, interleave is not None)
     active = interleave.active(run) if interleave is not None else contextlib.nullcontext()
+    inside = compute_context if compute_context is not None else contextlib.nullcontext()
     n = len(programs)
     x = 0
-    with outer, active:
+    with outer, active, inside:
         while True:
             run.resume(x)
             remaining = [i for i in range(n) if run.pos[i] < len(programs[i])]

@@ -3,10 +3,8 @@ around them, and the stage's last block cut into runs of tokens (tail pieces). D
 ``docs/schedules.md``."""
 
 import torch
-from megatron.core.pipeline_parallel.schedules import deallocate_output_tensor
 
 from ..validation import TAIL_PIECES
-from .ops import leaf
 from .regather import shard_saved
 from .rng import snapshot
 
@@ -19,14 +17,14 @@ def forward_program(ops, sb, last_sub_batch, layer_checkpoint, embedding=None, o
     J = ops.blocks.num_blocks
     program = []
     if embedding is not None:
-        deliver = lambda h: setattr(sb, "input", leaf(h) if ops.keeps(0) else h)  # noqa: E731
+        deliver = lambda h: setattr(sb, "input", h)  # noqa: E731
         program += embedding.forward_ops(sb, deliver)
     for j in range(J):
         n = tail_pieces(ops, sb, j, last_sub_batch)
         if n > 1:
             program += _pieces(ops, sb, j, n, layer_checkpoint)
             continue
-        block = sb[j]
+        block = sb.blocks[j]
         first = lambda j=j: _block_start(ops, sb, j, layer_checkpoint)  # noqa: E731
         program += ops.to_main(sb, j, "forward", first, lambda x, j=j: _main(ops, sb, j, x))
         done = ops.store(block, "reduced")
@@ -37,7 +35,7 @@ def forward_program(ops, sb, last_sub_batch, layer_checkpoint, embedding=None, o
 
     program.append(ops.light(tail, J - 1, "forward"))
     if output is not None:
-        program += output.forward_ops(sb, ops.anchor, ops.store(sb[J], "input_grad"))
+        program += output.forward_ops(sb, ops.anchor, ops.store(sb.blocks[J], "input_grad"))
     return program
 
 
@@ -54,7 +52,7 @@ def tail_pieces(ops, sb, j, last_sub_batch):
 
 def _bda(ops, sb, j, layer_checkpoint):
     """H_{j+1} = bda_j(R_j, bias_j, H_j) in forward, recording what backward needs."""
-    block = sb[j]
+    block = sb.blocks[j]
     with torch.set_grad_enabled(ops.keeps(j)):
         if not ops.keeps(j):  # recomputed in backward
             block.rng_bda = snapshot()
@@ -68,25 +66,22 @@ def _bda(ops, sb, j, layer_checkpoint):
             # main_j (and under SP the all-gather) has consumed ln_j's output: free it until
             # R_j's gradient arrives, which comes before main_j's backward and the re-gather
             checkpoint.discard_output_and_register_recompute(R)
-        out = block.output = ops.blocks.bda(j, R, block.bias, block.input)
+        out = block.output = ops.blocks.bda(j, R, block.bias, block.take("residual"))
         return out
 
 
 def _block_start(ops, sb, j, layer_checkpoint, main=None):
     """bda_{j-1}, ln_j, then ``main`` on ln_j's output (default: main_j; under SP it runs after
     the all-gather instead)."""
-    block = sb[j]
-    if j == 0:
-        H = sb.input
-    else:
-        out = _bda(ops, sb, j - 1, layer_checkpoint)
-        H = leaf(out) if ops.keeps(j) else out
-    block.input = H  # a layer checkpoint drops odd blocks' H again after bda_j
+    block = sb.blocks[j]
+    H = sb.input if j == 0 else _bda(ops, sb, j - 1, layer_checkpoint)
     with torch.set_grad_enabled(ops.keeps(j)):
         if ops.keeps(j):
-            norm_output, block.norm_checkpoint = ops.blocks.ln_discardable(j, H)
+            x = ops.block_input(block, H)
+            norm_output, block.norm_checkpoint = ops.blocks.ln_discardable(j, x)
             block.norm_output = norm_output
         else:
+            block.input = H  # saved for recomputation (a layer checkpoint drops it after bda_j)
             norm_output = ops.blocks.ln(j, H)
         ops.norm_output_ready(block, norm_output, main or (lambda x: _main(ops, sb, j, x)))
 
@@ -94,7 +89,7 @@ def _block_start(ops, sb, j, layer_checkpoint, main=None):
 def _main(ops, sb, j, x):
     """main_j on its (gathered) input; the RNG snapshot is taken right before it, as the other
     sub-batch may run between ln_j and main_j under SP."""
-    block = sb[j]
+    block = sb.blocks[j]
     with torch.set_grad_enabled(ops.keeps(j)):
         store = ops.store(block, "norm_grad")
         if ops.regathers(j):  # x's storage is freed after this call; see .regather
@@ -105,9 +100,11 @@ def _main(ops, sb, j, x):
         else:
             block.rng_main = snapshot()
             P, block.bias = ops.main(sb, j, x)
-        block.outbox = P.detach() if P.requires_grad else P  # recomputed: no graph to cut
+        # the reduction's buffer: P's storage in a tensor of its own (P's .data is freed below);
+        # .data, not detach(): no aten call, and no saved tensor aliases P (see free_data)
+        block.outbox = P.data if P.requires_grad else P  # recomputed: no graph to cut
         if ops.keeps(j):  # backward needs P's grad_fn only; its data goes to the reduction
-            deallocate_output_tensor(P, deallocate_pipeline_outputs=P._base is None)
+            ops.free_data(P)
             block.partial = P
 
 
@@ -123,7 +120,7 @@ def _pieces(ops, sb, j, n, layer_checkpoint):
     input gradient per run, each all-reduced as Megatron's fc1 starts it. Memory as for a whole
     block: each run's partial sum is copied into its rows of one block-sized buffer, reduced
     there in place (a concatenation would hold the block's output twice)."""
-    block, keeps, runs, rows, out = sb[j], ops.keeps(j), [], [], []
+    block, keeps, runs, rows, out = sb.blocks[j], ops.keeps(j), [], [], []
 
     def start(x):  # ln_j's output
         cut = torch.tensor_split(x, n, dim=0)
@@ -144,9 +141,9 @@ def _pieces(ops, sb, j, n, layer_checkpoint):
         if not out:
             out.append(P.new_empty((sum(rows),) + tuple(P.shape[1:])))
         start_row = sum(rows[:i])
-        block.piece_outbox[i] = out[0][start_row : start_row + rows[i]].copy_(P.detach())
+        block.piece_outbox[i] = out[0][start_row : start_row + rows[i]].copy_(P.data)
         if keeps:  # backward needs the runs' grad_fn only (see _main)
-            deallocate_output_tensor(P, deallocate_pipeline_outputs=P._base is None)
+            ops.free_data(P)
             block.partial = (block.partial or []) + [P]
 
     def done(i, t):  # the runs' results arrive in issue order, reduced in place in out

@@ -7,31 +7,32 @@ program builders put in order. Design notes: ``docs/schedules.md``.
 """
 
 import contextlib
+import functools
 
 import torch
 
 from .executor import Comm, Compute
-from .regather import GradSink
+from .regather import grad_sink
 
 
-def leaf(t):
-    return t.detach().requires_grad_()
-
-
-def backward(outputs, grads):
-    torch.autograd.backward(outputs, grads)
-
-
-def backward_freed(outputs, grads):
-    """``torch.autograd.backward`` where ``outputs[0]``'s data was freed in forward (a kept
-    graph's root, see ``deallocate_output_tensor``): Megatron's ``custom_backward`` for several
-    roots, which skips the shape check the freed output would fail."""
+def backward(outputs, grads, freed=False):
+    """``torch.autograd.backward(outputs, grads)`` without its Python layer (argument
+    normalisation, gradients made where None is given), which the schedule's calls do not need;
+    the shape check is kept. ``freed``: ``outputs[0]``'s data was freed in forward (a kept
+    graph's root, :meth:`BlockOps.free_data`), so its check is skipped, as in Megatron's
+    ``custom_backward``."""
+    for i, (out, g) in enumerate(zip(outputs, grads)):
+        if out.shape != g.shape and not (freed and i == 0):
+            raise RuntimeError(
+                f"oases: gradient of shape {tuple(g.shape)} for an output of shape "
+                f"{tuple(out.shape)}"
+            )
     torch.autograd.Variable._execution_engine.run_backward(
         tensors=tuple(outputs),
         grad_tensors=tuple(grads),
         keep_graph=False,
         create_graph=False,
-        inputs=tuple(),
+        inputs=(),
         allow_unreachable=True,
         accumulate_grad=True,
     )
@@ -42,7 +43,7 @@ class BlockOps:
 
     ``first_kept``: blocks from this one on keep their autograd graphs from forward; the ones
     before it are recomputed in backward. ``anchor``: a scalar that requires grad, putting
-    :class:`.regather.GradSink` nodes in the graph. ``prefix``: the sequence split's shared
+    :func:`.regather.grad_sink` nodes in the graph. ``prefix``: the sequence split's shared
     chunk attention (:class:`.split.PrefixAttention`), or None."""
 
     def __init__(self, blocks, microbatch, tracer, first_kept, anchor, prefix):
@@ -53,7 +54,9 @@ class BlockOps:
         self.sp = blocks.sequence_parallel
         self.reduction = "reduce_scatter" if self.sp else "all_reduce"
         self.zeros = {}  # zero tensors by shape, for backward's bda probes (:mod:`.backward`)
+        self.placeholders = {}  # a one-element tensor per (device, dtype), see free_data
         self._labels = {}  # (j, pass) -> labels: built once per micro-batch, not once per op
+        self._groups = {}  # j -> block j's TP group
 
     def keeps(self, j):
         """Block j keeps its autograd graph from forward (its layer is not recomputed)."""
@@ -77,16 +80,26 @@ class BlockOps:
         return labels
 
     def compute(self, fn, j, pass_, early=False, light=False):
-        return Compute(fn, early=early, light=light, **self.labels(j, pass_))
+        op = Compute(fn, early, light)
+        if self.tracer is not None:  # labels are for the trace only
+            op.labels = self.labels(j, pass_)
+        return op
 
     def light(self, fn, j, pass_):
         return self.compute(fn, j, pass_, light=True)
 
+    def group(self, j):
+        group = self._groups.get(j)
+        if group is None:
+            group = self._groups[j] = self.blocks.tp_group(j)
+        return group
+
     def collective(self, kind, get, done, j, pass_):
         """``kind`` of ``get()`` on block j's TP group; ``done(result)`` when it completed."""
-        return Comm(
-            get=get, done=done, group=self.blocks.tp_group(j), kind=kind, **self.labels(j, pass_)
-        )
+        op = Comm(get, done, self.group(j), kind)
+        if self.tracer is not None:
+            op.labels = self.labels(j, pass_)
+        return op
 
     def reduce(self, get, done, j, pass_):
         """Block j's reduction (all-reduce; reduce-scatter under SP)."""
@@ -100,7 +113,7 @@ class BlockOps:
             Comm(
                 get=lambda i=i: get(i),
                 done=lambda t, i=i: done(i, t),
-                group=self.blocks.tp_group(j),
+                group=self.group(j),
                 switch=i == n - 1,
                 **self.labels(j, pass_),
             )
@@ -110,16 +123,38 @@ class BlockOps:
     # ------------------------------------------------------------------ tensors
     @staticmethod
     def store(block, name):
-        """A ``done``/sink callback putting its tensor into ``block``'s slot ``name``."""
-        return lambda t: setattr(block, name, t)
+        """A ``done``/sink callback putting its tensor into ``block``'s slot ``name`` (a partial
+        of ``setattr``: no Python frame per call)."""
+        return functools.partial(setattr, block, name)
 
     def sink(self, x, store):
-        """``x`` as an op's input whose gradient goes to ``store(g)`` (see
-        :class:`.regather.GradSink`): unlike a leaf, nothing keeps ``x`` alive but the graph's
-        own saved tensors, so a kept graph holds what stock Megatron's would."""
-        # a tensor that does not require grad (a reduction's result) goes in as it is: its
-        # detach() would be one more aten call, the same alias
-        return GradSink.apply(self.anchor, x.detach() if x.requires_grad else x, store)
+        """``x`` as an op's input whose gradient goes to ``store(g)``
+        (:func:`.regather.grad_sink`, a graph cut)."""
+        return grad_sink(self.anchor, x, store)
+
+    def block_input(self, block, H, residual=True):
+        """H_j as block j's inputs: ln_j's through a sink whose gradient adds to the block's
+        input gradient, and (``residual``) bda_j's residual in ``block.residual``, an alias
+        without a graph. bda is ``residual + dropout(...)``, so the residual's gradient is bda's
+        output gradient itself (:meth:`bda_grad` starts the block's input gradient with it); a
+        leaf used by both would make ``AccumulateGrad`` copy that gradient into ``.grad``.
+        The alias is ``.data`` (no aten call): bda's add reads the residual and saves nothing,
+        so no saved-tensor version check needs the shared counter ``detach()`` would keep."""
+        if residual:
+            block.residual = H.data if H.requires_grad else H
+        return self.sink(H, block.add_input_grad)
+
+    def free_data(self, P):
+        """Free a kept graph's root's data (backward needs its ``grad_fn`` only), as Megatron's
+        ``deallocate_output_tensor`` does, onto one shared placeholder per (device, dtype)
+        instead of a new tensor each time. A view is left alone: its base holds the data."""
+        if P._base is not None:
+            return
+        key = (P.device, P.dtype)
+        placeholder = self.placeholders.get(key)
+        if placeholder is None:
+            placeholder = self.placeholders[key] = torch.empty((1,), device=P.device, dtype=P.dtype)
+        P.data = placeholder
 
     def chunk(self, sb):
         """Where ``sb``'s core attention may run (sequence chunks: it says which chunk runs)."""
@@ -127,7 +162,9 @@ class BlockOps:
 
     def main(self, sb, j, x):
         """main_j of sub-batch ``sb`` on ``x``: (partial sum, bias)."""
-        with self.chunk(sb):
+        if self.prefix is None:
+            return self.blocks.main(j, x, sb.mask, sb.rotary)
+        with self.prefix.running(sb.index):
             return self.blocks.main(j, x, sb.mask, sb.rotary)
 
     def norm_output_ready(self, block, norm_output, main):
@@ -141,7 +178,7 @@ class BlockOps:
         """Ops from block j's input to its partial sum: ``first`` (ln; without sequence
         parallelism also main), then under SP the all-gather of the ln output and ``main(x)``.
         ``early``: ``first`` needs only saved tensors (see :class:`.executor.Compute`)."""
-        block = sb[j]
+        block = sb.blocks[j]
         # under SP ``first`` is only ln (with bda_{j-1} before it): a light op
         ops = [self.compute(first, j, pass_, early=early, light=self.sp)]
         if self.sp:
@@ -155,7 +192,7 @@ class BlockOps:
         """Block j's main backward between its collectives: under SP the all-gather of R_j's
         gradient (the row-parallel reduce-scatter's backward) first; then the input-gradient
         reduction of the column-parallel linear (all-reduce, or reduce-scatter under SP)."""
-        block, ops = sb[j], []
+        block, ops = sb.blocks[j], []
         if self.regathers(j):  # main_j's input again, in the same collective
             ops.append(self.regather(sb, j))
         elif self.sp:
@@ -168,7 +205,7 @@ class BlockOps:
     def input_gradient_reductions(self, sb, j):
         """The reduction of main_j's input gradient; for a kept graph built in runs of tokens
         (tail pieces) one per run, queued together, joined when the last is taken."""
-        block = sb[j]
+        block = sb.blocks[j]
         n, block.pieces = block.pieces, None
         if n is None:
             get = lambda: block.take("norm_grad")  # noqa: E731
@@ -185,32 +222,30 @@ class BlockOps:
     def regather(self, sb, j):
         """One all-gather of R_j's gradient and main_j's saved input shard (a collective each
         would leave the second with no compute to hide behind)."""
-        block = sb[j]
+        block = sb.blocks[j]
 
         def done(gathered):
             block.reduced_grad, block.gathered = gathered
 
-        return Comm(
-            get=lambda: (block.take("reduced_grad"), block.norm_output.detach()),
-            done=done,
-            group=self.blocks.tp_group(j),
-            kind="all_gather",
-            **self.labels(j, "backward"),
-        )
+        get = lambda: (block.take("reduced_grad"), block.norm_output.detach())  # noqa: E731
+        return self.collective("all_gather", get, done, j, "backward")
 
     def bda_grad(self, sb, j):
-        """bda_j's backward through its kept graph: R_j's gradient lands in its sink."""
-        backward(sb[j].take("output"), sb[j + 1].take("input_grad"))
+        """bda_j's backward through its kept graph: R_j's gradient lands in its sink; the
+        residual's is the output gradient itself (see :meth:`block_input`)."""
+        g = sb.blocks[j + 1].take("input_grad")
+        backward([sb.blocks[j].take("output")], [g])
+        sb.blocks[j].input_grad = g
 
     def main_grad(self, sb, j):
-        block = sb[j]
+        block = sb.blocks[j]
         P, g = block.take("partial"), block.take("reduced_grad")
         if isinstance(P, list):  # forward ran it in runs of tokens (tail pieces), data freed
             # one backward call per run: each run's weight gradient is accumulated before the
             # next run's is computed (one call over all runs could hold several at once), and
             # each run's input-gradient all-reduce starts before the next run's backward
             for p, gi in zip(P, torch.tensor_split(g, len(P), dim=0)):
-                backward_freed([p], [gi])
+                backward([p], [gi], freed=True)
             return
         freed = P.numel() != g.numel()  # data freed in forward (kept graph) unless kept
         roots, grads = [], []
@@ -218,16 +253,13 @@ class BlockOps:
         if attention:  # the later chunks' key/value gradients
             roots, grads = self.prefix.backward_roots(self.blocks.layer_index(j), sb.index)
         with self.chunk(sb):  # Megatron's selective recompute re-runs core attention in here
-            (backward_freed if freed else backward)([P] + roots, [g] + grads)
+            backward([P] + roots, [g] + grads, freed=freed)
         if attention:
             self.prefix.collect(self.blocks.layer_index(j), sb.index)
         if self.regathers(j):
             block.gathered = None  # main_j's input gradient has landed in norm_grad
 
     def norm_grad(self, sb, j):
-        """ln_j's backward; the block's input gradient (its leaf's grad) adds to the residual
-        path's where a bda backward from its RNG snapshot put that first."""
-        block = sb[j]
-        backward(block.take("norm_output"), block.take("norm_grad"))
-        g = block.take("input").grad
-        block.input_grad = g if block.input_grad is None else block.input_grad + g
+        """ln_j's backward; its input gradient adds to the residual's (:meth:`block_input`)."""
+        block = sb.blocks[j]
+        backward([block.take("norm_output")], [block.take("norm_grad")])

@@ -2,8 +2,6 @@
 its forward) snapshots Megatron's RNG states (CPU, device and the model-parallel tracker) before it
 runs, and the re-run restores exactly that snapshot, so its dropout masks equal the forward's."""
 
-import contextlib
-
 from megatron.core.tensor_parallel.random import _get_all_rng_states, _set_all_rng_states
 
 
@@ -12,14 +10,22 @@ def snapshot():
     return cpu, dev, dict(tracker)
 
 
-@contextlib.contextmanager
-def replay(state):
-    """Run with a saved RNG snapshot, then return to the current RNG state."""
-    current = snapshot()
-    cpu, dev, tracker = state
-    _set_all_rng_states(cpu, dev, dict(tracker))
-    try:
-        yield
-    finally:
-        cpu, dev, tracker = current
+class replay:  # noqa: N801 (a context manager, like contextlib's)
+    """Run with a saved RNG snapshot, then return to the current RNG state. A class, not a
+    generator context: one is entered around every recomputed op."""
+
+    __slots__ = ("state", "current")
+
+    def __init__(self, state):
+        self.state, self.current = state, None
+
+    def __enter__(self):
+        self.current = snapshot()
+        cpu, dev, tracker = self.state
         _set_all_rng_states(cpu, dev, dict(tracker))
+        return self
+
+    def __exit__(self, *exc):
+        (cpu, dev, tracker), self.current = self.current, None
+        _set_all_rng_states(cpu, dev, dict(tracker))
+        return False

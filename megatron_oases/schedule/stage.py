@@ -14,7 +14,7 @@ import torch
 from . import loss
 from .comm import cut_at_scatter, supplied_reduction
 from .executor import Comm, Compute
-from .regather import GradSink
+from .regather import grad_sink
 from .rng import replay, snapshot
 
 
@@ -128,7 +128,7 @@ class EmbeddingEnd:
             return self.forward(self.module, self.ids[sb.index], self.pos[sb.index])
 
     def _backward(self, sb):
-        _backward(self._rerun(sb), sb[0].take("input_grad"))
+        _backward(self._rerun(sb), sb.blocks[0].take("input_grad"))
 
     def _backward_to_scatter(self, sb):
         """Backward of the ops after Megatron's scatter (dropout, ...): the gradient of the
@@ -136,7 +136,7 @@ class EmbeddingEnd:
         with cut_at_scatter() as cuts:
             out = self._rerun(sb)
         ((full, leaf),) = cuts
-        _backward(out, sb[0].take("input_grad"))
+        _backward(out, sb.blocks[0].take("input_grad"))
         sb.ends.scatter_input, sb.ends.scatter_grad = full, leaf.grad
 
 
@@ -173,7 +173,7 @@ class OutputEnd:
         return loss.qualifies(self.model, self.group)
 
     def forward_ops(self, sb, anchor, grad_slot):
-        """``anchor``: the schedule's grad anchor (:class:`.regather.GradSink`); the gradient of
+        """``anchor``: the schedule's grad anchor (:func:`.regather.grad_sink`); the gradient of
         the layers' output lands in ``grad_slot(g)``."""
         labels = dict(**{"pass": "forward"}, **self.LABELS)
         norm = lambda: self._final_norm(sb, anchor, grad_slot)  # noqa: E731
@@ -204,7 +204,7 @@ class OutputEnd:
 
     def _final_norm(self, sb, anchor, grad_slot):
         with torch.enable_grad():
-            hidden = GradSink.apply(anchor, sb.output.detach(), grad_slot)
+            hidden = grad_sink(anchor, sb.output, grad_slot)
             ln = hidden if self.final_layernorm is None else self.final_layernorm(hidden)
         sb.ends.norm_output, sb.ends.head_input = ln, ln.detach()
         sb.output = None
@@ -213,7 +213,7 @@ class OutputEnd:
         """The output layer (and 0.19's logit scaling) on the final norm's output, [s, b, v/t]."""
         model = self.model
         with torch.enable_grad():
-            x = GradSink.apply(
+            x = grad_sink(
                 anchor, sb.ends.take("head_input"), lambda g: setattr(sb.ends, "head_input_grad", g)
             )
             weight = None

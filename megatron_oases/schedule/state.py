@@ -15,10 +15,11 @@ class Slots:
     order bug, never a silent None)."""
 
     def take(self, name):
-        value = getattr(self, name)
+        slots = self.__dict__  # not getattr/setattr: called a few hundred times per layer
+        value = slots[name]
         if value is None:
             raise RuntimeError(f"oases: schedule slot {type(self).__name__}.{name} is empty")
-        setattr(self, name, None)
+        slots[name] = None
         return value
 
 
@@ -26,7 +27,8 @@ class Slots:
 class BlockState(Slots):
     """Block j of one sub-batch (see :mod:`.blocks`)."""
 
-    input: Any = None  # H_j (a leaf in backward: its .grad is the block's input gradient)
+    input: Any = None  # H_j where it is saved for recomputation (then ln_j's input, a sink)
+    residual: Any = None  # H_j without a graph, bda_j's residual (see BlockOps.block_input)
     norm_output: Any = None  # L_j, kept with its graph for ln_j's backward
     partial: Any = None  # P_j: main_j's graph root (a list: one per run of tokens, see pieces)
     bias: Any = None  # main_j's bias, for bda_j (kept for the whole micro-batch)
@@ -45,6 +47,10 @@ class BlockState(Slots):
     pieces: Optional[int] = None
     piece_outbox: dict = field(default_factory=dict)
     piece_grads: dict = field(default_factory=dict)
+
+    def add_input_grad(self, g):
+        """A part of H_j's gradient (the residual's, ln_j's input's)."""
+        self.input_grad = g if self.input_grad is None else self.input_grad + g
 
 
 @dataclass(eq=False)
@@ -81,5 +87,5 @@ class SubBatch:
         # blocks[num_blocks].input_grad: the gradient of the layers' output
         self.blocks = [BlockState() for _ in range(self.num_blocks + 1)]
 
-    def __getitem__(self, j):
+    def __getitem__(self, j):  # the schedule's own code reads ``sb.blocks[j]``: no call
         return self.blocks[j]

@@ -333,16 +333,17 @@ def test_trivial_group_skips_the_collective(fake, group):
     torch.testing.assert_close(sb["seen"][1], torch.full((2,), 1.0))
 
 
-def test_computes_run_with_tmp_comm_deferred(fake):
-    """Computes run in the engine's compute context (deferring Megatron's own TP all-reduces);
-    the schedule's get/done do not."""
+def test_run_executes_with_tmp_comm_deferred(fake):
+    """The run executes in the engine's compute context (deferring Megatron's own TP
+    all-reduces), entered once: computes, and the schedule's get/done, which call no Megatron
+    layer; the caller's state is back afterwards."""
     a, sa = program(fake, "a", 2, FakeGroup(2))
     b, _ = program(fake, "b", 2, FakeGroup(2))
     assert not comm.deferring()
     run_programs([a, b], compute_context=comm.deferred_tmp_comm())
     assert sa["deferring"] == [True, True, True]
-    assert sa["get_deferring"] == [False, False]
-    assert sa["done_deferring"] == [False, False]
+    assert sa["get_deferring"] == [True, True]
+    assert sa["done_deferring"] == [True, True]
     assert not comm.deferring()
 
 
@@ -448,8 +449,11 @@ class TestDeferredTmpComm:
                 raise RuntimeError("forward failed")
             return x + 1
 
-        class Linear:
-            allreduce_dgrad, disable_grad_reduce, sequence_parallel = True, False, True
+        class Linear:  # Megatron's instance attributes, set in __init__
+            def __init__(self):
+                self.tp_group, self.gather_output = "tp", False
+                self.allreduce_dgrad, self.disable_grad_reduce = True, False
+                self.sequence_parallel = True
 
         lin = Linear()
         forward = comm.make_column_forward(original)
@@ -469,6 +473,20 @@ class TestDeferredTmpComm:
             False,
             True,
         )
+        assert lin.tp_group == "tp"
+
+    def test_column_forward_refuses_a_linear_without_the_attributes_it_overrides(self):
+        class Linear:
+            tp_group = property(lambda self: "tp")  # not an instance attribute
+
+            def __init__(self):
+                self.allreduce_dgrad = self.disable_grad_reduce = self.sequence_parallel = False
+
+        forward = comm.make_column_forward(lambda self, x: x)
+        assert forward(Linear(), 1) == 1  # not deferring: Megatron's own call
+        with comm.deferred_tmp_comm():
+            with pytest.raises(RuntimeError, match="no instance attribute 'tp_group'"):
+                forward(Linear(), 1)
 
 
 def test_early_compute_runs_before_its_sub_batch_waits(fake):
