@@ -21,6 +21,7 @@ LayerNorm/RMSNorm, SwiGLU, GQA, RoPE, dropout) are unchanged.
 
 import contextlib
 import functools
+import weakref
 
 import torch
 from megatron.core.tensor_parallel import CheckpointWithoutOutput
@@ -40,24 +41,22 @@ class LayerBlocks:
         self.layers = list(layers)
         # (layer, kind, position of the layer in the stage) per block, in forward order
         self.table = [
-            (layer, kind, i) for i, layer in enumerate(self.layers) for kind in halves(layer)
+            (layer, kind, i) for i, layer in enumerate(self.layers) for kind in _checked(layer)
         ]
         self.graphs = graphs
         self.attention_mask = attention_mask
         self.rotary_pos_emb = rotary_pos_emb
         self.attention_bias = attention_bias
-        for layer in self.layers:
-            check_layer(layer)
 
     @property
     def sequence_parallel(self):
         return bool(self.layers) and self.layers[0].config.sequence_parallel
 
+    # the per-op lookups below read the table directly: each is called several times per block
     def tp_group(self, j):
-        layer = self.layer(j)
-        return (
-            layer.self_attention.linear_proj if self.attention(j) else layer.mlp.linear_fc2
-        ).tp_group
+        layer, kind, _ = self.table[j]
+        owner = layer.self_attention.linear_proj if kind == "attention" else layer.mlp.linear_fc2
+        return owner.tp_group
 
     @property
     def num_blocks(self):
@@ -93,8 +92,8 @@ class LayerBlocks:
         return self.layer(j).layer_number - 1
 
     def ln(self, j, h):
-        layer = self.layer(j)
-        return layer.input_layernorm(h) if self.attention(j) else layer.pre_mlp_layernorm(h)
+        layer, kind, _ = self.table[j]
+        return layer.input_layernorm(h) if kind == "attention" else layer.pre_mlp_layernorm(h)
 
     def ln_discardable(self, j, h):
         """``ln(j, h)`` and, where Megatron recomputes this norm (``--recompute-modules
@@ -102,8 +101,8 @@ class LayerBlocks:
         output once main_j has consumed it and registers its recomputation on the gradient of
         R_j, as ``TransformerLayer`` does on the gradient of the attention / MLP output. None
         otherwise."""
-        layer = self.layer(j)
-        if self.attention(j):
+        layer, kind, _ = self.table[j]
+        if kind == "attention":
             norm, recompute = layer.input_layernorm, layer.recompute_input_layernorm
         else:
             norm, recompute = layer.pre_mlp_layernorm, layer.recompute_pre_mlp_layernorm
@@ -153,8 +152,8 @@ class LayerBlocks:
     def main(self, j, x, mask=None, rotary_pos_emb=None):
         """Partial (pre-all-reduce) output and bias of the attention / MLP block; ``mask`` and
         ``rotary_pos_emb``: the sub-batch's (:mod:`.split`)."""
-        layer = self.layer(j)
-        attention = self.attention(j)
+        layer, kind, _ = self.table[j]
+        attention = kind == "attention"
         owner = layer.self_attention if attention else layer.mlp
         if self.graphs is not None:
             args = (x, mask, rotary_pos_emb, self.attention_bias)
@@ -173,11 +172,24 @@ class LayerBlocks:
 
     def bda(self, j, reduced, bias, residual):
         """Bias-dropout-add: residual + dropout(reduced + bias) — affine in (reduced, residual)."""
-        layer = self.layer(j)
-        fn = layer.self_attn_bda if self.attention(j) else layer.mlp_bda
+        layer, kind, _ = self.table[j]
+        fn = layer.self_attn_bda if kind == "attention" else layer.mlp_bda
         return fn(layer.training, layer.config.bias_dropout_fusion)(
             (reduced, bias), residual, layer.hidden_dropout
         )
+
+
+#: layer -> its halves, for the layers :func:`check_layer` accepted (a layer's structure does not
+#: change after the model is built; checked once, not at every micro-batch's forward)
+_CHECKED = weakref.WeakKeyDictionary()
+
+
+def _checked(layer):
+    kinds = _CHECKED.get(layer)
+    if kinds is None:
+        check_layer(layer)
+        kinds = _CHECKED[layer] = halves(layer)
+    return kinds
 
 
 def halves(layer):

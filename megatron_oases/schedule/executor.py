@@ -13,7 +13,6 @@ On GPUs collectives run on the TP group's NCCL stream, computes on the default s
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from .comm import start_collective
 
@@ -80,7 +79,7 @@ class _InFlight:
 
 def _issue(sub_batch, op, tracer, early):
     tensor = op.get()
-    if op.group is None or dist.get_world_size(op.group) == 1:
+    if op.group is None or op.group.size() == 1:  # ProcessGroup.size(), no Python layer
         return _InFlight(sub_batch, None, lambda: tensor, op)
     started = None
     if early is not None and op.reduce_op is None and op.kind in ("all_reduce", "reduce_scatter"):

@@ -53,8 +53,9 @@ def tail_pieces(ops, sb, j, last_sub_batch):
 def _bda(ops, sb, j, layer_checkpoint):
     """H_{j+1} = bda_j(R_j, bias_j, H_j) in forward, recording what backward needs."""
     block = sb.blocks[j]
-    with torch.set_grad_enabled(ops.keeps(j)):
-        if not ops.keeps(j):  # recomputed in backward
+    keeps = ops.keeps(j)
+    with torch.set_grad_enabled(keeps):
+        if not keeps:  # recomputed in backward
             block.rng_bda = snapshot()
             out = ops.blocks.bda(j, block.take("reduced"), block.bias, block.input)
             if layer_checkpoint and not ops.blocks.starts_layer(j):
@@ -75,35 +76,39 @@ def _block_start(ops, sb, j, layer_checkpoint, main=None):
     the all-gather instead)."""
     block = sb.blocks[j]
     H = sb.input if j == 0 else _bda(ops, sb, j - 1, layer_checkpoint)
-    with torch.set_grad_enabled(ops.keeps(j)):
-        if ops.keeps(j):
+    keeps = ops.keeps(j)
+    with torch.set_grad_enabled(keeps):
+        if keeps:
             x = ops.block_input(block, H)
             norm_output, block.norm_checkpoint = ops.blocks.ln_discardable(j, x)
             block.norm_output = norm_output
         else:
             block.input = H  # saved for recomputation (a layer checkpoint drops it after bda_j)
             norm_output = ops.blocks.ln(j, H)
-        ops.norm_output_ready(block, norm_output, main or (lambda x: _main(ops, sb, j, x)))
+        if ops.sp or main is not None:
+            ops.norm_output_ready(block, norm_output, main)
+        else:  # the common case without a closure
+            _main(ops, sb, j, norm_output)
 
 
 def _main(ops, sb, j, x):
     """main_j on its (gathered) input; the RNG snapshot is taken right before it, as the other
     sub-batch may run between ln_j and main_j under SP."""
     block = sb.blocks[j]
-    with torch.set_grad_enabled(ops.keeps(j)):
-        store = ops.store(block, "norm_grad")
-        if ops.regathers(j):  # x's storage is freed after this call; see .regather
-            with shard_saved(x, lambda: block.gathered):
-                P, block.bias = ops.main(sb, j, ops.sink(x, store))
-        elif ops.keeps(j):
-            P, block.bias = ops.main(sb, j, ops.sink(x, store))
-        else:
+    keeps = ops.keeps(j)
+    with torch.set_grad_enabled(keeps):
+        if not keeps:
             block.rng_main = snapshot()
             P, block.bias = ops.main(sb, j, x)
+        elif ops.regathers(j):  # x's storage is freed after this call; see .regather
+            with shard_saved(x, lambda: block.gathered):
+                P, block.bias = ops.main(sb, j, ops.sink(x, ops.store(block, "norm_grad")))
+        else:
+            P, block.bias = ops.main(sb, j, ops.sink(x, ops.store(block, "norm_grad")))
         # the reduction's buffer: P's storage in a tensor of its own (P's .data is freed below);
         # .data, not detach(): no aten call, and no saved tensor aliases P (see free_data)
         block.outbox = P.data if P.requires_grad else P  # recomputed: no graph to cut
-        if ops.keeps(j):  # backward needs P's grad_fn only; its data goes to the reduction
+        if keeps:  # backward needs P's grad_fn only; its data goes to the reduction
             ops.free_data(P)
             block.partial = P
 

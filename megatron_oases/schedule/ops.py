@@ -14,6 +14,8 @@ import torch
 from .executor import Comm, Compute
 from .regather import grad_sink
 
+_engine = torch.autograd.Variable._execution_engine
+
 
 def backward(outputs, grads, freed=False):
     """``torch.autograd.backward(outputs, grads)`` without its Python layer (argument
@@ -21,13 +23,14 @@ def backward(outputs, grads, freed=False):
     the shape check is kept. ``freed``: ``outputs[0]``'s data was freed in forward (a kept
     graph's root, :meth:`BlockOps.free_data`), so its check is skipped, as in Megatron's
     ``custom_backward``."""
-    for i, (out, g) in enumerate(zip(outputs, grads)):
-        if out.shape != g.shape and not (freed and i == 0):
+    skip = 1 if freed else 0
+    for out, g in zip(outputs[skip:], grads[skip:]):
+        if out.shape != g.shape:
             raise RuntimeError(
                 f"oases: gradient of shape {tuple(g.shape)} for an output of shape "
                 f"{tuple(out.shape)}"
             )
-    torch.autograd.Variable._execution_engine.run_backward(
+    _engine.run_backward(
         tensors=tuple(outputs),
         grad_tensors=tuple(grads),
         keep_graph=False,

@@ -18,8 +18,13 @@ from megatron_oases.schedule.executor import Comm, Compute, run_programs
 
 
 class FakeGroup:
-    def __init__(self, size):
-        self.size = size
+    """A process group of ``n`` ranks (``size()`` as ``ProcessGroup``'s)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
 
 
 class FakeWork:
@@ -48,14 +53,14 @@ class FakeDist:
         self.reductions = {}  # op name -> the reduction it was issued with
 
     def get_world_size(self, group=None):
-        return group.size
+        return group.size()
 
     def all_reduce(self, tensor, op=None, group=None, async_op=False):  # completes as a sum
         name = self.name_of[id(tensor)]
         self.reductions[name] = op
         self.calls.append((name, group, async_op))
         self.log.append(("issue", name))
-        work = FakeWork(self, tensor, name, group.size)
+        work = FakeWork(self, tensor, name, group.size())
         self.in_flight.append(work)
         self.works.append(work)
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
@@ -65,7 +70,6 @@ class FakeDist:
 @pytest.fixture
 def fake(monkeypatch):
     d = FakeDist()
-    monkeypatch.setattr(ex, "dist", d)
     monkeypatch.setattr(comm, "dist", d)
     return d
 
