@@ -21,9 +21,7 @@ def kept_graphs(ops, sb):
     """Backward of the blocks that kept their graphs (from ``first_kept`` on)."""
     program = []
     for j in reversed(range(ops.first_kept, ops.blocks.num_blocks)):
-        program.append(ops.light(lambda j=j: ops.bda_grad(sb, j), j, "backward"))
-        program += ops.main_backward(sb, j)
-        program.append(ops.light(lambda j=j: ops.norm_grad(sb, j), j, "backward"))
+        program += ops.block_backward(sb, j)
     return program
 
 
@@ -86,9 +84,7 @@ def layer_phases(ops, sb, layer):
     recompute.append(ops.light(lambda: _recompute_bda(ops, sb, last), last, "recompute"))
     program = []
     for j in reversed(blocks):
-        program.append(ops.light(lambda j=j: ops.bda_grad(sb, j), j, "backward"))
-        program += ops.main_backward(sb, j)
-        program.append(ops.light(lambda j=j: ops.norm_grad(sb, j), j, "backward"))
+        program += ops.block_backward(sb, j)
     return recompute, program
 
 
@@ -110,7 +106,7 @@ def _recomputed_reduction(ops, sb, j):
 def _recompute_bda(ops, sb, j):
     """bda_j again from the recomputed reduction, its graph kept for backward."""
     block = sb.blocks[j]
-    R = ops.sink(block.take("reduced"), ops.store(block, "reduced_grad"))
+    R = ops.reduced_input(block)
     with replay(block.take("rng_bda")):
         block.output = ops.blocks.bda(j, R, block.bias, block.take("residual"))
     return block.output

@@ -61,7 +61,7 @@ def _bda(ops, sb, j, layer_checkpoint):
             if layer_checkpoint and not ops.blocks.starts_layer(j):
                 block.input = None  # keep only layer inputs
             return out
-        R = ops.sink(block.take("reduced"), ops.store(block, "reduced_grad"))
+        R = ops.reduced_input(block)
         checkpoint, block.norm_checkpoint = block.norm_checkpoint, None
         if checkpoint is not None:
             # main_j (and under SP the all-gather) has consumed ln_j's output: free it until
@@ -109,7 +109,8 @@ def _main(ops, sb, j, x):
         # .data, not detach(): no aten call, and no saved tensor aliases P (see free_data)
         block.outbox = P.data if P.requires_grad else P  # recomputed: no graph to cut
         if keeps:  # backward needs P's grad_fn only; its data goes to the reduction
-            ops.free_data(P)
+            if not ops.joins(block):  # else bda_j's input joins P's graph, see reduced_input
+                ops.free_data(P)
             block.partial = P
 
 

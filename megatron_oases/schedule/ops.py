@@ -12,7 +12,7 @@ import functools
 import torch
 
 from .executor import Comm, Compute
-from .regather import grad_sink
+from .regather import grad_sink, joined_reduction
 
 _engine = torch.autograd.Variable._execution_engine
 
@@ -139,8 +139,9 @@ class BlockOps:
         """H_j as block j's inputs: ln_j's through a sink whose gradient adds to the block's
         input gradient, and (``residual``) bda_j's residual in ``block.residual``, an alias
         without a graph. bda is ``residual + dropout(...)``, so the residual's gradient is bda's
-        output gradient itself (:meth:`bda_grad` starts the block's input gradient with it); a
-        leaf used by both would make ``AccumulateGrad`` copy that gradient into ``.grad``.
+        output gradient itself (:meth:`joined_grad` and :meth:`bda_grad` start the input
+        gradient with it); a leaf used by both would make ``AccumulateGrad`` copy that gradient
+        into ``.grad``.
         The alias is ``.data`` (no aten call): bda's add reads the residual and saves nothing,
         so no saved-tensor version check needs the shared counter ``detach()`` would keep."""
         if residual:
@@ -232,6 +233,48 @@ class BlockOps:
 
         get = lambda: (block.take("reduced_grad"), block.norm_output.detach())  # noqa: E731
         return self.collective("all_gather", get, done, j, "backward")
+
+    def joins(self, block):
+        """Block's R_j joins main_j's graph (:meth:`reduced_input`): without SP and for a whole
+        block (not run in runs of tokens), where nothing happens between bda_j's backward and
+        main_j's: one backward call for both, no cut at R_j."""
+        return not self.sp and block.pieces is None
+
+    def reduced_input(self, block):
+        """R_j as bda_j's input: joined to main_j's graph where :meth:`joins`, else a sink whose
+        gradient goes to the block's ``reduced_grad`` (the backward collective comes first)."""
+        R = block.take("reduced")
+        if self.joins(block):
+            return joined_reduction(block.take("partial"), R)
+        return self.sink(R, self.store(block, "reduced_grad"))
+
+    def block_backward(self, sb, j):
+        """Block j's backward ops through its kept (or recomputed) graph, in order."""
+        block = sb.blocks[j]
+        if self.joins(block):
+            first = [self.compute(lambda: self.joined_grad(sb, j), j, "backward")]
+            return first + self.input_gradient_reductions(sb, j) + [self._norm_grad_op(sb, j)]
+        first = [self.light(lambda: self.bda_grad(sb, j), j, "backward")]
+        return first + self.main_backward(sb, j) + [self._norm_grad_op(sb, j)]
+
+    def _norm_grad_op(self, sb, j):
+        return self.light(lambda: self.norm_grad(sb, j), j, "backward")
+
+    def joined_grad(self, sb, j):
+        """bda_j's and main_j's backward in one call (R_j joined, :meth:`reduced_input`)."""
+        block = sb.blocks[j]
+        g = sb.blocks[j + 1].take("input_grad")
+        roots, grads = [block.take("output")], [g]
+        attention = self.prefix is not None and self.blocks.attention(j)
+        if attention:  # the later chunks' key/value gradients
+            more, more_grads = self.prefix.backward_roots(self.blocks.layer_index(j), sb.index)
+            roots, grads = roots + more, grads + more_grads
+            with self.prefix.running(sb.index):
+                backward(roots, grads)
+            self.prefix.collect(self.blocks.layer_index(j), sb.index)
+        else:
+            backward(roots, grads)
+        block.input_grad = g  # the residual's (see block_input); ln_j's adds to it
 
     def bda_grad(self, sb, j):
         """bda_j's backward through its kept graph: R_j's gradient lands in its sink; the

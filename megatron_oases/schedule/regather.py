@@ -45,6 +45,25 @@ def grad_sink(anchor, x, sink):
     return _GradSink.apply(anchor, (x,), sink)
 
 
+class _Joined(torch.autograd.Function):
+    """See :func:`joined_reduction`."""
+
+    @staticmethod
+    def forward(ctx, partial, box):
+        return box[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def joined_reduction(partial, reduced):
+    """``reduced`` (the all-reduce of ``partial``, computed outside autograd) as a tensor whose
+    gradient flows on to ``partial``'s graph: an all-reduce's backward is the identity. No aten
+    call; ``reduced`` travels in a tuple, so the node owns it rather than a view of it."""
+    return _Joined.apply(partial, (reduced,))
+
+
 class Regathered:
     """A saved tensor that aliased the gathered input: where it sits in the re-gathered one."""
 
