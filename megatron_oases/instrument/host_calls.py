@@ -97,15 +97,18 @@ def _package(filename):
     return "builtin" if filename == "~" else "other"
 
 
-def python_time_patch(record, first_call=2, calls=6, top=12):
+def python_time_patch(record, first_call=2, calls=6, top=12, unprofiled_calls=None):
     """A :class:`Patch` on ``training.train_step``: calls ``first_call`` .. ``first_call + calls -
     1`` run under cProfile timed by the thread's CPU time (the host's own cost, unmoved by other
-    processes; waiting on the GPU is not counted unless the driver spins), the next ``calls``
-    without it. ``record`` gets the fastest profiled call's ``thread_s``, its self time per
-    package (``by_package``: megatron_oases, megatron, torch, builtin (C functions), other), its
-    ``top`` megatron_oases functions by self time (``top_oases``: ``[function, self s, calls]``)
-    and the fastest unprofiled call's ``thread_s_unprofiled`` (cProfile slows Python frames more
-    than C calls, so the profiled shares are upper bounds).
+    processes; waiting on the GPU is not counted unless the driver spins), the next
+    ``unprofiled_calls`` (default ``calls``) without it. ``record`` gets the fastest profiled
+    call's ``thread_s``, its self time per package (``by_package``: megatron_oases, megatron,
+    torch, builtin (C functions), other), the part of megatron_oases' in its CPU platform
+    stand-ins (``platform_s``: ``megatron_oases/platform``, which replace ``torch.cuda`` calls on a
+    machine without CUDA and do not run on a GPU host), its ``top`` megatron_oases functions by
+    self time (``top_oases``: ``[function, self s, calls]``) and the fastest unprofiled call's
+    ``thread_s_unprofiled`` (cProfile slows Python frames more than C calls, so the profiled
+    shares are upper bounds).
 
     Backward runs on this thread in these calls (``set_multithreading_enabled(False)``): on CUDA
     autograd otherwise runs it on a device thread, which one cProfile (``sys.monitoring`` since
@@ -119,11 +122,12 @@ def python_time_patch(record, first_call=2, calls=6, top=12):
     original = training.train_step
     state = {"n": 0}
     record.update(thread_s=float("inf"), thread_s_unprofiled=float("inf"))
+    unprofiled_calls = calls if unprofiled_calls is None else unprofiled_calls
 
     def train_step(*args, **kwargs):
         state["n"] += 1
         k = state["n"] - first_call
-        if not 0 <= k < 2 * calls:
+        if not 0 <= k < calls + unprofiled_calls:
             return original(*args, **kwargs)
         prof = cProfile.Profile(_time.thread_time) if k < calls else None
         with torch.autograd.set_multithreading_enabled(False):
@@ -147,12 +151,14 @@ def python_time_patch(record, first_call=2, calls=6, top=12):
 def _by_package(prof, top):
     import pstats
 
-    by_package, ours = {}, []
+    by_package, ours, platform = {}, [], 0.0
     for (f, line, func), v in pstats.Stats(prof).stats.items():
         pkg = _package(f)
         by_package[pkg] = by_package.get(pkg, 0.0) + v[2]
         if pkg == "megatron_oases":
             where = f.rsplit("megatron_oases", 1)[-1].lstrip("/\\")
             ours.append([f"{where}:{line}({func})", v[2], v[1]])
+            if where.startswith("platform"):
+                platform += v[2]
     ours.sort(key=lambda r: -r[1])
-    return {"by_package": by_package, "top_oases": ours[:top]}
+    return {"by_package": by_package, "platform_s": platform, "top_oases": ours[:top]}

@@ -133,7 +133,10 @@ def _recompute_norm(ops, sb, j, residual=True):
     block = sb.blocks[j]
     x = ops.block_input(block, block.take("input"), residual=residual)
     norm_output = block.norm_output = ops.blocks.ln(j, x)
-    ops.norm_output_ready(block, norm_output, lambda x: _recompute_main(ops, sb, j, x))
+    if ops.sp:
+        ops.norm_output_ready(block, norm_output, None)
+    else:  # without a closure
+        _recompute_main(ops, sb, j, norm_output)
 
 
 def _recompute_main(ops, sb, j, x):

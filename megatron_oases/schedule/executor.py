@@ -180,7 +180,10 @@ class _Run:
             op = prog[pos[x]]
             if not op.is_comm:
                 if pos[x] not in ran_early:
-                    self.compute(x, op)
+                    if self.tracked:
+                        self.compute(x, op)
+                    else:  # the common case, without a frame of its own
+                        op.fn()
                 pos[x] += 1
                 continue
             # a collective: queue it; the caller then switches, unless told not to
@@ -241,14 +244,19 @@ def run_programs(
     active = interleave.active(run) if interleave is not None else contextlib.nullcontext()
     inside = compute_context if compute_context is not None else contextlib.nullcontext()
     n = len(programs)
+    lengths = [len(p) for p in programs]
     x = 0
     with outer, active, inside:
         while True:
             run.resume(x)
-            remaining = [i for i in range(n) if run.pos[i] < len(programs[i])]
-            if not remaining:
+            # round-robin: the next sub-batch after x with ops left (x itself last)
+            for step in range(1, n + 1):
+                y = (x + step) % n
+                if run.pos[y] < lengths[y]:
+                    break
+            else:
                 break
-            x = next((i for i in remaining if i > x), remaining[0])  # round-robin
+            x = y
         for ops in list(run.pending.values()):
             for op in ops:
                 op.finish()

@@ -11,8 +11,8 @@ import functools
 
 import torch
 
+from .cuts import grad_sink, joined_reduction
 from .executor import Comm, Compute
-from .regather import grad_sink, joined_reduction
 
 _engine = torch.autograd.Variable._execution_engine
 
@@ -23,13 +23,24 @@ def backward(outputs, grads, freed=False):
     the shape check is kept. ``freed``: ``outputs[0]``'s data was freed in forward (a kept
     graph's root, :meth:`BlockOps.free_data`), so its check is skipped, as in Megatron's
     ``custom_backward``."""
+    if len(outputs) == 1:  # the common case: one root
+        out, g = outputs[0], grads[0]
+        if not freed and out.shape != g.shape:
+            _shape_error(out, g)
+        _engine.run_backward(
+            tensors=(out,),
+            grad_tensors=(g,),
+            keep_graph=False,
+            create_graph=False,
+            inputs=(),
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )
+        return
     skip = 1 if freed else 0
     for out, g in zip(outputs[skip:], grads[skip:]):
         if out.shape != g.shape:
-            raise RuntimeError(
-                f"oases: gradient of shape {tuple(g.shape)} for an output of shape "
-                f"{tuple(out.shape)}"
-            )
+            _shape_error(out, g)
     _engine.run_backward(
         tensors=tuple(outputs),
         grad_tensors=tuple(grads),
@@ -41,12 +52,18 @@ def backward(outputs, grads, freed=False):
     )
 
 
+def _shape_error(out, g):
+    raise RuntimeError(
+        f"oases: gradient of shape {tuple(g.shape)} for an output of shape {tuple(out.shape)}"
+    )
+
+
 class BlockOps:
     """Op factories over ``blocks`` (a :class:`.blocks.LayerBlocks`) for one micro-batch.
 
     ``first_kept``: blocks from this one on keep their autograd graphs from forward; the ones
     before it are recomputed in backward. ``anchor``: a scalar that requires grad, putting
-    :func:`.regather.grad_sink` nodes in the graph. ``prefix``: the sequence split's shared
+    :func:`.cuts.grad_sink` nodes in the graph. ``prefix``: the sequence split's shared
     chunk attention (:class:`.split.PrefixAttention`), or None."""
 
     def __init__(self, blocks, microbatch, tracer, first_kept, anchor, prefix):
@@ -132,7 +149,7 @@ class BlockOps:
 
     def sink(self, x, store):
         """``x`` as an op's input whose gradient goes to ``store(g)``
-        (:func:`.regather.grad_sink`, a graph cut)."""
+        (:func:`.cuts.grad_sink`, a graph cut)."""
         return grad_sink(self.anchor, x, store)
 
     def block_input(self, block, H, residual=True):

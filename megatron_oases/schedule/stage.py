@@ -13,8 +13,8 @@ import torch
 
 from . import loss
 from .comm import cut_at_scatter, supplied_reduction
+from .cuts import grad_sink
 from .executor import Comm, Compute
-from .regather import grad_sink
 from .rng import replay, snapshot
 
 
@@ -173,7 +173,7 @@ class OutputEnd:
         return loss.qualifies(self.model, self.group)
 
     def forward_ops(self, sb, anchor, grad_slot):
-        """``anchor``: the schedule's grad anchor (:func:`.regather.grad_sink`); the gradient of
+        """``anchor``: the schedule's grad anchor (:func:`.cuts.grad_sink`); the gradient of
         the layers' output lands in ``grad_slot(g)``."""
         labels = dict(**{"pass": "forward"}, **self.LABELS)
         norm = lambda: self._final_norm(sb, anchor, grad_slot)  # noqa: E731
