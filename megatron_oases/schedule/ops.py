@@ -6,7 +6,6 @@ parallelism, the split's chunk attention) and makes the :class:`~.executor.Compu
 program builders put in order. Design notes: ``docs/schedules.md``.
 """
 
-import contextlib
 import functools
 
 import torch
@@ -23,27 +22,20 @@ def backward(outputs, grads, freed=False):
     the shape check is kept. ``freed``: ``outputs[0]``'s data was freed in forward (a kept
     graph's root, :meth:`BlockOps.free_data`), so its check is skipped, as in Megatron's
     ``custom_backward``."""
-    if len(outputs) == 1:  # the common case: one root
+    if len(outputs) == 1:  # the common case: one root, no loop or tuple() calls
         out, g = outputs[0], grads[0]
         if not freed and out.shape != g.shape:
             _shape_error(out, g)
-        _engine.run_backward(
-            tensors=(out,),
-            grad_tensors=(g,),
-            keep_graph=False,
-            create_graph=False,
-            inputs=(),
-            allow_unreachable=True,
-            accumulate_grad=True,
-        )
-        return
-    skip = 1 if freed else 0
-    for out, g in zip(outputs[skip:], grads[skip:]):
-        if out.shape != g.shape:
-            _shape_error(out, g)
+        outputs, grads = (out,), (g,)
+    else:
+        skip = 1 if freed else 0
+        for out, g in zip(outputs[skip:], grads[skip:]):
+            if out.shape != g.shape:
+                _shape_error(out, g)
+        outputs, grads = tuple(outputs), tuple(grads)
     _engine.run_backward(
-        tensors=tuple(outputs),
-        grad_tensors=tuple(grads),
+        tensors=outputs,
+        grad_tensors=grads,
         keep_graph=False,
         create_graph=False,
         inputs=(),
@@ -177,10 +169,6 @@ class BlockOps:
             placeholder = self.placeholders[key] = torch.empty((1,), device=P.device, dtype=P.dtype)
         P.data = placeholder
 
-    def chunk(self, sb):
-        """Where ``sb``'s core attention may run (sequence chunks: it says which chunk runs)."""
-        return self.prefix.running(sb.index) if self.prefix else contextlib.nullcontext()
-
     def main(self, sb, j, x):
         """main_j of sub-batch ``sb`` on ``x``: (partial sum, bias)."""
         if self.prefix is None:
@@ -281,17 +269,24 @@ class BlockOps:
         """bda_j's and main_j's backward in one call (R_j joined, :meth:`reduced_input`)."""
         block = sb.blocks[j]
         g = sb.blocks[j + 1].take("input_grad")
-        roots, grads = [block.take("output")], [g]
-        attention = self.prefix is not None and self.blocks.attention(j)
-        if attention:  # the later chunks' key/value gradients
-            more, more_grads = self.prefix.backward_roots(self.blocks.layer_index(j), sb.index)
-            roots, grads = roots + more, grads + more_grads
-            with self.prefix.running(sb.index):
-                backward(roots, grads)
-            self.prefix.collect(self.blocks.layer_index(j), sb.index)
-        else:
-            backward(roots, grads)
+        self._backward_through_main(sb, j, [block.take("output")], [g])
         block.input_grad = g  # the residual's (see block_input); ln_j's adds to it
+
+    def _backward_through_main(self, sb, j, roots, grads, freed=False):
+        """``backward`` from roots whose graph holds main_j's: with the sequence split, the later
+        chunks' key/value gradients join the call (attention), and it runs in the sub-batch's
+        chunk (Megatron's selective recompute re-runs core attention in there)."""
+        if self.prefix is None:
+            backward(roots, grads, freed)
+            return
+        attention, layer = self.blocks.attention(j), self.blocks.layer_index(j)
+        if attention:
+            more, more_grads = self.prefix.backward_roots(layer, sb.index)
+            roots, grads = roots + more, grads + more_grads
+        with self.prefix.running(sb.index):
+            backward(roots, grads, freed)
+        if attention:
+            self.prefix.collect(layer, sb.index)
 
     def bda_grad(self, sb, j):
         """bda_j's backward through its kept graph: R_j's gradient lands in its sink; the
@@ -311,14 +306,7 @@ class BlockOps:
                 backward([p], [gi], freed=True)
             return
         freed = P.numel() != g.numel()  # data freed in forward (kept graph) unless kept
-        roots, grads = [], []
-        attention = self.prefix is not None and self.blocks.attention(j)
-        if attention:  # the later chunks' key/value gradients
-            roots, grads = self.prefix.backward_roots(self.blocks.layer_index(j), sb.index)
-        with self.chunk(sb):  # Megatron's selective recompute re-runs core attention in here
-            backward([P] + roots, [g] + grads, freed=freed)
-        if attention:
-            self.prefix.collect(self.blocks.layer_index(j), sb.index)
+        self._backward_through_main(sb, j, [P], [g], freed)
         if self.regathers(j):
             block.gathered = None  # main_j's input gradient has landed in norm_grad
 
