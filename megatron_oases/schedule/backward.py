@@ -35,7 +35,7 @@ def fine_grained(ops, sb):
         norm = lambda j=j: _recompute_norm(ops, sb, j, residual=False)  # noqa: E731
         program += _recompute_to_main(ops, sb, j, norm, early=True)
         program += ops.main_backward(sb, j)
-        program.append(ops.light(lambda j=j: ops.norm_grad(sb, j), j, "backward"))
+        program.append(ops.norm_grad_op(sb, j))
         if j > 0:
             bda = lambda j=j: _bda_grad_from_rng(ops, sb, j - 1)  # noqa: E731
             program.append(ops.light(bda, j - 1, "backward"))

@@ -258,11 +258,12 @@ class BlockOps:
         block = sb.blocks[j]
         if self.joins(block):
             first = [self.compute(lambda: self.joined_grad(sb, j), j, "backward")]
-            return first + self.input_gradient_reductions(sb, j) + [self._norm_grad_op(sb, j)]
+            return first + self.input_gradient_reductions(sb, j) + [self.norm_grad_op(sb, j)]
         first = [self.light(lambda: self.bda_grad(sb, j), j, "backward")]
-        return first + self.main_backward(sb, j) + [self._norm_grad_op(sb, j)]
+        return first + self.main_backward(sb, j) + [self.norm_grad_op(sb, j)]
 
-    def _norm_grad_op(self, sb, j):
+    def norm_grad_op(self, sb, j):
+        """ln_j's backward as a (light) op of block j's backward program."""
         return self.light(lambda: self.norm_grad(sb, j), j, "backward")
 
     def joined_grad(self, sb, j):
