@@ -26,7 +26,11 @@ COMMANDS = {
 }
 
 #: Commands that import Megatron-Core (and would print its fallback warnings).
-QUIET_COMMANDS = ("train", "run", "profile")
+QUIET_COMMANDS = ("train", "run", "profile", "plan", "compare")
+#: Of those, the ones that run no Megatron kernel in this process (``compare`` starts its runs as
+#: subprocesses, which filter for themselves): the TE/Apex fallbacks change nothing for them, so
+#: their warnings are filtered on a GPU too.
+NO_KERNEL_COMMANDS = ("plan", "compare")
 
 
 def command(name):
@@ -75,7 +79,8 @@ def main(argv=None):
     if argv[0] in QUIET_COMMANDS:
         from .training import quiet
 
-        quiet.install()  # before Megatron is imported: its CPU fallback warnings, by their text
+        # before Megatron is imported: its fallback warnings, by their text
+        quiet.install(cuda=False if argv[0] in NO_KERNEL_COMMANDS else None)
     from .errors import TrainingStopped
 
     try:
