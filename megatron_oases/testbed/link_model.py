@@ -108,6 +108,10 @@ class CudaLink:
     #: the kernel the last emulator in this process used, and why Triton's was not (reports)
     last_kernel = None
     fallback_reason = None
+    #: while True (a traced step), launches and the waits on them are labelled ``oases.spin#N`` /
+    #: ``oases.wait#N`` for the profiler (:mod:`megatron_oases.instrument.kernel_trace`)
+    annotate = False
+    launches = 0
 
     def __init__(self, sms=1):
         self.sms = max(1, int(sms))
@@ -135,7 +139,16 @@ class CudaLink:
 
     def launch(self, channel, seconds, device):
         """Enqueue ``seconds`` of link time on ``channel`` after the caller's stream's work;
-        returns the CUDA event of its completion."""
+        returns the CUDA event of its completion (``oases_id``: its number in this process)."""
+        CudaLink.launches += 1
+        if not CudaLink.annotate:
+            return self._launch(channel, seconds, device, CudaLink.launches)
+        import torch
+
+        with torch.profiler.record_function(f"oases.spin#{CudaLink.launches}"):
+            return self._launch(channel, seconds, device, CudaLink.launches)
+
+    def _launch(self, channel, seconds, device, n):
         import torch
 
         key = (channel, str(device))
@@ -161,7 +174,19 @@ class CudaLink:
                 torch.cuda._sleep(cycles)
         done = torch.cuda.Event()
         done.record(stream)
+        done.oases_id = n
         return done
+
+
+def wait_on(event):
+    """The current stream waits for an emulated op's ``event`` (the host goes on)."""
+    import torch
+
+    if not CudaLink.annotate:
+        torch.cuda.current_stream().wait_event(event)
+        return
+    with torch.profiler.record_function(f"oases.wait#{getattr(event, 'oases_id', 0)}"):
+        torch.cuda.current_stream().wait_event(event)
 
 
 class CudaEmulatedWork(EmulatedWork):
@@ -173,9 +198,7 @@ class CudaEmulatedWork(EmulatedWork):
         self.event = event
 
     def wait(self, timeout=None):
-        import torch
-
-        torch.cuda.current_stream().wait_event(self.event)
+        wait_on(self.event)
         return True
 
     def is_completed(self):
@@ -325,9 +348,7 @@ class LinkEmulator:
         the current stream waits for it; the host goes on)."""
         rec = self._record(*info, is_async=False)
         if not isinstance(done, float):
-            import torch
-
-            torch.cuda.current_stream().wait_event(done)
+            wait_on(done)
             return result
         c0 = time.thread_time()
         self.sleep_until(done)
