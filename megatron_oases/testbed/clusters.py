@@ -44,6 +44,9 @@ class ClusterProfile:
     # counts them on the CPU, nested calls counted): the host floor of an iteration is calls × this.
     # Default: measured on an H100 machine's host (docs/host-cost.md "Measured on a GPU")
     host_us_per_call: float = 12.0
+    # sustained memory bandwidth of the GPU (GB/s): the memory-bound half of the roofline device
+    # model (:mod:`megatron_oases.device_model`); None in a user's YAML that predates it
+    memory_bandwidth_gbs: float = None
 
     def link_for(self, ranks):
         ranks = sorted(ranks)
@@ -106,4 +109,7 @@ def load_cluster(name_or_path):
         dtype=raw.get("dtype", "fp16"),
         comm_sms=int(raw.get("comm_sms", 2)),
         host_us_per_call=float(raw.get("host_us_per_call", 12.0)),
+        memory_bandwidth_gbs=(
+            float(raw["memory_bandwidth_gbs"]) if raw.get("memory_bandwidth_gbs") else None
+        ),
     )
