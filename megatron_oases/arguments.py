@@ -173,6 +173,19 @@ def flag_value(argv, flag):
     return value
 
 
+def _demo_length(argv, flag, value):
+    """The demo's sequence length and position table follow the one the user gave: a filled-in
+    ``--max-position-embeddings 32`` under ``--seq-length 512`` would fail on a value the user
+    never wrote (and a filled-in ``--seq-length 32`` over a shorter table likewise)."""
+    if flag == "--max-position-embeddings":
+        return flag_value(argv, "--seq-length") or value
+    if flag == "--seq-length":
+        table = flag_value(argv, "--max-position-embeddings")
+        if table is not None and table.isdigit() and int(table) < int(value):
+            return table
+    return value
+
+
 def with_defaults(argv, demo=False, cuda=None):
     """argv plus the defaults above that it does not set (a user's flag always wins)."""
     import torch
@@ -202,6 +215,7 @@ def with_defaults(argv, demo=False, cuda=None):
                 continue
             if flag == "--train-iters" and _has(argv, "--train-samples"):
                 continue  # sample-based training: Megatron refuses both
+            value = _demo_length(argv, flag, value) if group is DEMO_DEFAULTS else value
             argv += [flag] if value is None else [flag, value]
     if not _has(argv, "--save") and not _has(argv, "--rerun-mode"):
         # Megatron's default rerun mode answers a NaN/Inf loss by saving a checkpoint for a

@@ -8,6 +8,7 @@ import subprocess
 import threading
 import time
 
+from ..errors import OasesConfigError
 from ..instrument.golden import read_golden
 from ..launch import one_rank_command, torchrun_command
 from ..viz.analysis import load_traces, run_metrics, trace_files
@@ -51,12 +52,43 @@ def _first_error(lines):
     return None
 
 
-def _stream(proc, log_path, on_line):
-    with open(log_path, "w") as log:
-        for line in proc.stdout:
-            log.write(line)
-            log.flush()
-            on_line(line.rstrip("\n"))
+def _stream(proc, log_path, on_line, failed):
+    """Copy the ranks' output to ``log_path``. A write that fails (a full ``--out`` disk) stops
+    the run at once (nothing else would drain its output: the ranks would block on a full pipe
+    until the timeout) and is kept in ``failed``; the output is read to its end either way."""
+    log = None
+    try:
+        log = open(log_path, "w")
+    except OSError as exc:
+        _stop(proc, failed, exc)
+    for line in proc.stdout:
+        if log is not None:
+            try:
+                log.write(line)
+                log.flush()
+            except OSError as exc:
+                _stop(proc, failed, exc)
+                log = _close(log)
+        on_line(line.rstrip("\n"))
+    _close(log)
+
+
+def _stop(proc, failed, exc):
+    failed.append(exc)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _close(log):
+    """Close ``log``; a full disk may refuse the buffered rest, which no longer matters."""
+    if log is not None:
+        try:
+            log.close()
+        except OSError:
+            pass
+    return None
 
 
 def run_variant(
@@ -77,12 +109,18 @@ def run_variant(
 ):
     """Run one variant; returns its result dict (status ok/failed, timings, losses, trace metrics)."""
     vdir = os.path.join(out_dir, variant.name, *([subdir] if subdir else []))
-    os.makedirs(vdir, exist_ok=True)
-    for f in trace_files(os.path.join(vdir, "trace.rank{rank}.json")) + [
-        os.path.join(vdir, "golden.json")
-    ]:
-        if os.path.exists(f):
-            os.remove(f)
+    try:
+        os.makedirs(vdir, exist_ok=True)
+        for f in trace_files(os.path.join(vdir, "trace.rank{rank}.json")) + [
+            os.path.join(vdir, "golden.json")
+        ]:
+            if os.path.exists(f):
+                os.remove(f)
+    except OSError as exc:
+        raise OasesConfigError(
+            f"cannot write in {vdir} ({exc.strerror or exc}): free space in --out {out_dir} (or "
+            "make it writable), or choose another --out"
+        ) from None
     total = warmup + iters
     cmd, launch_env = train_command(
         variant, train_argv, vdir, nproc, total, emulate_link, one_rank=one_rank
@@ -123,8 +161,11 @@ def run_variant(
         env=full_env,
         start_new_session=True,
     )
+    log_failed = []
     reader = threading.Thread(
-        target=_stream, args=(proc, os.path.join(vdir, "log.txt"), on_line), daemon=True
+        target=_stream,
+        args=(proc, os.path.join(vdir, "log.txt"), on_line, log_failed),
+        daemon=True,
     )
     reader.start()
     try:
@@ -138,6 +179,13 @@ def run_variant(
         proc.wait()
         raise
     reader.join(timeout=10)
+    if log_failed:
+        exc = log_failed[0]
+        raise OasesConfigError(
+            f"cannot write {os.path.join(vdir, 'log.txt')} ({exc.strerror or exc}); the run of "
+            f"{variant.name} was stopped: free space in --out {out_dir} (or make it writable), "
+            "or choose another --out"
+        )
     result["wall_s"] = time.time() - t0
     if cpu_shares:
         result["host_cpu_share"] = sum(cpu_shares.values()) / len(cpu_shares)

@@ -1,8 +1,14 @@
-"""Data paths checked before the model is built: a missing or empty ``.idx``/``.bin`` pair is one
-line naming the prefix, not a traceback on every rank after the model is built (Megatron opens the
-files only when it builds the datasets)."""
+"""Data paths checked before the model is built: a missing, empty or damaged ``.idx``/``.bin`` pair
+is one line naming the prefix, not a traceback on every rank after the model is built (Megatron
+opens the files only when it builds the datasets) or hours into training (a ``.bin`` cut short is
+read only when a sample from its end is drawn).
+
+The index check reads a few bytes of each ``.idx`` (Megatron's ``_IndexReader`` layout: header,
+version, dtype code, counts, then the sequence lengths, pointers and document indices) and compares
+the ``.bin``'s size with the end of its last sequence; nothing is read in bulk."""
 
 import os
+import struct
 
 from ..errors import OasesConfigError
 
@@ -43,7 +49,58 @@ def check_data_paths(args):
                     "the extension), or use --mock-data"
                 )
             if os.path.getsize(path) == 0:
-                raise OasesConfigError(
-                    f"data prefix {prefix}: {path} is empty; preprocess the data again "
-                    "(Megatron's tools/preprocess_data.py)"
+                raise OasesConfigError(f"data prefix {prefix}: {path} is empty; {_AGAIN}")
+        why = index_problem(prefix)
+        if why:
+            raise OasesConfigError(f"data prefix {prefix}: {why}; {_AGAIN}")
+
+
+_AGAIN = "preprocess the data again (Megatron's tools/preprocess_data.py)"
+#: Megatron's ``indexed_dataset``: the index header and the sizes of its dtype codes.
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+_FIXED = 34  # header 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
+
+
+def index_problem(prefix):
+    """What is wrong with the ``PREFIX.idx``/``PREFIX.bin`` pair (one phrase), or None: a header,
+    version or dtype that Megatron's reader refuses, an index shorter than its counts say, a
+    ``.bin`` of another size than the index's last sequence ends at."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    idx_size = os.path.getsize(idx)
+    with open(idx, "rb") as f:
+        head = f.read(_FIXED)
+        if len(head) < _FIXED or head[:9] != INDEX_HEADER:
+            return f"{idx} is not a Megatron index (no MMIDIDX header)"
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[9:])
+        if version != 1:
+            return f"{idx} has index version {version}, Megatron reads version 1"
+        if code not in DTYPE_SIZES:
+            return f"{idx} names an unknown token dtype (code {code})"
+        need = _FIXED + 12 * sequences + 8 * documents
+        if idx_size < need:
+            return f"{idx} is truncated ({idx_size} of {need} bytes)"
+        end = 0
+        if sequences:
+            f.seek(_FIXED + 4 * (sequences - 1))
+            (length,) = struct.unpack("<i", f.read(4))
+            f.seek(_FIXED + 4 * sequences + 8 * (sequences - 1))
+            (pointer,) = struct.unpack("<q", f.read(8))
+            end = pointer + length * DTYPE_SIZES[code]
+        if documents:
+            f.seek(_FIXED + 12 * sequences + 8 * (documents - 1))
+            (last_document,) = struct.unpack("<q", f.read(8))
+            if last_document != sequences:
+                return (
+                    f"{idx} is damaged (its document index ends at {last_document}, "
+                    f"not at its {sequences} sequences)"
                 )
+    have = os.path.getsize(bin_)
+    if have < end:
+        return f"{bin_} is truncated ({have} of {end} bytes that {os.path.basename(idx)} indexes)"
+    if have > end:
+        return (
+            f"{bin_} holds {have} bytes, {os.path.basename(idx)} indexes {end}: the two files "
+            "are not one pair"
+        )
+    return None

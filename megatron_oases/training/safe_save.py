@@ -87,18 +87,54 @@ def _causes(exc):
     return seen
 
 
-def _io_failure(exc):
+#: torch's zip writer (``torch.save``, used for each item of a torch_dist shard and for the
+#: ``torch`` format's files) on a short write: no errno, as on a full disk. Its texts, e.g.
+#: ``[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`` or
+#: ``PytorchStreamWriter failed writing file data/0: file write failed``.
+ZIP_WRITE_FAILED = (
+    "inline_container.cc",
+    "unexpected pos",
+    "PytorchStreamWriter failed",
+    "file write failed",
+)
+
+
+def _zip_write_failure(text):
+    """The zip writer's failure line in ``text`` (said to be a short write), or None."""
+    for line in str(text).splitlines():
+        if any(s in line for s in ZIP_WRITE_FAILED):
+            line = line.strip()
+            if "encountered an error: " in line:  # Megatron's writer log: "Local worker 0 ..."
+                line = line.split("encountered an error: ", 1)[1]
+            line = line.removeprefix("RuntimeError: ")
+            return f"RuntimeError: {line} (torch's zip writer: a short write, as on a full disk)"
+    return None
+
+
+def _io_failure(exc, logged=()):
     """One line for a save that failed on I/O (disk full, permissions, a writer that died on
-    an ``OSError``), or None when the failure is something else (a bug: raised as it is)."""
+    an ``OSError`` or torch's zip writer on a short write), or None when the failure is
+    something else (a bug: raised as it is). ``logged``: the writer's held-back log records
+    (Megatron's writer raises only the class of a worker's error and logs its text)."""
     causes = _causes(exc)
     for e in causes:
         if isinstance(e, OSError):
             return f"{type(e).__name__}: {e}"
+    for text in [str(e) for e in causes] + [r.getMessage() for r in logged]:
+        zip_failure = _zip_write_failure(text)
+        if zip_failure:
+            return zip_failure
     for e in causes:  # Megatron's writer reports only the class: "error: <class 'OSError'>"
         if type(e).__name__ == "CheckpointException":  # its text holds every rank's: look inside
             continue
         if "OSError" in str(e) or "Errno" in str(e):
             return f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+    for e in causes:  # another rank's writer failed: its text stayed in that rank's log
+        if "Worker failure" in str(e) and type(e).__name__ != "CheckpointException":
+            return (
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0]} (a checkpoint writer "
+                "failed, as on a full disk)"
+            )
     return None
 
 
@@ -156,7 +192,7 @@ def _failure_is_one_line(target, written, logged=()):
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
             raise
-        cause = _io_failure(exc)
+        cause = _io_failure(exc, logged)
         if type(exc).__name__ == "CheckpointException" and not getattr(exc, "failures", None):
             # torch tells the coordinator (rank 0) which writes failed, the others only that
             # one did: rank 0 prints the line

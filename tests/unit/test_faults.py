@@ -190,3 +190,191 @@ def test_staged_save_and_which_failures_are_one_line(tmp_path):
     with pytest.raises(NameError):
         safe_save.guarded_save(bug)({}, str(target))
     assert sorted(os.listdir(target)) == ["__0_0.distcp"]  # the good one survived both
+
+
+# ------------------------------------------------------------ issue 43: the probe's new cases
+
+
+def test_demo_position_table_follows_the_users_seq_length():
+    """README's and docs/compare.md's first ``oases compare`` example and ``oases train
+    --seq-length 64``: the demo's ``--max-position-embeddings 32`` blamed a value the user never
+    gave; the table now follows the user's sequence length (and the demo's length the table)."""
+    from helpers.runs import parse
+
+    readme = (
+        "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 1024 "
+        "--num-attention-heads 16 --seq-length 512 --micro-batch-size 2 --mock-data"
+    )
+    compare_md = (
+        "--tensor-model-parallel-size 2 --num-layers 2 --hidden-size 2048 "
+        "--num-attention-heads 32 --seq-length 1024 --micro-batch-size 2"
+    )
+    for argv, world, seq, table in (
+        (readme, 2, 512, 512),
+        (compare_md, 2, 1024, 1024),
+        ("--seq-length 64", 1, 64, 64),
+        ("--max-position-embeddings 16", 1, 16, 16),
+        ("--seq-length 64 --max-position-embeddings 128", 1, 64, 128),
+        ("", 1, 32, 32),  # the demo's own
+    ):
+        args = parse(argv, world_size=world)
+        assert (args.seq_length, args.max_position_embeddings) == (seq, table), argv
+
+
+def test_compare_on_a_full_out_disk_ends_at_once_with_one_line(tmp_path, monkeypatch):
+    """The log of a variant's run cannot be written (``/dev/full``: ENOSPC on every write): the
+    run is stopped at once and the comparison ends on one line; before, the reader thread died,
+    nothing drained the ranks' output and the run waited for ``--timeout``."""
+    import sys
+    import time
+
+    from megatron_oases.compare import runner
+    from megatron_oases.compare.variants import VARIANTS
+    from megatron_oases.errors import OasesConfigError
+
+    if not os.path.exists("/dev/full"):
+        pytest.fail("/dev/full is needed to fill a disk without mounting one")
+    forever = "import sys\nwhile True: print('x' * 100, flush=True)"
+    monkeypatch.setattr(
+        runner, "train_command", lambda *a, **k: ([sys.executable, "-c", forever], {})
+    )
+    vdir = tmp_path / "megatron"
+    vdir.mkdir()
+    os.symlink("/dev/full", vdir / "log.txt")
+    start = time.time()
+    with pytest.raises(OasesConfigError) as err:
+        runner.run_variant(VARIANTS["megatron"], [], str(tmp_path), 2, 0, 1, timeout=120)
+    assert time.time() - start < 30
+    assert str(err.value) == (
+        f"cannot write {vdir / 'log.txt'} (No space left on device); the run of megatron was "
+        f"stopped: free space in --out {tmp_path} (or make it writable), or choose another --out"
+    )
+
+
+def test_zip_writer_short_write_during_save_is_one_line(tmp_path):
+    """Full disk mid-save, as found on a 3 MB tmpfs: torch's zip writer raised ``RuntimeError:
+    [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598`` (no errno) in
+    Megatron's writer worker, which logged its text and raised only its class inside torch's
+    ``CheckpointException``. Now one line (``TrainingStopped``) naming the intact previous
+    checkpoint, the writer's ERROR lines held back and the partial directory removed."""
+    import logging
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_oases.training import safe_save
+    from megatron_oases.training.pretrain import TrainingStopped
+
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / safe_save.TRACKER).write_text("2")
+    target = tmp_path / "iter_0000004"
+    worker = RuntimeError(
+        "Worker failure: An error is caught while starting worker 0, error: <class "
+        "'RuntimeError'>"
+    )
+    logged = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    keep = Keep()
+    logger = logging.getLogger(safe_save.WRITER_LOGGER)
+    logger.addHandler(keep)
+
+    def short_write(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        (target / "__0_0.distcp").write_bytes(b"part of a shard")
+        logger.error(
+            "Local worker 0 encountered an error: [enforce fail at inline_container.cc:672] . "
+            "unexpected pos 704 vs 598"
+        )
+        raise CheckpointException("write", {0: (worker, None), 1: (worker, None)})
+
+    def direct(sharded_state_dict, checkpoint_dir, *args, **kwargs):  # torch.save, format torch
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing "
+            "file data/3: file write failed"
+        )
+
+    def other_rank(sharded_state_dict, checkpoint_dir, *args, **kwargs):  # its log is not ours
+        raise CheckpointException("write", {1: (worker, None)})
+
+    try:
+        with pytest.raises(TrainingStopped) as err:
+            safe_save.guarded_save(short_write)({}, str(target))
+    finally:
+        logger.removeHandler(keep)
+    line = str(err.value)
+    assert line.startswith(
+        f"saving iter_0000004 to {tmp_path} failed (RuntimeError: [enforce fail at "
+        "inline_container.cc:672] . unexpected pos 704 vs 598 (torch's zip writer: a short "
+        "write, as on a full disk), "
+    ), line
+    assert line.endswith(
+        f"the previous checkpoint (iteration 2) is intact: fix the cause (free space, "
+        f"permissions), then resume with --load {tmp_path}"
+    )
+    assert "\n" not in line and logged == []  # the writer's ERROR line is not repeated
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", safe_save.TRACKER]  # partial gone
+    with pytest.raises(TrainingStopped, match=r"PytorchStreamWriter failed writing file data/3"):
+        safe_save.guarded_save(direct)({}, str(target))
+    with pytest.raises(TrainingStopped, match=r"a checkpoint writer failed, as on a full disk"):
+        safe_save.guarded_save(other_rank)({}, str(target))
+
+
+def _dataset(prefix, documents=8):
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = numpy.random.default_rng(0)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
+    for _ in range(documents):
+        builder.add_item(torch.from_numpy(rng.integers(0, 500, size=int(rng.integers(40, 120)))))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+@pytest.mark.parametrize("damage", ["random-idx", "short-bin", "long-bin", "short-idx", "version"])
+def test_corrupt_data_is_refused_by_the_preflight(tmp_path, damage):
+    """An ``.idx`` of random bytes failed after the model was built, a ``.bin`` cut short inside
+    training (hours in on a real corpus); both are one line before anything is built now."""
+    from helpers.runs import parse
+
+    from megatron_oases.errors import OasesConfigError
+    from megatron_oases.training.data_check import check_data_paths
+
+    prefix = _dataset(str(tmp_path / "corpus_text_document"))
+    args = parse(
+        f"--data-path {prefix} --tokenizer-type NullTokenizer --vocab-size 512", world_size=1
+    )
+    check_data_paths(args)  # the good pair passes
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    size = os.path.getsize(bin_)
+    if damage == "random-idx":
+        random = os.urandom(os.path.getsize(idx))
+        with open(idx, "wb") as f:
+            f.write(random)
+        why = f"{idx} is not a Megatron index (no MMIDIDX header)"
+    elif damage == "short-bin":
+        os.truncate(bin_, size - 100)
+        why = f"{bin_} is truncated ({size - 100} of {size} bytes that corpus_text_document.idx"
+    elif damage == "long-bin":
+        with open(bin_, "ab") as f:
+            f.write(b"\0" * 8)
+        why = f"{bin_} holds {size + 8} bytes, corpus_text_document.idx indexes {size}"
+    elif damage == "short-idx":
+        os.truncate(idx, os.path.getsize(idx) - 8)
+        why = f"{idx} is truncated ("
+    else:
+        with open(idx, "r+b") as f:
+            f.seek(9)
+            f.write((2).to_bytes(8, "little"))
+        why = f"{idx} has index version 2, Megatron reads version 1"
+    with pytest.raises(OasesConfigError) as err:
+        check_data_paths(args)
+    assert str(err.value).startswith(f"data prefix {prefix}: {why}"), str(err.value)
+    assert str(err.value).endswith(
+        "preprocess the data again (Megatron's tools/preprocess_data.py)"
+    )
