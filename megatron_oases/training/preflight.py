@@ -1,16 +1,42 @@
 """What both entry points check before any training work (``oases-pretrain-gpt`` and Megatron-LM's
-patched ``pretrain_gpt.py``): the data paths, then the checkpoint directories (writable, one run's,
-complete and of this model); Megatron's console loss made exact; its dataset helpers built only where a Makefile is. Each refusal is one :class:`~megatron_oases.errors.OasesConfigError`
-line naming the fix; see ``docs/reliability.md``."""
+patched ``pretrain_gpt.py``): the trace and ``--log-json`` paths, the data paths, then the
+checkpoint directories (writable, one run's, complete and of this model); Megatron's console loss
+made exact; its dataset helpers built only where a Makefile is. Each refusal is one
+:class:`~megatron_oases.errors.OasesConfigError` line naming the fix; see ``docs/reliability.md``.
+"""
 
+from ..errors import OasesConfigError
+from ..outputs import check_output_file
 from . import console_log, dataset_helpers
 from .checkpoint_check import prepare_checkpointing
 from .data_check import check_data_paths
 
 
+def check_output_paths(args):
+    """``--oases-trace`` (written at the end of the run) and ``--log-json`` (after each
+    iteration) are checked like an ``--out``: a path that cannot be written is one line now, not
+    a lost trace after the whole run or a stop after iteration 1. The trace's rank-0 file stands
+    for every rank's (they share its directory)."""
+    trace = getattr(args, "oases_trace", None)
+    if trace:
+        from ..instrument.trace import trace_path
+
+        try:
+            first = trace_path(trace, 0)
+        except (KeyError, IndexError, ValueError):
+            raise OasesConfigError(
+                f"--oases-trace {trace}: only {{rank}} may stand in braces; e.g. "
+                "--oases-trace trace.rank{rank}.json"
+            ) from None
+        check_output_file(first, flag="--oases-trace", example="trace.json")
+    if getattr(args, "log_json", None):
+        check_output_file(args.log_json, flag="--log-json", example="golden.json")
+
+
 def check_before_training(args):
     """Refuse what would fail (or destroy checkpoints) later; install the safe-save patches and
     the console's loss fix (:mod:`.console_log`)."""
+    check_output_paths(args)
     check_data_paths(args)
     prepare_checkpointing(args)
     console_log.install(args)

@@ -349,3 +349,17 @@ def test_unwritable_save_is_one_line_before_training(tmp_path):
         "choose a directory you can write to (checked before training, so no work is lost)"
     ], proc.stderr[-3000:]
     assert not TRAINED.search(proc.stdout)
+
+
+@pytest.mark.timeout(150)
+def test_unwritable_trace_path_is_one_line_before_training(tmp_path):
+    """Before: the run trained to the end, then every rank exited 1 and the trace was lost."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = _cli("train", "--train-iters", "2", "--oases-trace", str(blocker / "trace.json"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert errors(proc) == [
+        f"oases train: error: --oases-trace {blocker}/trace.rank0.json: {blocker} is a file, not "
+        "a directory; choose another path"
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not TRAINED.search(proc.stdout)
