@@ -217,7 +217,9 @@ def main(argv):
     from ..testbed.calibrate import host_cpus
 
     processes = 1 if own.one_rank else own.nproc  # processes on this host
-    threads = own.threads_per_rank or max(1, host_cpus() // processes)
+    # one-rank runs rank 0 with the threads a rank has in the all-ranks job (not the whole host):
+    # the same per-rank compute, hence the same D (docs/compare.md, "One rank against all ranks")
+    threads = own.threads_per_rank or max(1, host_cpus() // own.nproc)
     env = {"OMP_NUM_THREADS": str(threads)}
     out = os.path.abspath(own.out)
     os.makedirs(out, exist_ok=True)
@@ -236,7 +238,7 @@ def main(argv):
     if profile is not None:
         from ..viz.analysis import emulated_comm_model
 
-        emulation = _emulation_info(profile, threads, env, processes)
+        emulation = _emulation_info(profile, threads, env, processes, base)
         comm_model = emulated_comm_model(emulation)
     first = base
     tokens = first.global_batch_size * first.seq_length
@@ -261,7 +263,11 @@ def main(argv):
                 if emulation["oversubscription_share"] < 1
                 else ""
             )
-            + f") => dilation D = {emulation['dilation']:.1f}"
+            + f", {emulation['host_memory_gbs']:.2f} GB/s) => dilation D = "
+            f"{emulation['dilation']:.1f} (one layer: target GEMM "
+            f"{emulation['target_gemm_ms']:.3g} ms + memory {emulation['target_memory_ms']:.3g} ms; "
+            f"host GEMM {emulation['host_gemm_ms']:.4g} ms + memory "
+            f"{emulation['host_memory_ms']:.4g} ms)"
         )
     else:
         progress(
@@ -455,36 +461,67 @@ def _progress(msg):
     print(msg, flush=True)
 
 
-def _emulation_info(profile, threads, env, nproc):
-    """Fix the host rate once for all variants (so that every variant gets the same D). The rate is
-    that of one rank alone, scaled down when ``nproc`` processes × ``threads`` oversubscribe the
-    CPUs (the ranks' emulator does the same from ``LOCAL_WORLD_SIZE``)."""
-    from ..testbed.calibrate import oversubscription_share
+def _emulation_info(profile, threads, env, nproc, args):
+    """Fix D once for all variants (every variant gets the identical D): the roofline dilation of
+    one layer of ``args``' shape (:func:`megatron_oases.testbed.emulator.roofline_dilation`) from
+    the host's rates of one rank alone, scaled down when ``nproc`` processes × ``threads``
+    oversubscribe the CPUs. The variants get it as ``OASES_EMULATE_DILATION``."""
+    from ..device_model import DeviceRates
+    from ..testbed.calibrate import host_flops, host_memory_bandwidth, oversubscription_share
+    from ..testbed.emulator import _env_rate, roofline_dilation, shape_of_args
 
-    share = 1.0
-    if os.environ.get("OASES_EMULATE_DILATION"):
-        d = float(os.environ["OASES_EMULATE_DILATION"])
-        flops, source = profile.sustained_tflops * 1e12 / d, "OASES_EMULATE_DILATION"
+    share = oversubscription_share(nproc, threads)
+    flops, source = _env_rate("OASES_HOST_FLOPS"), "OASES_HOST_FLOPS"
+    if not flops:
+        flops, info = host_flops(threads)
+        source = "cached calibration" if info["cached"] else "measured now"
+    mem, mem_source = _env_rate("OASES_HOST_MEM_GBS"), "OASES_HOST_MEM_GBS"
+    if mem:
+        mem *= 1e9
     else:
-        if os.environ.get("OASES_HOST_FLOPS"):
-            flops, source = float(os.environ["OASES_HOST_FLOPS"]), "OASES_HOST_FLOPS"
-        else:
-            from ..testbed.calibrate import host_flops
-
-            flops, info = host_flops(threads)
-            source = "cached calibration" if info["cached"] else "measured now"
-            env["OASES_HOST_FLOPS"] = repr(flops)
-        share = oversubscription_share(nproc, threads)
+        mem, info = host_memory_bandwidth(threads)
+        mem_source = "cached calibration" if info["cached"] else "measured now"
+    host = DeviceRates(flops * share, mem * share, "host")
+    host_bytes = 2 if (args.bf16 or args.fp16) else 4
+    dl = roofline_dilation(
+        profile,
+        shape_of_args(args),
+        args.tensor_model_parallel_size,
+        host,
+        host_bytes,
+        samples=args.micro_batch_size,
+        sp=bool(getattr(args, "sequence_parallel", False)),
+        host_attention="unfused" if _cpu_attention_unfused(args) else "fused",
+    )
+    d = dl.d
+    forced = _env_rate("OASES_EMULATE_DILATION")
+    if forced:
+        d, source = forced, "OASES_EMULATE_DILATION"
+    env["OASES_EMULATE_DILATION"] = repr(d)
     return {
         "profile": profile.name,
         "gpu": profile.gpu,
         "dtype": profile.dtype,
         "dtype_bytes": profile.dtype_bytes,
         "target_tflops": profile.sustained_tflops,
+        "target_memory_gbs": profile.memory_bandwidth_gbs,
         "host_gflops": flops * share / 1e9,
         "host_gflops_alone": flops / 1e9,
+        "host_memory_gbs": mem * share / 1e9,
+        "host_memory_source": mem_source,
         "oversubscription_share": share,
         "host_source": source,
         "threads_per_rank": threads,
-        "dilation": profile.sustained_tflops * 1e12 / (flops * share),
+        "target_gemm_ms": dl.target.gemm_s * 1e3,
+        "target_memory_ms": dl.target.memory_s * 1e3,
+        "host_gemm_ms": dl.host.gemm_s * 1e3,
+        "host_memory_ms": dl.host.memory_s * 1e3,
+        "roofline_dilation": dl.d,
+        "dilation": d,
     }
+
+
+def _cpu_attention_unfused(args):
+    from ..testbed.emulator import _core_attention
+
+    return _core_attention(args, cuda=False) == "unfused"

@@ -162,8 +162,26 @@ def write_markdown(report, path):
                 if emu.get("oversubscription_share", 1.0) < 1.0
                 else ""
             )
+            + (
+                f", {emu['host_memory_gbs']:.2f} GB/s"
+                if emu.get("host_memory_gbs") is not None
+                else ""
+            )
             + f", target {emu['target_tflops']:g} TFLOP/s "
-            f"{emu['dtype']} => dilation D = {emu['dilation']:.1f}; every collective runs on gloo and "
+            + (
+                f"and {emu['target_memory_gbs']:g} GB/s "
+                if emu.get("target_memory_gbs") is not None
+                else ""
+            )
+            + f"{emu['dtype']} => dilation D = {emu['dilation']:.1f}"
+            + (
+                f" (roofline, one layer: target GEMM {emu['target_gemm_ms']:.3g} ms + memory "
+                f"{emu['target_memory_ms']:.3g} ms; host GEMM {emu['host_gemm_ms']:.4g} ms + "
+                f"memory {emu['host_memory_ms']:.4g} ms)"
+                if emu.get("target_gemm_ms") is not None
+                else ""
+            )
+            + "; every collective runs on gloo and "
             "completes no earlier than D x its ring alpha-beta time on the target link. Times are "
             "host times (divide by D for target-GPU time)."
         )

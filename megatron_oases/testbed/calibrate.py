@@ -1,13 +1,17 @@
-"""Host matmul throughput, measured once per host and thread count, cached on disk.
+"""Host roofline rates (matmul FLOP/s and memory bandwidth), measured once per host and thread
+count, cached on disk.
 
-The link emulator (:mod:`.emulator`) needs the host's dense FLOP/s to compute the time dilation
-``D = target GPU sustained FLOP/s ÷ host FLOP/s``. Measuring takes about a second, so the result is
-cached in ``~/.cache/megatron-oases/host-flops.json`` (``$OASES_CACHE_DIR`` overrides the folder),
-keyed by a host fingerprint (host name, CPU model, logical CPUs, CPU capability, torch version) and
-the torch intra-op thread count. ``oases calibrate --refresh`` measures again.
+The link emulator (:mod:`.emulator`) needs the host's two rates for the roofline dilation
+``D = host time of a layer ÷ target time of the layer`` (:mod:`megatron_oases.device_model`).
+Measuring takes about a second, so the results are cached in
+``~/.cache/megatron-oases/host-flops.json`` (``$OASES_CACHE_DIR`` overrides the folder), keyed by a
+host fingerprint (host name, CPU model, logical CPUs, CPU capability, torch version) and the torch
+intra-op thread count. ``oases calibrate --refresh`` measures again.
 
-What is measured: an fp32 ``2048×2048 @ 2048×2048`` matmul on the CPU, one warm-up then the best of
-five (the best, not the mean, so that a momentarily busy machine does not lower the estimate).
+What is measured, one warm-up then the best of five (the best, not the mean, so that a momentarily
+busy machine does not lower the estimate): an fp32 ``2048×2048 @ 2048×2048`` matmul, and an fp32
+element-wise add of two 32 Mi-element tensors into a third (3 × 128 MiB moved: the shape of the
+layer's unfused element-wise ops, not a pure copy).
 """
 
 import argparse
@@ -88,6 +92,36 @@ def measure_host_flops(threads=None, n=DEFAULT_N, reps=DEFAULT_REPS):
     return 2.0 * n**3 / best
 
 
+MEM_ELEMENTS = 32 * 1024 * 1024
+
+
+def measure_memory_bandwidth(threads=None, n=MEM_ELEMENTS, reps=DEFAULT_REPS, device="cpu"):
+    """Best bytes/s of ``reps`` fp32 ``c = a + b`` over ``n`` elements (reads 2n, writes n)."""
+    import torch
+
+    old = torch.get_num_threads()
+    threads = int(threads or old)
+    torch.set_num_threads(threads)
+    cuda = str(device).startswith("cuda")
+    try:
+        a = torch.ones(n, device=device)
+        b = torch.ones(n, device=device)
+        c = torch.empty(n, device=device)
+        torch.add(a, b, out=c)  # warm-up
+        best = float("inf")
+        for _ in range(reps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            torch.add(a, b, out=c)
+            if cuda:
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old)
+    return 3 * 4 * n / best
+
+
 def _load_cache():
     try:
         with open(cache_path()) as f:
@@ -137,6 +171,35 @@ def host_flops(threads=None, refresh=False, measure=measure_host_flops):
     return flops, dict(entry, key=key, cached=False)
 
 
+def host_memory_bandwidth(threads=None, refresh=False, measure=measure_memory_bandwidth):
+    """Host memory bandwidth (bytes/s) for ``threads`` torch threads: cached or measured; returns
+    ``(bytes_per_s, info)`` as :func:`host_flops`."""
+    import torch
+
+    threads = int(threads or torch.get_num_threads())
+    fp = host_fingerprint()
+    key = cache_key(threads, fp) + "-memory"
+    entry = _load_cache().get(key)
+    if entry and not refresh and entry.get("bytes_per_s", 0) > 0:
+        return float(entry["bytes_per_s"]), dict(entry, key=key, cached=True)
+    bw = float(measure(threads))
+    entry = {
+        "bytes_per_s": bw,
+        "threads": threads,
+        "fingerprint": fp,
+        "method": f"fp32 add of {MEM_ELEMENTS // 2**20} Mi elements (3 x 4 B each), best of "
+        f"{DEFAULT_REPS}",
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    data = _load_cache()
+    data[key] = entry
+    try:
+        _store_cache(data)
+    except OSError:
+        pass
+    return bw, dict(entry, key=key, cached=False)
+
+
 def host_cpus():
     """CPUs this process may run on (the affinity mask, not the machine's count)."""
     try:
@@ -157,18 +220,24 @@ def oversubscription_share(ranks_per_host, threads=1, cpus=None):
 
 
 def dilation_for(profile, flops):
-    """D = the target GPU's sustained FLOP/s ÷ the host's FLOP/s."""
+    """GEMM-only D (the target GPU's sustained FLOP/s ÷ the host's FLOP/s), for comparison with the
+    roofline D of :func:`megatron_oases.testbed.emulator.roofline_dilation`."""
     return profile.sustained_tflops * 1e12 / flops
 
 
 def main(argv):
-    """``oases calibrate``: print the host's matmul rate and the dilation for each cluster profile."""
+    """``oases calibrate``: the host's two rates and, per cluster profile, the roofline dilation of
+    one layer of the given shape (its parts: GEMM ms and memory ms, target and host)."""
+    from ..device_model import DeviceRates
     from .clusters import available, load_cluster
+    from .emulator import roofline_dilation
 
     parser = argparse.ArgumentParser(
         prog="oases calibrate",
-        description="Measure (or show the cached) host matmul FLOP/s used by --emulate-link and "
-        "the resulting time dilation per cluster profile.",
+        description="Measure (or show the cached) host matmul FLOP/s and memory bandwidth used by "
+        "--emulate-link and the resulting time dilation per cluster profile, for one layer of the "
+        "given shape (Megatron's flag names; CPU host: fp32, unfused attention; target: the "
+        "profile's dtype, fused attention).",
     )
     parser.add_argument(
         "--threads",
@@ -180,10 +249,29 @@ def main(argv):
     parser.add_argument(
         "--profile", action="append", default=None, help="cluster profile(s) to show; default: all"
     )
+    parser.add_argument("--hidden-size", type=int, default=2048)
+    parser.add_argument("--num-attention-heads", type=int, default=32)
+    parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    parser.add_argument("--seq-length", type=int, default=1024)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=2)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--swiglu", action="store_true")
     args = parser.parse_args(argv)
     profiles = [load_cluster(p) for p in (args.profile or available())]
     flops, info = host_flops(args.threads, refresh=args.refresh)
+    mem, minfo = host_memory_bandwidth(args.threads, refresh=args.refresh)
+    h = args.hidden_size
+    shape = {
+        "hidden_size": h,
+        "num_attention_heads": args.num_attention_heads,
+        "ffn_hidden_size": args.ffn_hidden_size or 4 * h,
+        "seq_length": args.seq_length,
+        "swiglu": args.swiglu,
+        "core_attention": "fused",  # the target: Megatron's default backend on CUDA
+    }
+    tp, mb = args.tensor_model_parallel_size, args.micro_batch_size
     src = "cached" if info["cached"] else "measured now"
+    msrc = "cached" if minfo["cached"] else "measured now"
     print(
         f"host: {info['fingerprint']['cpu']} ({info['fingerprint']['logical_cpus']} logical CPUs)"
     )
@@ -191,9 +279,19 @@ def main(argv):
         f"host matmul rate: {flops / 1e9:.1f} GFLOP/s with {args.threads} thread(s) ({src}; "
         f"{info['method']}; cache {cache_path()} key {info['key']})"
     )
+    print(f"host memory bandwidth: {mem / 1e9:.2f} GB/s ({msrc}; {minfo['method']})")
+    print(
+        f"one layer, forward, per rank: H={h}, heads={args.num_attention_heads}, "
+        f"ffn={shape['ffn_hidden_size']}, seq={args.seq_length}, TP={tp}, micro-batch={mb}"
+    )
+    host = DeviceRates(flops, mem, "host")
     for p in profiles:
+        dl = roofline_dilation(p, shape, tp, host, host_dtype_bytes=4, samples=mb)
         print(
-            f"  {p.name:16s} {p.sustained_tflops:7.1f} TFLOP/s sustained ({p.dtype}) "
-            f"=> dilation D = {dilation_for(p, flops):9.1f}"
+            f"  {p.name:17s} {p.sustained_tflops:6.1f} TFLOP/s, "
+            f"{p.memory_bandwidth_gbs or 0:6.0f} GB/s: target GEMM {dl.target.gemm_s * 1e3:8.3f} ms"
+            f" + memory {dl.target.memory_s * 1e3:7.3f} ms; host GEMM {dl.host.gemm_s * 1e3:9.1f}"
+            f" ms + memory {dl.host.memory_s * 1e3:8.1f} ms => D = {dl.d:8.1f} "
+            f"(GEMM-only {dilation_for(p, flops):8.1f})"
         )
     return 0

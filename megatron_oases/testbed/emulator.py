@@ -3,8 +3,8 @@
 This is an **emulation**, not a simulation and not a measurement of real hardware:
 
 * Compute runs for real on the host CPU, which is about ``D`` times slower than the target GPU, where
-  the *dilation* ``D = target sustained GPU FLOP/s ÷ host matmul FLOP/s`` (host rate measured once and
-  cached, :mod:`.calibrate`; GPU rate from the profile, :mod:`megatron_oases.resources`).
+  the *dilation* ``D`` = host time ÷ target time of one layer of the run's shape (below; host rates
+  measured once and cached, :mod:`.calibrate`; GPU rates from the profile).
 * Every emulated collective still runs for real on gloo (so the numbers stay correct) but completes no
   earlier than ``D × t_model``, where ``t_model`` is its time on the target link; collectives on one set
   of ranks queue on one channel and async ops stay async (:mod:`.link_model`).
@@ -38,8 +38,16 @@ iteration but 4.35 s and 4.78 s of compute wall, the difference being run-queue 
 CPU time (the tracer's ``cpu_us``; ``compute_cpu_us`` of :mod:`megatron_oases.viz.analysis`) and
 read wall − CPU as contention (``runq_us``; ``external_cpu_us`` for the other processes).
 
+**The dilation D, per shape** (:func:`resolve_dilation`): the host time of one layer of the run's
+shape ÷ its time on the target GPU, both from the roofline of :mod:`megatron_oases.device_model`
+(GEMM FLOPs at the GEMM rate plus memory-bound bytes at the memory bandwidth). The target runs the
+layer in the profile's dtype with the core attention Megatron's ``--attention-backend`` picks on
+CUDA; the host in the run's dtype with the attention it picks on the host.
+
 Environment overrides (used by ``oases compare`` to give every variant the identical emulator):
-``OASES_EMULATE_DILATION`` (D itself) or ``OASES_HOST_FLOPS`` (the host rate; D = profile ÷ it).
+``OASES_EMULATE_DILATION`` (D itself), ``OASES_HOST_FLOPS`` (the host's FLOP/s) and
+``OASES_HOST_MEM_GBS`` (the host's memory bandwidth, GB/s; the one-rank GPU emulator sets both to
+the GPU's measured rates).
 """
 
 import os
@@ -55,49 +63,141 @@ from .collectives import replacements
 from .link_model import LinkEmulator
 
 
-def resolve_dilation(profile, log=None):
-    """D for ``profile``: ``$OASES_EMULATE_DILATION``, else profile ÷ host rate.
+def shape_of_args(args):
+    """The layer shape of Megatron's ``args`` as :mod:`megatron_oases.device_model` counts it,
+    with the core attention the target GPU runs (Megatron's ``--attention-backend`` on CUDA)."""
+    gqa = getattr(args, "group_query_attention", False)
+    return {
+        "hidden_size": args.hidden_size,
+        "num_attention_heads": args.num_attention_heads,
+        "num_query_groups": args.num_query_groups if gqa else None,
+        "kv_channels": getattr(args, "kv_channels", None),
+        "ffn_hidden_size": args.ffn_hidden_size,
+        "seq_length": args.seq_length,
+        "swiglu": bool(getattr(args, "swiglu", False)),
+        "normalization": getattr(args, "normalization", "LayerNorm"),
+        "disable_bias_linear": not getattr(args, "add_bias_linear", True),
+        "hidden_dropout": getattr(args, "hidden_dropout", 0.0) or 0.0,
+        "attention_dropout": getattr(args, "attention_dropout", 0.0) or 0.0,
+        "core_attention": _core_attention(args, cuda=True),
+    }
 
-    The host rate is ``$OASES_HOST_FLOPS`` or the cached measurement (:func:`.calibrate.host_flops`,
-    taken on global rank 0 and broadcast so that every rank uses the same D), both the rate of one
-    process alone, scaled by :func:`.calibrate.oversubscription_share` when this host runs more
-    ranks × threads than it has CPUs.
-    Returns ``(dilation, info)``.
+
+def _core_attention(args, cuda):
+    """``fused`` where :func:`megatron_oases.attention.choose_core_attention` picks a fused kernel
+    (SDPA or TE) on that device, else ``unfused`` (Megatron's scores-materialising module)."""
+    backend = getattr(args, "attention_backend", None)
+    if backend is None:
+        return "fused" if cuda else "unfused"
+    from ..attention import STOCK, choose_core_attention
+
+    return "unfused" if choose_core_attention(backend, cuda=cuda, te=False) == STOCK else "fused"
+
+
+def roofline_dilation(
+    profile, shape, degree, host, host_dtype_bytes, samples=1, sp=False, host_attention=None
+):
+    """The :class:`~megatron_oases.device_model.Dilation` of one layer of ``shape`` at TMP
+    ``degree``: the target runs it in the profile's dtype with ``shape``'s core attention, the host
+    (``host``: :class:`~megatron_oases.device_model.DeviceRates`) in ``host_dtype_bytes`` with
+    ``host_attention`` (default: unfused, as on a CPU)."""
+    from ..device_model import DeviceRates, dilation, layer_work
+
+    target_work = layer_work(shape, degree, profile.dtype_bytes, samples, sp)
+    host_shape = dict(shape, core_attention=host_attention or "unfused")
+    host_work = layer_work(host_shape, degree, host_dtype_bytes, samples, sp)
+    return dilation(target_work, host, DeviceRates.from_profile(profile), host_work=host_work)
+
+
+def _env_rate(name):
+    value = os.environ.get(name)
+    if not value:
+        return None
+    try:
+        rate = float(value)
+    except ValueError:
+        raise OasesConfigError(f"{name}={value!r} is not a number")
+    if rate <= 0:
+        raise OasesConfigError(f"{name}={value!r} must be positive")
+    return rate
+
+
+def host_rates(cuda=False):
+    """The emulating host's (FLOP/s, bytes/s) of one process alone, and where each came from:
+    ``$OASES_HOST_FLOPS`` / ``$OASES_HOST_MEM_GBS`` (GB/s), else the cached CPU calibration
+    (:mod:`.calibrate`); on CUDA without ``$OASES_HOST_MEM_GBS`` the device's bandwidth is measured
+    now. Taken on global rank 0 and broadcast, so that every rank uses the same D."""
+    from . import calibrate
+
+    flops, mem = _env_rate("OASES_HOST_FLOPS"), _env_rate("OASES_HOST_MEM_GBS")
+    sources = ["OASES_HOST_FLOPS" if flops else "calibrate", "OASES_HOST_MEM_GBS" if mem else ""]
+    mem = mem * 1e9 if mem else None
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if flops and mem:
+        return flops, mem, sources
+    if not distributed or dist.get_rank() == 0:
+        threads = torch.get_num_threads()
+        if not flops:
+            flops, info = calibrate.host_flops(threads)
+            sources[0] = "cache" if info["cached"] else "measured"
+        if not mem and cuda:
+            mem = calibrate.measure_memory_bandwidth(device="cuda")
+            sources[1] = "measured on cuda"
+        elif not mem:
+            mem, info = calibrate.host_memory_bandwidth(threads)
+            sources[1] = "cache" if info["cached"] else "measured"
+    if distributed:
+        t = torch.tensor([flops or 0.0, mem or 0.0], dtype=torch.float64)
+        c10d.broadcast(t, src=0)  # torch's own function: the emulator is not installed yet
+        flops, mem = float(t[0]), float(t[1])
+        sources = [x or "rank 0" for x in sources]
+    return flops, mem, sources
+
+
+def resolve_dilation(profile, args=None, log=None):
+    """D for ``profile`` at the layer shape of Megatron's ``args``: ``$OASES_EMULATE_DILATION``,
+    else the roofline :func:`roofline_dilation` with the host's rates (:func:`host_rates`), both
+    the rates of one process alone, scaled by :func:`.calibrate.oversubscription_share` when this
+    host runs more ranks × threads than it has CPUs. Without ``args`` (no shape known) the layer is
+    GEMMs only, i.e. D = profile ÷ host FLOP/s.
+
+    Returns ``(dilation, info)``; ``info["roofline"]`` is the
+    :class:`~megatron_oases.device_model.Dilation` (its parts) when computed.
     """
-    env_d = os.environ.get("OASES_EMULATE_DILATION")
+    env_d = _env_rate("OASES_EMULATE_DILATION")
     if env_d:
-        try:
-            d = float(env_d)
-        except ValueError:
-            raise OasesConfigError(f"OASES_EMULATE_DILATION={env_d!r} is not a number")
-        return d, {"source": "OASES_EMULATE_DILATION", "host_flops": None}
-    env_f = os.environ.get("OASES_HOST_FLOPS")
-    if env_f:
-        try:
-            flops = float(env_f)
-        except ValueError:
-            raise OasesConfigError(f"OASES_HOST_FLOPS={env_f!r} is not a number")
-        source = "OASES_HOST_FLOPS"
-    else:
-        from .calibrate import host_flops
-
-        flops, source = 0.0, "calibrate"
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        if not distributed or dist.get_rank() == 0:
-            flops, info = host_flops(torch.get_num_threads())
-            source = "cache" if info["cached"] else "measured"
-        if distributed:
-            t = torch.tensor([flops], dtype=torch.float64)
-            c10d.broadcast(t, src=0)  # torch's own function: the emulator is not installed yet
-            flops = float(t.item())
-    if flops <= 0:
-        raise OasesConfigError(f"host FLOP/s must be positive, got {flops!r}")
+        return env_d, {"source": "OASES_EMULATE_DILATION", "host_flops": None}
+    from ..device_model import DeviceRates, Work, dilation
     from .calibrate import oversubscription_share
 
+    cuda = torch.cuda.is_available()
+    flops, mem, sources = host_rates(cuda)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     share = oversubscription_share(ranks, torch.get_num_threads())
-    info = {"source": source, "host_flops": flops * share, "oversubscription_share": share}
-    return profile.sustained_tflops * 1e12 / (flops * share), info
+    host = DeviceRates(flops * share, mem * share, "host")
+    if args is None:
+        dl = dilation(Work(1.0, 0.0), host, DeviceRates.from_profile(profile))
+    else:
+        host_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
+        dl = roofline_dilation(
+            profile,
+            shape_of_args(args),
+            args.tensor_model_parallel_size,
+            host,
+            host_bytes,
+            samples=args.micro_batch_size,
+            sp=bool(getattr(args, "sequence_parallel", False)),
+            host_attention=_core_attention(args, cuda=cuda),
+        )
+    info = {
+        "source": sources[0],
+        "memory_source": sources[1],
+        "host_flops": flops * share,
+        "host_memory_bytes_per_s": mem * share,
+        "oversubscription_share": share,
+        "roofline": dl,
+    }
+    return dl.d, info
 
 
 class EmulatorPatch(Patch):
@@ -147,12 +247,13 @@ def usage_line(u):
 SPIN_SHARE = 0.1
 
 
-def make_emulator(profile_name, dilation=None):
-    """A :class:`LinkEmulator` for a profile name/path; D from :func:`resolve_dilation` if not given."""
+def make_emulator(profile_name, dilation=None, args=None):
+    """A :class:`LinkEmulator` for a profile name/path; D from :func:`resolve_dilation` (at the
+    shape of Megatron's ``args``) if not given."""
     profile = load_cluster(profile_name)
     info = {"source": "argument", "host_flops": None}
     if dilation is None:
-        dilation, info = resolve_dilation(profile)
+        dilation, info = resolve_dilation(profile, args)
     emu = LinkEmulator(profile, dilation)
     emu.info = info
     return emu
@@ -169,15 +270,19 @@ def make_patch(args, built=None):
     name = getattr(args, "emulate_link", None)
     if not name:
         return None
-    emu = make_emulator(name)
+    emu = make_emulator(name, args=args)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        host = emu.info.get("host_flops")
-        host_s = f"host {host / 1e9:.1f} GFLOP/s ({emu.info['source']}), " if host else ""
-        share = emu.info.get("oversubscription_share", 1.0)
-        if share < 1.0:
+        info = emu.info
+        host, mem = info.get("host_flops"), info.get("host_memory_bytes_per_s")
+        host_s = ""
+        if host:
+            share = info.get("oversubscription_share", 1.0)
             host_s = (
-                f"host {host / share / 1e9:.1f} GFLOP/s ({emu.info['source']}) x {share:.2f} per "
-                f"rank (more ranks x threads than the {_cpus()} CPUs), "
+                f"host {host / share / 1e9:.1f} GFLOP/s ({info['source']}), "
+                f"{mem / share / 1e9:.2f} GB/s ({info['memory_source']})"
             )
+            if share < 1.0:
+                host_s += f" x {share:.2f} per rank (more ranks x threads than the {_cpus()} CPUs)"
+            host_s += f"; {info['roofline'].describe()}; "
         print(f"[oases] {host_s}{emu.describe()}", flush=True)
     return EmulatorPatch(emu)

@@ -39,7 +39,7 @@ def test_compare_end_to_end_tiny_model(tmp_path):
         "--",
         *TINY,
     ]
-    env = dict(os.environ, OASES_HOST_FLOPS="1e11", OMP_NUM_THREADS="1")
+    env = dict(os.environ, OASES_HOST_FLOPS="1e11", OASES_HOST_MEM_GBS="5", OMP_NUM_THREADS="1")
     env.pop("OASES_EMULATE_DILATION", None)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -57,7 +57,14 @@ def test_compare_end_to_end_tiny_model(tmp_path):
     for png in ("throughput.png", "timeline-megatron.png", "timeline-oases.png"):
         assert (out / png).read_bytes().startswith(PNG)
     report = json.loads((out / "results.json").read_text())
-    assert report["emulation"]["dilation"] == pytest.approx(42e12 / 1e11)
+    # D: the roofline of one layer of TINY's shape (device_model), printed with its parts
+    emu = report["emulation"]
+    assert emu["host_gemm_ms"] / emu["target_gemm_ms"] == pytest.approx(42e12 / 1e11)
+    host_ms, target_ms = emu["host_gemm_ms"] + emu["host_memory_ms"], emu["target_gemm_ms"]
+    target_ms += emu["target_memory_ms"]
+    assert emu["dilation"] == pytest.approx(host_ms / target_ms) == emu["roofline_dilation"]
+    assert emu["host_memory_gbs"] == 5.0 and emu["target_memory_gbs"] == 796
+    assert "target GEMM" in proc.stdout and "target GEMM" in (out / "results.md").read_text()
     assert report["loss_check"]["ok"] and report["loss_check"]["reference"] == "megatron"
     by_name = {v["name"]: v for v in report["variants"]}
     for name in ("megatron", "oases"):

@@ -77,10 +77,82 @@ def test_calibration_is_cached_per_host_and_thread_count(tmp_path, monkeypatch):
 def test_dilation_from_host_rate(monkeypatch):
     monkeypatch.delenv("OASES_EMULATE_DILATION", raising=False)
     monkeypatch.setenv("OASES_HOST_FLOPS", "1e11")
-    d, info = resolve_dilation(load_cluster("rtx3090-pcie"))
+    monkeypatch.setenv("OASES_HOST_MEM_GBS", "10")
+    d, info = resolve_dilation(load_cluster("rtx3090-pcie"))  # no shape: GEMMs only
     assert d == pytest.approx(42e12 / 1e11) and info["source"] == "OASES_HOST_FLOPS"
+    assert info["memory_source"] == "OASES_HOST_MEM_GBS"
     monkeypatch.setenv("OASES_EMULATE_DILATION", "123")
     assert resolve_dilation(load_cluster("rtx3090-pcie"))[0] == 123.0
+
+
+def _megatron_args(**kw):
+    a = dict(
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_query_groups=None,
+        group_query_attention=False,
+        kv_channels=64,
+        ffn_hidden_size=4096,
+        seq_length=512,
+        swiglu=False,
+        normalization="LayerNorm",
+        add_bias_linear=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_backend=None,
+        micro_batch_size=4,
+        tensor_model_parallel_size=2,
+        sequence_parallel=False,
+        bf16=False,
+        fp16=False,
+    )
+    a.update(kw)
+    return argparse.Namespace(**a)
+
+
+def test_dilation_is_per_shape_roofline(monkeypatch):
+    """D = host time ÷ target time of one layer of the run's shape (device_model's roofline): the
+    host (CPU, fp32, unfused attention) at OASES_HOST_FLOPS / OASES_HOST_MEM_GBS, the target at
+    the profile's rates (fp16, fused attention on CUDA)."""
+    monkeypatch.delenv("OASES_EMULATE_DILATION", raising=False)
+    monkeypatch.setenv("OASES_HOST_FLOPS", "1e11")
+    monkeypatch.setenv("OASES_HOST_MEM_GBS", "10")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    prof = load_cluster("rtx3090-pcie")
+    d, info = resolve_dilation(prof, _megatron_args())
+    # by hand, per sample at TP 2: GEMM FLOPs 24·s·h²/2 + 4·s²·h/2 = 6.979e9; 4 samples
+    flops = 4 * (24 * 512 * 1024**2 / 2 + 4 * 512**2 * 1024 / 2)
+    sh = 512 * 1024
+    # target (p=2, flash I/O): attention 32·s·h + mlp 30·s·h bytes per sample
+    target_bytes = 4 * 62 * sh
+    # host (p=4, unfused): attention 2·(32 - 4 flash I/O)·s·h + 16 per score over 8·s² scores;
+    # mlp 2·30·s·h
+    host_bytes = 4 * (56 * sh + 16 * 8 * 512**2 + 60 * sh)
+    host_s = flops / 1e11 + host_bytes / 10e9
+    target_s = flops / 42e12 + target_bytes / (prof.memory_bandwidth_gbs * 1e9)
+    assert d == pytest.approx(host_s / target_s, rel=1e-9)
+    assert info["roofline"].target.memory_s == pytest.approx(target_bytes / 796e9)
+    # the same shape at another micro-batch: the same D (both times scale with the tokens)
+    assert resolve_dilation(prof, _megatron_args(micro_batch_size=32))[0] == pytest.approx(d)
+    # a wider layer at the same rates: GEMMs weigh more, so D moves toward the GEMM-only ratio
+    wide = resolve_dilation(prof, _megatron_args(hidden_size=4096, ffn_hidden_size=16384))[0]
+    assert abs(wide - 420) < abs(d - 420)
+
+
+def test_memory_bandwidth_is_cached_beside_the_flops(tmp_path, monkeypatch):
+    monkeypatch.setenv("OASES_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake(threads):
+        calls.append(threads)
+        return 5e9 * threads
+
+    b1, i1 = calibrate.host_memory_bandwidth(1, measure=fake)
+    b1b, i1b = calibrate.host_memory_bandwidth(1, measure=fake)
+    f1, _ = calibrate.host_flops(1, measure=lambda t: 1e11)
+    assert (b1, b1b, f1) == (5e9, 5e9, 1e11) and calls == [1]
+    assert not i1["cached"] and i1b["cached"] and i1["key"].endswith("-memory")
+    assert calibrate.measure_memory_bandwidth(1, n=1 << 20, reps=2) > 1e8  # a real CPU: > 0.1 GB/s
 
 
 def test_oversubscribed_host_scales_the_per_rank_rate():
