@@ -3,13 +3,18 @@
 Runs the same ``oases compare`` call (emulated link, every default variant) alternately with all
 ranks (one process per rank, gloo) and with ``--one-rank`` (rank 0 alone, the others virtual), and
 writes a table of each variant's speed-up over stock under both, with the spread of the repeats.
-Both use one thread per process, so the compute of rank 0 runs at the same host rate (the same
-dilation D) in both.
+With ``--threads-per-rank 1`` both use one thread per process; without it (``--threads-per-rank
+0``) each mode takes ``oases compare``'s default, as a new user would: rank 0 of ``--one-rank`` gets
+a rank's share of the CPUs (``CPUs ÷ --nproc``), the same as in the all-ranks job (issue 42: it
+used to get every CPU, and a D calibrated for that many threads). The report gives each mode's D
+and its parts (the roofline of :mod:`megatron_oases.device_model`).
 
 Usage::
 
     python benchmarks/compare/one_rank_check.py                      # rtx3090-pcie, H=1024, TMP=2
     python benchmarks/compare/one_rank_check.py --pairs 2 --shape h2048
+    python benchmarks/compare/one_rank_check.py --shape issue42 --threads-per-rank 0 \
+        --variants megatron,oases --pairs 1           # issue 42's shape, the tool's defaults
 """
 
 import argparse
@@ -23,21 +28,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from run_benchmarks import COMMON, SHAPES  # noqa: E402  (the report's shapes)
+from run_benchmarks import COMMON, SHAPES, shape  # noqa: E402  (the report's shapes)
+
+# small shapes for the agreement check (a few minutes per compare call on a 2-CPU host)
+CHECK_SHAPES = {
+    # issue 42's: H=1024, 16 heads, seq 512, micro-batch 4, 2 layers
+    "issue42": shape(2, 1024, 16, 512, 4),
+    "h768s256": shape(2, 768, 12, 256, 8),
+    "h1536s256": shape(2, 1536, 24, 256, 4),
+}
+SHAPES = {**SHAPES, **CHECK_SHAPES}
 
 OUT = os.path.join(ROOT, "benchmarks", "results", "compare", "one-rank-check")
 
 
 def compare_argv(args, mode, pair):
-    out = os.path.join(OUT, f"{args.profile}-{args.shape}", f"{mode}-{pair}")
+    out = os.path.join(OUT, _tag(args), f"{mode}-{pair}")
     argv = [
         "compare",
         "--emulate-link",
         args.profile,
         "--nproc",
         str(args.tp),
-        "--threads-per-rank",
-        "1",
         "--warmup",
         str(args.warmup),
         "--iters",
@@ -45,10 +57,21 @@ def compare_argv(args, mode, pair):
         "--out",
         out,
     ]
+    if args.threads_per_rank:
+        argv += ["--threads-per-rank", str(args.threads_per_rank)]
+    if args.variants:
+        argv += ["--variants", args.variants, "--no-host-pass"]
     if mode == "one-rank":
         argv.append("--one-rank")
     tp = ["--tensor-model-parallel-size", str(args.tp)]
     return argv + ["--", *tp, *COMMON, *SHAPES[args.shape]], out
+
+
+def _tag(args):
+    tag = f"{args.profile}-{args.shape}"
+    return (
+        tag if args.threads_per_rank == 1 else f"{tag}-threads{args.threads_per_rank or 'default'}"
+    )
 
 
 def speedups(out):
@@ -65,6 +88,13 @@ def main(argv=None):
     p.add_argument("--pairs", type=int, default=2, help="alternated (all ranks, one rank) pairs")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=1,
+        help="passed to oases compare; 0 = its default (a rank's share of the CPUs)",
+    )
+    p.add_argument("--variants", default=None, help="oases compare --variants (and no host pass)")
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
     runs = {"all-ranks": [], "one-rank": []}
@@ -82,7 +112,13 @@ def main(argv=None):
         "",
         "**Emulated interconnect** (`--emulate-link`), not GPU measurements. Each pair runs the "
         "same `oases compare` call with all ranks (one process each, gloo) and with `--one-rank` "
-        "(rank 0 alone on the fake process group), one thread per process, alternated. Speed-ups "
+        "(rank 0 alone on the fake process group), alternated, "
+        + (
+            f"{args.threads_per_rank} thread(s) per process"
+            if args.threads_per_rank
+            else "each with oases compare's default threads per process"
+        )
+        + ". Speed-ups "
         "are over stock (`megatron`, full recompute) within the same call.",
         "",
         "Command: `python benchmarks/compare/one_rank_check.py "
@@ -118,7 +154,22 @@ def main(argv=None):
         f"rank {', '.join(iters['one-rank'])}.",
         "",
     ]
-    path = os.path.join(OUT, f"{args.profile}-{args.shape}", "README.md")
+    for mode, rs in runs.items():
+        for r in rs:
+            e = r[1].get("emulation") or {}
+            lines.append(
+                f"- {mode}: {r[1]['config']['threads_per_rank']} thread(s) per process, D = "
+                f"{e.get('dilation', float('nan')):.1f}"
+                + (
+                    f" (target GEMM {e['target_gemm_ms']:.3g} ms + memory "
+                    f"{e['target_memory_ms']:.3g} ms; host GEMM {e['host_gemm_ms']:.4g} ms + "
+                    f"memory {e['host_memory_ms']:.4g} ms)"
+                    if "target_gemm_ms" in e
+                    else ""
+                )
+            )
+    lines.append("")
+    path = os.path.join(OUT, _tag(args), "README.md")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines))
