@@ -266,15 +266,26 @@ class Profile:
             return 0.0
         return float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
 
-    def grad_sync_time(self, degree):
-        """Data-parallel gradient all-reduce of one layer at ``degree`` (None: not in profile)."""
+    def grad_sync_time(self, degree, distributed_optimizer=False):
+        """Data-parallel gradient sync of one layer at ``degree`` (None: not in profile): the
+        all-reduce of its gradients, or with ``distributed_optimizer`` (ZeRO-1) the reduce-scatter
+        of its gradients plus the all-gather of its updated parameters over the same replicas."""
         gs = self.data.get("grad_sync")
         if not gs:
             return None
-        fit = gs["all_reduce"].get(str(degree))
+        key = str(degree)
+        if distributed_optimizer:
+            fit = gs.get("reduce_scatter", {}).get(key)
+            if fit is None:
+                return None
+            alpha, beta = float(fit["alpha_s"]), float(fit["beta_s_per_byte"])
+            grads = float(gs["bytes_per_layer"][key])
+            params = float(gs["param_bytes_per_layer"][key])
+            return 2 * alpha + beta * (grads + params)
+        fit = gs["all_reduce"].get(key)
         if fit is None:
             return None
-        nbytes = float(gs["bytes_per_layer"][str(degree)])
+        nbytes = float(gs["bytes_per_layer"][key])
         return float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
 
     def layer_memory(self, kind, degree, samples):

@@ -33,7 +33,9 @@ iteration time is ``(num_microbatches + P − 1) × (forward + backward + edges)
 (1F1B over P pipeline stages; P = 1 without PP), plus, once per iteration, the all-reduce of each
 degree-d < T layer's gradients over its T/d replicas (the per-layer runtime's replica sync; not in
 the paper's eq. 5) — or, with ``grad_sync=True``, each layer's whole data-parallel gradient
-all-reduce of its ``params/d`` over ``D·T/d`` replicas. Memory terms come from
+all-reduce of its ``params/d`` over ``D·T/d`` replicas (with ``distributed_optimizer``: the
+reduce-scatter of those gradients and the all-gather of the updated parameters, ZeRO-1). Memory
+terms come from
 :mod:`.memory_model`.
 
 Sequence chunks (``split="sequence"``, ``--oases-split sequence``): the two sub-batches are the
@@ -413,7 +415,7 @@ def build_problem(
     sync = np.zeros((L, K))
     sync_available = True
     for k, d in enumerate(degs):
-        t = profile.grad_sync_time(d)
+        t = profile.grad_sync_time(d, distributed_optimizer=distributed_optimizer)
         if t is None:
             sync_available = False
             t = 0.0

@@ -82,10 +82,10 @@ def _setting(entry):
     )
 
 
-def choose_plan(profile, split=None, **kwargs):
-    """Plan every setting of :data:`SETTINGS` (the overlapped ones with each ``split`` kind, both
-    when None); returns (plan, problem, solution) of the fastest that fits. ``kwargs``:
-    :func:`.api.make_plan`'s, without ``schedule``, ``recompute`` and ``split``."""
+def choose_plan(profile, split=None, settings=SETTINGS, **kwargs):
+    """Plan every setting of ``settings`` (default :data:`SETTINGS`; the overlapped ones with each
+    ``split`` kind, both when None); returns (plan, problem, solution) of the fastest that fits.
+    ``kwargs``: :func:`.api.make_plan`'s, without ``schedule``, ``recompute`` and ``split``."""
     if split is not None:
         check_split(split, source="--split")
     best, tried = None, []
@@ -120,7 +120,7 @@ def choose_plan(profile, split=None, **kwargs):
             entry.update(device_time_s=p["device_time_s"], host_bound=p["host"]["host_bound"])
         return entry, result
 
-    for schedule, recompute in SETTINGS:
+    for schedule, recompute in settings:
         kinds = ("batch", "sequence") if schedule in SPLIT_SCHEDULES else ("batch",)
         for kind in kinds if split is None else [k for k in kinds if k == split]:
             entry, result = attempt(schedule, recompute, kind=kind)
@@ -150,6 +150,8 @@ def choose_plan(profile, split=None, **kwargs):
     plan["launch_flags"] = launch_flags(
         plan["schedule"], plan["recompute"], plan.get("recompute_num_layers"), plan["split"]
     )
+    if plan.get("distributed_optimizer"):
+        plan["launch_flags"] += " --use-distributed-optimizer"
     return best
 
 

@@ -473,7 +473,7 @@ def _search(args):
     from ..formats.plan import save_plan
     from ..profiler.cli import _overrides
     from ..profiler.model_config import read_model_file
-    from .search import model_for_search, search, table, why_first
+    from .search import model_for_search, search, table, verdict, why_first
 
     given = [f for f, v in (("--profile", args.profile), ("--evaluate", args.evaluate)) if v]
     if given:
@@ -515,6 +515,7 @@ def _search(args):
     )
     print("\n".join(table(result, rows=args.max_rows or len(result["candidates"]))))
     print(f"\nwhy: {why_first(result)}")
+    print("\n".join(verdict(result)))
     plan = result["winner_plan"]
     per_layer = len(set(plan["degrees"])) > 1  # the runtime reads the degrees from the plan file
     hint = f" --oases-plan {args.out or 'PLAN_JSON (write it with --out)'}" if per_layer else ""
@@ -545,6 +546,8 @@ def _search(args):
         if "verified" in result:
             plan["search"]["verified"] = result["verified"]
         plan["search"]["rule_of_thumb"] = result["rule_of_thumb"]
+        for key in ("best_stock", "best_oases", "stock_over_oases"):  # formats/plan.py
+            plan[key] = result[key]
         make_parent(args.out)
         save_plan(plan, args.out)
         print(f"wrote {args.out}")

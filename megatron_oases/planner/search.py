@@ -10,7 +10,14 @@ candidate's time is the planner's model of one iteration: the 1F1B pipeline over
 the host's timelines. Pipelined candidates planned in full also try uneven stage splits (Megatron's
 ``--decoder-first/last-pipeline-num-layers``, :mod:`.stage_split`). The stage-to-stage sends
 are in the analytic profiles (``pipeline_p2p``: one per pass of a micro-batch).
-See ``docs/planner.md`` ("Searching the cluster").
+
+The whole space a Megatron user has: every layout with DP > 1 is also costed with the distributed
+optimizer (``--use-distributed-optimizer``: Adam state sharded over DP, the gradient all-reduce
+replaced by a reduce-scatter and a parameter all-gather), and TP = 1 layouts run stock Megatron
+only (nothing to overlap). Stock Megatron at every layout and recompute setting is ranked too:
+the result names the best stock layout (uniform degree, ``off``) beside the best Oases one
+(an overlapped schedule or per-layer degrees) and their ratio, so a cluster where stock wins says
+so. See ``docs/planner.md`` ("Searching the cluster").
 """
 
 import copy
@@ -19,11 +26,18 @@ import time
 
 from ..errors import OasesConfigError
 from .api import make_plan
-from .choose import choose_plan, setting_name
+from .choose import SETTINGS, choose_plan, setting_name
 from .stage_split import best_split
 
 #: Level one's settings: (schedule, recompute).
 QUICK_SETTINGS = (("off", "full"), ("off", "none"), ("overlap", "none"), ("oases", "full"))
+#: Stock Megatron's recompute settings (level one tries each; the rule of thumb's choices).
+STOCK_SETTINGS = ("none", "selective", "selective+ln", "full")
+#: Level two's settings for stock Megatron and for the Oases schedules.
+STOCK_CHOICES = tuple((s, r) for s, r in SETTINGS if s == "off")
+OASES_CHOICES = tuple((s, r) for s, r in SETTINGS if s != "off")
+#: How many of level one's fastest stock layouts are planned in full for the best stock one.
+STOCK_TOP = 3
 #: The micro-batch sizes tried (those dividing the per-replica batch).
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
@@ -99,6 +113,17 @@ def _profile(args, layout, cluster):
     return Profile(analytic_profile(args, cluster))
 
 
+def is_oases(row):
+    """Whether a ranking row runs Oases: an overlapped schedule or per-layer degrees (stock
+    Megatron runs ``off`` at the layout's uniform TP)."""
+    return row["schedule"] != "off" or row["degrees"] != [row["layout"]["tp"]]
+
+
+def _optimizers(layout):
+    """Distributed optimizer off, and on where there is data parallelism to shard over."""
+    return (False, True) if layout.dp > 1 else (False,)
+
+
 def _row(layout, plan):
     """A candidate's ranking row from a plan (None: nothing fits)."""
     p = plan["predicted"]
@@ -115,6 +140,7 @@ def _row(layout, plan):
         "device_time_s": p.get("device_time_s", p["iteration_time_s"]),
         "host_bound": bool(host.get("host_bound")),
         "peak_memory_gb": p["peak_memory_bytes_per_rank"] / 1e9,
+        "distributed_optimizer": bool(plan.get("distributed_optimizer")),
     }
 
 
@@ -129,11 +155,14 @@ def _flags(layout, setting, common):
         setting.get("recompute_num_layers"),
         setting.get("split", "batch"),
     )
+    if setting.get("distributed_optimizer"):
+        own += " --use-distributed-optimizer"
     return f"{layout.flags(common['global_batch_size'])} {own}"
 
 
-def _uniform(profile, layout, schedule, recompute, common, split="batch"):
-    """The layout's row for one setting at its uniform degree (None where it does not fit)."""
+def _uniform(profile, layout, schedule, recompute, common, split="batch", optimizer=False):
+    """The layout's row for one setting at its uniform degree (None where it does not fit);
+    ``optimizer``: the distributed optimizer."""
     try:
         plan = make_plan(
             profile,
@@ -143,6 +172,7 @@ def _uniform(profile, layout, schedule, recompute, common, split="batch"):
             degrees=[layout.tp],
             micro_batch_size=layout.micro_batch,
             grad_sync=layout.dp > 1,
+            distributed_optimizer=optimizer,
             **common,
         )[0]
     except OasesConfigError:  # does not fit, or cannot split this micro-batch
@@ -176,23 +206,58 @@ def _try_uneven_split(row, profile, layout, plan, common, total_layers):
 
 
 def _quick(profile, layout, common):
-    """Level one: the fastest of :data:`QUICK_SETTINGS` at the uniform degree; also stock with
-    full recompute on its own (the rule of thumb's setting). ``(best, stock)``, rows or None."""
-    best = stock = None
-    for schedule, recompute in QUICK_SETTINGS:
-        split = "sequence" if schedule != "off" and layout.micro_batch == 1 else "batch"
-        row = _uniform(profile, layout, schedule, recompute, common, split)
-        if row is None:
-            continue
-        if (schedule, recompute) == ("off", "full"):
-            stock = row
-        if best is None or row["iteration_time_s"] < best["iteration_time_s"]:
-            best = row
-    return best, stock
+    """Level one at the uniform degree, with and without the distributed optimizer: the fastest
+    Oases setting of :data:`QUICK_SETTINGS` (none at TP = 1), the fastest stock recompute setting
+    of :data:`STOCK_SETTINGS`, and stock with full recompute and no distributed optimizer on its
+    own (the rule of thumb's). ``(oases, stock, full)``, rows or None."""
+    oases = stock = full = None
+    tried = [("off", r) for r in STOCK_SETTINGS]
+    if layout.tp > 1:
+        tried += [(s, r) for s, r in QUICK_SETTINGS if s != "off"]
+    for optimizer in _optimizers(layout):
+        for schedule, recompute in tried:
+            split = "sequence" if schedule != "off" and layout.micro_batch == 1 else "batch"
+            row = _uniform(profile, layout, schedule, recompute, common, split, optimizer)
+            if row is None:
+                continue
+            if (schedule, recompute, optimizer) == ("off", "full", False):
+                full = row
+            if schedule == "off":
+                if stock is None or row["iteration_time_s"] < stock["iteration_time_s"]:
+                    stock = row
+            elif oases is None or row["iteration_time_s"] < oases["iteration_time_s"]:
+                oases = row
+    return oases, stock, full
 
 
-#: Stock Megatron's recompute settings, the rule of thumb's choices.
-STOCK_SETTINGS = ("none", "selective", "selective+ln", "full")
+def _refine(profile, layout, row, common, total_layers, settings=SETTINGS, uniform=False):
+    """Level two for one layout: every setting of ``settings`` planned in full (per-layer degrees
+    unless ``uniform``, the host term, block recompute, uneven stage splits) with ``row``'s
+    distributed optimizer. ``(row, plan)``, or None where nothing fits."""
+    if layout.tp == 1:  # nothing to overlap: stock Megatron only
+        settings = tuple(sr for sr in settings if sr[0] == "off")
+    if not settings:
+        return None
+    try:
+        plan = choose_plan(
+            profile,
+            settings=settings,
+            micro_batch_size=layout.micro_batch,
+            grad_sync=layout.dp > 1,
+            distributed_optimizer=row.get("distributed_optimizer", False),
+            **({"degrees": [layout.tp]} if uniform else {}),
+            **common,
+        )[0]
+    except OasesConfigError:
+        return None
+    out = dict(_row(layout, plan), level=2, launch_flags=_flags(layout, plan, common))
+    dcommon = dict(common, distributed_optimizer=out["distributed_optimizer"])
+    _try_uneven_split(out, profile, layout, plan, dcommon, total_layers)
+    if out.get("stage_split"):
+        plan["stage_split"] = out["stage_split"]
+    plan["launch_flags"] = out["launch_flags"]
+    plan["layout"] = dataclasses.asdict(layout)
+    return out, plan
 
 
 def rule_of_thumb(stock_rows, gpus_per_node, profiles, common):
@@ -238,14 +303,16 @@ def search(
         global_batch_size=global_batch_size, memory_gb=memory_gb, host_us_per_call=host_us_per_call
     )
     options = layouts(args, gpus, global_batch_size, spec.gpus_per_node)
-    quick, stock, profiles = [], [], {}
+    quick, stock, oases_quick, full, profiles = [], [], [], [], {}
     for i, layout in enumerate(options):
         profiles[layout] = _profile(args, layout, cluster)
-        best, stock_row = _quick(profiles[layout], layout, common)
-        if best:
-            quick.append(best)
-        if stock_row:
-            stock.append(stock_row)
+        oases_row, stock_row, full_row = _quick(profiles[layout], layout, common)
+        rows = [r for r in (oases_row, stock_row) if r]
+        if rows:
+            quick.append(min(rows, key=lambda r: r["iteration_time_s"]))
+        oases_quick += [oases_row] if oases_row else []
+        stock += [stock_row] if stock_row else []
+        full += [full_row] if full_row else []
         if progress and (i + 1) % 20 == 0:
             progress(f"searched {i + 1}/{len(options)} layouts")
     if not quick:
@@ -253,37 +320,51 @@ def search(
             f"no layout of {gpus} GPUs fits this model in {memory_gb:g} GB per GPU; "
             "add GPUs or lower the global batch"
         )
-    quick.sort(key=lambda r: r["iteration_time_s"])
+    by_time = lambda r: r["iteration_time_s"]  # noqa: E731
+    quick.sort(key=by_time)
     refined, plans = [], {}
     for row in quick[:top]:
         layout = Layout(**row["layout"])
-        try:
-            plan = choose_plan(
-                profiles[layout],
-                micro_batch_size=layout.micro_batch,
-                grad_sync=layout.dp > 1,
-                **common,
-            )[0]
-        except OasesConfigError:
-            continue
-        plans[layout] = plan
-        row = dict(_row(layout, plan), level=2, launch_flags=_flags(layout, plan, common))
-        _try_uneven_split(row, profiles[layout], layout, plan, common, args.num_layers)
-        if row.get("stage_split"):
-            plan["stage_split"] = row["stage_split"]
-        refined.append(row)
-    refined.sort(key=lambda r: r["iteration_time_s"])
+        found = _refine(profiles[layout], layout, row, common, args.num_layers)
+        if found:
+            refined.append(found[0])
+            plans[layout.name()] = found[1]
+    # the best Oases layout: level two's fastest, else the fastest of level one's planned in full
+    best_oases = min((r for r in refined if is_oases(r)), key=by_time, default=None)
+    if best_oases is None:
+        for row in sorted(oases_quick, key=by_time)[:2]:
+            layout = Layout(**row["layout"])
+            found = _refine(profiles[layout], layout, row, common, args.num_layers, OASES_CHOICES)
+            if found and (best_oases is None or by_time(found[0]) < by_time(best_oases)):
+                best_oases, plans[layout.name()] = found
+                refined = [r for r in refined if r["name"] != layout.name()] + [best_oases]
+    # the best stock layout at any TP: level one's fastest stock layouts planned in full (stock
+    # recompute settings, block recompute, stage splits; uniform degree)
+    best_stock = min((r for r in refined if not is_oases(r)), key=by_time, default=None)
+    stock_plan = plans[best_stock["name"]] if best_stock else None
+    for row in sorted(stock, key=by_time)[:STOCK_TOP]:
+        layout = Layout(**row["layout"])
+        found = _refine(
+            profiles[layout], layout, row, common, args.num_layers, STOCK_CHOICES, uniform=True
+        )
+        if found and (best_stock is None or by_time(found[0]) < by_time(best_stock)):
+            best_stock, stock_plan = found
+    if best_stock is not None and best_stock not in refined:
+        # beside an Oases row of the same layout, or in place of a slower stock one
+        refined = [r for r in refined if r["name"] != best_stock["name"] or is_oases(r)]
+        refined.append(best_stock)
+    refined.sort(key=by_time)
     done = {r["name"] for r in refined}
     rest = [dict(r, level=1) for r in quick if r["name"] not in done]
     for r in rest:
         r["launch_flags"] = _flags(Layout(**r["layout"]), r, common)
     candidates = refined + rest
     winner = candidates[0]
-    layout = Layout(**winner["layout"])
-    plan = plans[layout]
-    plan["launch_flags"] = winner["launch_flags"]
-    plan["layout"] = dataclasses.asdict(layout)
-    thumb = rule_of_thumb(stock, spec.gpus_per_node, profiles, common)
+    plan = stock_plan if winner is best_stock else plans[winner["name"]]
+    thumb = rule_of_thumb(full, spec.gpus_per_node, profiles, common)
+    ratio = None
+    if best_stock is not None and best_oases is not None:
+        ratio = by_time(best_stock) / by_time(best_oases)
     return {
         "gpus": gpus,
         "cluster": cluster,
@@ -292,10 +373,41 @@ def search(
         "layouts_searched": len(options),
         "candidates": candidates,
         "winner_plan": plan,
-        "plans": {lay.name(): p for lay, p in plans.items()},  # level 2's, for --verify-top
+        "plans": plans,  # level 2's, for --verify-top
         "rule_of_thumb": thumb,
+        "best_stock": best_stock,
+        "best_oases": best_oases,
+        # the best stock layout's predicted iteration ÷ the best Oases one's (> 1: Oases wins)
+        "stock_over_oases": ratio,
         "search_s": time.perf_counter() - t0,
     }
+
+
+def _describe(r):
+    opt = ", distributed optimizer" if r.get("distributed_optimizer") else ""
+    setting = setting_name(r["schedule"], r["recompute"], r["recompute_num_layers"], r["split"])
+    if r["degrees"] != [r["layout"]["tp"]]:
+        setting += f" degrees {r['degrees']}"
+    return f"{r['name']} {setting}{opt} ({r['iteration_time_s']:.3f} s)"
+
+
+def verdict(result):
+    """Lines naming the best Oases and the best stock layout and their ratio; where stock wins,
+    one line saying so with stock's launch line."""
+    o, s, ratio = result["best_oases"], result["best_stock"], result["stock_over_oases"]
+    lines = [
+        f"best Oases: {_describe(o) if o else 'none fits'}",
+        f"best stock: {_describe(s) if s else 'none fits'}",
+    ]
+    if ratio is not None and ratio >= 1:
+        lines.append(f"Oases over the best stock layout: {ratio:.2f}x")
+    elif s is not None:
+        faster = f"{1 / ratio:.2f}x faster than the best Oases layout" if ratio else "the only fit"
+        lines.append(
+            f"stock Megatron wins here: {s['name']} is {faster}; run stock with: "
+            f"{s['launch_flags']}"
+        )
+    return lines
 
 
 def why_first(result):
@@ -309,6 +421,13 @@ def why_first(result):
         parts.append(
             f"the next ({c[1]['name']} {c[1]['schedule']}) takes "
             f"{c[1]['iteration_time_s'] / w['iteration_time_s']:.2f}x its time"
+        )
+    stock = result.get("best_stock")
+    if stock and stock is not w:
+        parts.append(
+            f"the best stock layout ({stock['name']}, "
+            f"{setting_name('off', stock['recompute'], stock['recompute_num_layers'])}) takes "
+            f"{stock['iteration_time_s'] / w['iteration_time_s']:.2f}x"
         )
     thumb = result["rule_of_thumb"]
     if thumb:
@@ -339,6 +458,8 @@ def table(result, rows=10):
         if r.get("stage_split"):
             first, _, last = r["stage_split"]
             setting += f" stages {first}/../{last}"
+        if r.get("distributed_optimizer"):
+            setting += " dist-opt"
         bound = " host-bound" if r["host_bound"] else ""
         lines.append(
             f"{i:>3}  {r['name']:<22} {setting:<62} {r['iteration_time_s']:>11.3f} "
@@ -347,4 +468,14 @@ def table(result, rows=10):
     return lines
 
 
-__all__ = ["Layout", "layouts", "model_for_search", "search", "rule_of_thumb", "why_first", "table"]
+__all__ = [
+    "Layout",
+    "layouts",
+    "model_for_search",
+    "search",
+    "rule_of_thumb",
+    "why_first",
+    "verdict",
+    "table",
+    "is_oases",
+]

@@ -78,6 +78,7 @@ class StageCosts:
             num_layers=n * self.pp,  # a chain of n layers
             stage=s,
             grad_sync=self.grad_sync,
+            distributed_optimizer=self.common.get("distributed_optimizer", False),
         )
         ks = [0] * n
         res = evaluate(problem, ks)

@@ -196,26 +196,45 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
     }
 
 
+def grad_bytes(dtype_bytes):
+    """Bytes per gradient element the data-parallel sync moves: Megatron accumulates and reduces
+    bf16/fp16 gradients in fp32 (``--accumulate-allreduce-grads-in-fp32``, on by default with
+    ``--bf16``), fp32 training in fp32."""
+    return 4 if dtype_bytes == 2 else dtype_bytes
+
+
 def grad_sync_section(cluster, shape, tp, dp, degrees, dtype_bytes):
-    """Data-parallel gradient all-reduce of one layer at degree d: its ``params/d`` gradients (model
-    dtype) over the ``dp·T/d`` replicas of that shard — ranks ``0, d, 2d, …`` of the whole job."""
-    fits, nbytes = {}, {}
+    """Data-parallel gradient sync of one layer at degree d over the ``dp·T/d`` replicas of its
+    shard (ranks ``0, d, 2d, …`` of the whole job): the all-reduce of its ``params/d`` gradients
+    (fp32, :func:`grad_bytes`), and for the distributed optimizer (ZeRO-1) the reduce-scatter of
+    those gradients plus the all-gather of the updated parameters (model dtype) on the same link."""
+    fits, rs_fits, nbytes, pbytes = {}, {}, {}, {}
     for d in degrees:
         ranks = list(range(0, tp * dp, d))
-        nbytes[str(d)] = layer_math.layer_params(shape, d) * dtype_bytes
+        params = layer_math.layer_params(shape, d)
+        nbytes[str(d)] = params * grad_bytes(dtype_bytes)
+        pbytes[str(d)] = params * dtype_bytes
         if len(ranks) <= 1:
             fits[str(d)] = {"alpha_s": 0.0, "beta_s_per_byte": 0.0, "replicas": len(ranks)}
+            rs_fits[str(d)] = dict(fits[str(d)])
             continue
-        n0, n1 = COMM_POINTS[0], COMM_POINTS[-1]
-        t0, t1 = cluster.all_reduce_time(n0, ranks), cluster.all_reduce_time(n1, ranks)
-        beta = (t1 - t0) / (n1 - n0)
-        fits[str(d)] = {
-            "alpha_s": t0 - beta * n0,
-            "beta_s_per_byte": beta,
-            "replicas": len(ranks),
-            "link": _link_name(cluster, ranks),
-        }
-    return {"bytes_per_layer": nbytes, "all_reduce": fits}
+        for fn, out in ((cluster.all_reduce_time, fits), (cluster.reduce_scatter_time, rs_fits)):
+            n0, n1 = COMM_POINTS[0], COMM_POINTS[-1]
+            t0, t1 = fn(n0, ranks), fn(n1, ranks)
+            beta = (t1 - t0) / (n1 - n0)
+            out[str(d)] = {
+                "alpha_s": t0 - beta * n0,
+                "beta_s_per_byte": beta,
+                "replicas": len(ranks),
+                "link": _link_name(cluster, ranks),
+            }
+    return {
+        "bytes_per_layer": nbytes,
+        "param_bytes_per_layer": pbytes,
+        "all_reduce": fits,
+        # ring reduce-scatter and all-gather cost the same per byte of the full tensor
+        "reduce_scatter": rs_fits,
+    }
 
 
 def pipeline_p2p_section(cluster, stride):
