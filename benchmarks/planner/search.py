@@ -1,7 +1,9 @@
 """How long ``oases plan --gpus N`` takes and what it picks: a 7B-class GPT (gpt-6.7b, 32 layers)
-on 8 and 64 GPUs of two clusters, against the rule of thumb (TP within a node, the fewest stages
-that fit, the largest micro-batch, stock with its fastest recompute setting that fits). Predictions of the planner's model,
-not measurements.
+on 8 and 64 GPUs of two clusters and a 7B Llama-style model (llama-7b) on 8 PCIe cards (RTX 4090,
+L40S, L4), against the best stock Megatron layout at any TP (every layout, recompute setting and
+the distributed optimizer) and the rule of thumb (TP within a node, the fewest stages that fit, the
+largest micro-batch, stock with its fastest recompute setting that fits). Predictions of the
+planner's model, not measurements.
 
     python benchmarks/planner/search.py [--out benchmarks/results/planner]
 """
@@ -24,7 +26,21 @@ CASES = [
     ("gpt-6.7b", {}, "h100-nvlink", 8, 64),
     ("gpt-6.7b", {}, "h100-nvlink", 64, 512),
     ("gpt-6.7b", {"vocab_size": 256000}, "rtx3090-pcie", 16, 64),
+    ("llama-7b", {}, "rtx4090-pcie", 8, 64),
+    ("llama-7b", {}, "l40s-pcie", 8, 64),
+    ("llama-7b", {}, "l4-pcie", 8, 64),
 ]
+
+
+def _setting(r):
+    from megatron_oases.planner.choose import setting_name
+
+    out = setting_name(r["schedule"], r["recompute"], r["recompute_num_layers"], r["split"])
+    if r["degrees"] != [r["layout"]["tp"]]:
+        out += f" degrees {r['degrees']}"
+    if r.get("stage_split"):
+        out += " stages {}/../{}".format(r["stage_split"][0], r["stage_split"][2])
+    return out + (" dist-opt" if r.get("distributed_optimizer") else "")
 
 
 def main(argv=None):
@@ -32,6 +48,9 @@ def main(argv=None):
     logging.disable(logging.WARNING)
     from megatron_oases.planner.choose import setting_name
     from megatron_oases.planner.search import model_for_search, search
+    from megatron_oases.training import quiet
+
+    quiet.install(cuda=False)
     from megatron_oases.profiler.model_config import read_model_file
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -43,6 +62,7 @@ def main(argv=None):
         model += "".join(f" {k}={v}" for k, v in overrides.items())
         r = search(margs, cluster, gpus, gbs)
         w, thumb = r["candidates"][0], r["rule_of_thumb"]
+        bs, bo = r["best_stock"], r["best_oases"]
         row = {
             "model": model,
             "cluster": cluster,
@@ -51,11 +71,7 @@ def main(argv=None):
             "layouts": r["layouts_searched"],
             "search_s": round(r["search_s"], 2),
             "winner": w["name"],
-            "winner_setting": setting_name(
-                w["schedule"], w["recompute"], w["recompute_num_layers"], w["split"]
-            )
-            + (" stages {}/../{}".format(w["stage_split"][0], w["stage_split"][2])
-               if w.get("stage_split") else ""),  # fmt: skip
+            "winner_setting": _setting(w),
             "winner_s": w["iteration_time_s"],
             "winner_host_bound": w["host_bound"],
             "rule_of_thumb": (
@@ -63,6 +79,12 @@ def main(argv=None):
             ),
             "rule_of_thumb_s": thumb["iteration_time_s"] if thumb else None,
             "launch_flags": r["winner_plan"]["launch_flags"],
+            "best_stock": f"{bs['name']} {_setting(bs)}" if bs else None,
+            "best_stock_s": bs["iteration_time_s"] if bs else None,
+            "best_stock_launch_flags": bs["launch_flags"] if bs else None,
+            "best_oases": f"{bo['name']} {_setting(bo)}" if bo else None,
+            "best_oases_s": bo["iteration_time_s"] if bo else None,
+            "stock_over_oases": r["stock_over_oases"],
         }
         rows.append(row)
         print(f"{model} {cluster} x{gpus}: {row['layouts']} layouts in {row['search_s']} s -> "
@@ -90,6 +112,30 @@ def main(argv=None):
             f"{' (host-bound)' if r['winner_host_bound'] else ''} | {r['winner_s']:.3f} | "
             f"{r['rule_of_thumb']} | {r['rule_of_thumb_s']:.3f} | "
             + (f"{gain:.2f}x |" if gain else "|")
+        )
+    lines += [
+        "",
+        "## The best stock layout beside the best Oases one",
+        "",
+        "Stock: Megatron's own schedule at a uniform TP, any layout, recompute setting "
+        "(none, selective, selective+ln, full, block) and `--use-distributed-optimizer` where "
+        "DP > 1; Oases: an overlapped schedule or per-layer degrees. Ratio: stock's predicted "
+        "iteration ÷ Oases' (> 1: Oases wins).",
+        "",
+        "| model | cluster | GPUs | best Oases | predicted s | best stock | predicted s | "
+        "stock ÷ Oases | stock's launch line |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = r["stock_over_oases"]
+        lines.append(
+            f"| {r['model']} | {r['cluster']} | {r['gpus']} | {r['best_oases']} | "
+            + (f"{r['best_oases_s']:.3f}" if r["best_oases_s"] else "-")
+            + f" | {r['best_stock']} | "
+            + (f"{r['best_stock_s']:.3f}" if r["best_stock_s"] else "-")
+            + " | "
+            + (f"{ratio:.2f}x" if ratio else "-")
+            + f" | `{r['best_stock_launch_flags']}` |"
         )
     with open(os.path.join(args.out, "search.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -7,6 +7,14 @@ domain T), ``degrees`` (one per layer, powers of two dividing T), ``schedule``,
 A uniform plan (:func:`uniform_plan`) is a valid plan file too. ``split`` ``"sequence"`` marks a
 plan of sequence chunks (``oases plan --split sequence``): every layer at T, run with its
 ``launch_flags`` and without ``--oases-plan``, which refuses it.
+
+A plan from the cluster search (``oases plan --gpus N --out``) also records ``layout`` (TP, PP,
+DP, micro-batch), ``distributed_optimizer`` (the winner runs ``--use-distributed-optimizer``),
+``search`` (the ranking) and, side by side, ``best_stock`` (the fastest stock Megatron layout at
+any TP: schedule ``off``, uniform degree, any recompute setting, the distributed optimizer where
+DP > 1; its ranking row with ``launch_flags``), ``best_oases`` (the fastest with an overlapped
+schedule or per-layer degrees; its row) and ``stock_over_oases`` (``best_stock``'s predicted
+iteration ÷ ``best_oases``'; > 1: Oases wins; null where either is missing).
 """
 
 import json
