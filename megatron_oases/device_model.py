@@ -26,8 +26,10 @@ mlp
     pre-MLP norm ``2p·r·h``; fc1 bias add ``2p·s·fc1/d``; activation ``2p·s·ffn/d`` (GeLU) or
     ``5p·s·ffn/d`` (SwiGLU: SiLU then the product); bias, dropout, residual add as above.
 
-The GEMMs (QKV, QKᵀ, ·V, projection, fc1, fc2) are FLOPs only
-(:func:`megatron_oases.profiler.layer_math.block_flops_forward`). Backward is 2× forward for both
+The GEMMs (QKV, QKᵀ, ·V, projection, fc1, fc2) are FLOPs only (the count of
+:func:`megatron_oases.profiler.layer_math.block_flops_forward`, repeated here from
+:func:`megatron_oases.formats.profile.attention_flops_forward` so that this module sits below the
+profiler, whose analytic profiles use it). Backward is 2× forward for both
 parts; a fully recomputed layer costs 4× forward. The fp32 weight-gradient accumulation of each
 micro-batch (:func:`grad_accumulation_bytes`) does not scale with tokens and is left out of
 :func:`layer_work`. How this count compares with the H100 measurements: ``docs/compare.md``
@@ -37,7 +39,7 @@ micro-batch (:func:`grad_accumulation_bytes`) does not scale with tokens and is 
 from dataclasses import dataclass
 
 from .errors import OasesConfigError
-from .profiler import layer_math
+from .formats.profile import attention_flops_forward
 
 #: Bytes per score of the unfused softmax path in fp32 (mask 4+4, softmax 4+4), casts excluded.
 _SOFTMAX_FP32_BYTES = 16
@@ -77,6 +79,27 @@ class Work:
         return Work(self.gemm_flops * factor, self.memory_bytes * factor)
 
 
+def _dims(shape):
+    h = shape["hidden_size"]
+    a = shape["num_attention_heads"]
+    g = shape.get("num_query_groups") or a
+    kv = shape.get("kv_channels") or h // a
+    ffn = shape["ffn_hidden_size"]
+    fc1 = ffn * (2 if shape.get("swiglu") else 1)
+    return h, a, g, kv, ffn, fc1
+
+
+def block_gemm_flops(shape, block, degree):
+    """Forward GEMM FLOPs of one block per rank per sample (attention matmuls: the full s×s)."""
+    h, a, g, kv, ffn, fc1 = _dims(shape)
+    if block == "attention":
+        f = attention_flops_forward(shape, degree)
+        return f["qkv"] + f["core"] + f["proj"]
+    if block == "mlp":
+        return (2 * h * fc1 + 2 * ffn * h) * shape["seq_length"] / degree
+    raise ValueError(block)
+
+
 def _fused_attention(shape):
     return shape.get("core_attention", "unfused") == "fused"
 
@@ -84,7 +107,7 @@ def _fused_attention(shape):
 def block_memory_bytes(shape, block, degree, dtype_bytes, sequence_parallel=False):
     """Memory-bound bytes of one block's forward per rank per sample (the count in the module
     docstring)."""
-    h, a, g, kv, ffn, fc1 = layer_math._dims(shape)
+    h, a, g, kv, ffn, fc1 = _dims(shape)
     s, p, d = shape["seq_length"], dtype_bytes, degree
     r = s / d if sequence_parallel else s
     bias = 0 if shape.get("disable_bias_linear") else 1
@@ -110,7 +133,7 @@ def block_memory_bytes(shape, block, degree, dtype_bytes, sequence_parallel=Fals
 
 def block_work(shape, block, degree, dtype_bytes, samples=1, sequence_parallel=False):
     """One block (``"attention"`` | ``"mlp"``), forward, per rank, for ``samples`` sequences."""
-    flops = layer_math.block_flops_forward(shape, block, degree)
+    flops = block_gemm_flops(shape, block, degree)
     mem = block_memory_bytes(shape, block, degree, dtype_bytes, sequence_parallel)
     return Work(flops * samples, mem * samples)
 
@@ -126,7 +149,11 @@ def grad_accumulation_bytes(shape, degree, dtype_bytes, main_grad_bytes=4):
     """Bytes of one micro-batch's weight-gradient accumulation into fp32 ``main_grad`` without
     Megatron's fused accumulation (a cast of the gradient, then the add): per layer per rank.
     Not part of :func:`layer_work` (it does not scale with tokens); given for the comparison."""
-    params = layer_math.layer_params(shape, degree)
+    h, a, g, kv, ffn, fc1 = _dims(shape)
+    bias = 0 if shape.get("disable_bias_linear") else 1
+    split = h * kv * (a + 2 * g) + kv * a * h + h * fc1 + ffn * h
+    split += bias * (kv * (a + 2 * g) + fc1)
+    params = split / degree + 2 * (2 * h + bias * h)  # norms and row-parallel biases replicated
     cast = dtype_bytes + main_grad_bytes if dtype_bytes != main_grad_bytes else 0
     return params * (cast + 3 * main_grad_bytes)
 
@@ -167,3 +194,17 @@ def dilation(work, host, target, host_work=None):
     h = roofline_time(work if host_work is None else host_work, host)
     t = roofline_time(work, target)
     return Dilation(h, t, h.total_s / t.total_s)
+
+
+def roofline_dilation(
+    profile, shape, degree, host, host_dtype_bytes, samples=1, sp=False, host_attention=None
+):
+    """The :class:`Dilation` of one layer of ``shape`` at TMP ``degree`` emulating ``profile``'s GPU
+    (a :class:`~megatron_oases.testbed.clusters.ClusterProfile`) on ``host``
+    (:class:`DeviceRates`): the target runs the layer in the profile's dtype with ``shape``'s core
+    attention, the host in ``host_dtype_bytes`` with ``host_attention`` (default: unfused, as
+    Megatron's default backend on a CPU)."""
+    target_work = layer_work(shape, degree, profile.dtype_bytes, samples, sp)
+    host_shape = dict(shape, core_attention=host_attention or "unfused")
+    host_work = layer_work(host_shape, degree, host_dtype_bytes, samples, sp)
+    return dilation(target_work, host, DeviceRates.from_profile(profile), host_work=host_work)

@@ -466,9 +466,9 @@ def _emulation_info(profile, threads, env, nproc, args):
     one layer of ``args``' shape (:func:`megatron_oases.testbed.emulator.roofline_dilation`) from
     the host's rates of one rank alone, scaled down when ``nproc`` processes × ``threads``
     oversubscribe the CPUs. The variants get it as ``OASES_EMULATE_DILATION``."""
-    from ..device_model import DeviceRates
+    from ..device_model import DeviceRates, roofline_dilation
     from ..testbed.calibrate import host_flops, host_memory_bandwidth, oversubscription_share
-    from ..testbed.emulator import _env_rate, roofline_dilation, shape_of_args
+    from ..testbed.emulator import _env_rate, shape_of_args
 
     share = oversubscription_share(nproc, threads)
     flops, source = _env_rate("OASES_HOST_FLOPS"), "OASES_HOST_FLOPS"

@@ -228,9 +228,8 @@ def dilation_for(profile, flops):
 def main(argv):
     """``oases calibrate``: the host's two rates and, per cluster profile, the roofline dilation of
     one layer of the given shape (its parts: GEMM ms and memory ms, target and host)."""
-    from ..device_model import DeviceRates
+    from ..device_model import DeviceRates, roofline_dilation
     from .clusters import available, load_cluster
-    from .emulator import roofline_dilation
 
     parser = argparse.ArgumentParser(
         prog="oases calibrate",

@@ -94,21 +94,6 @@ def _core_attention(args, cuda):
     return "unfused" if choose_core_attention(backend, cuda=cuda, te=False) == STOCK else "fused"
 
 
-def roofline_dilation(
-    profile, shape, degree, host, host_dtype_bytes, samples=1, sp=False, host_attention=None
-):
-    """The :class:`~megatron_oases.device_model.Dilation` of one layer of ``shape`` at TMP
-    ``degree``: the target runs it in the profile's dtype with ``shape``'s core attention, the host
-    (``host``: :class:`~megatron_oases.device_model.DeviceRates`) in ``host_dtype_bytes`` with
-    ``host_attention`` (default: unfused, as on a CPU)."""
-    from ..device_model import DeviceRates, dilation, layer_work
-
-    target_work = layer_work(shape, degree, profile.dtype_bytes, samples, sp)
-    host_shape = dict(shape, core_attention=host_attention or "unfused")
-    host_work = layer_work(host_shape, degree, host_dtype_bytes, samples, sp)
-    return dilation(target_work, host, DeviceRates.from_profile(profile), host_work=host_work)
-
-
 def _env_rate(name):
     value = os.environ.get(name)
     if not value:
@@ -167,7 +152,7 @@ def resolve_dilation(profile, args=None, log=None):
     env_d = _env_rate("OASES_EMULATE_DILATION")
     if env_d:
         return env_d, {"source": "OASES_EMULATE_DILATION", "host_flops": None}
-    from ..device_model import DeviceRates, Work, dilation
+    from ..device_model import DeviceRates, Work, dilation, roofline_dilation
     from .calibrate import oversubscription_share
 
     cuda = torch.cuda.is_available()

@@ -57,6 +57,15 @@ def test_layer_work_and_gemm_flops():
     assert block_work(SHAPE, "mlp", 2, 2) + block_work(SHAPE, "attention", 2, 2) == layer_work(
         SHAPE, 2, 2
     )
+    # the same GEMM count and parameters as the profiler's (kept apart to stay below it)
+    from megatron_oases.profiler import layer_math
+
+    for shape in (SHAPE, dict(SHAPE, swiglu=True, num_query_groups=8, disable_bias_linear=True)):
+        for block in ("attention", "mlp"):
+            w = block_work(shape, block, 4, 2)
+            assert w.gemm_flops == layer_math.block_flops_forward(shape, block, 4)
+        params = layer_math.layer_params(shape, 4)
+        assert grad_accumulation_bytes(shape, 4, 2) == pytest.approx(params * 18)
 
 
 def test_parts_pinned_for_rtx3090_on_an_h100_host():
@@ -100,7 +109,7 @@ def test_host_work_differs_from_target_work():
 def test_every_packaged_profile_has_a_memory_bandwidth():
     for name in available():
         p = load_cluster(name)
-        assert p.memory_bandwidth_gbs and 500 < p.memory_bandwidth_gbs < 3400, name
+        assert p.memory_bandwidth_gbs and 100 < p.memory_bandwidth_gbs < 3400, name
         assert DeviceRates.from_profile(p).memory_bytes_per_s == p.memory_bandwidth_gbs * 1e9
 
 
