@@ -217,9 +217,7 @@ def main(argv):
     from ..testbed.calibrate import host_cpus
 
     processes = 1 if own.one_rank else own.nproc  # processes on this host
-    # one-rank runs rank 0 with the threads a rank has in the all-ranks job (not the whole host):
-    # the same per-rank compute, hence the same D (docs/compare.md, "One rank against all ranks")
-    threads = own.threads_per_rank or max(1, host_cpus() // own.nproc)
+    threads = threads_per_rank(own.threads_per_rank, own.nproc, host_cpus())
     env = {"OMP_NUM_THREADS": str(threads)}
     out = os.path.abspath(own.out)
     os.makedirs(out, exist_ok=True)
@@ -459,6 +457,15 @@ def _code_version(root=None):
 
 def _progress(msg):
     print(msg, flush=True)
+
+
+def threads_per_rank(given, nproc, cpus):
+    """Torch threads per process: ``--threads-per-rank``, else a rank's share of the CPUs. Also
+    under ``--one-rank``: rank 0 alone runs with the threads it has in the all-ranks job (not the
+    whole host), so that its compute and D are the same in both (issue 42: with every CPU it was
+    calibrated at a 2-thread rate its unfused ops did not reach, and ran ``oases`` 1.73x where all
+    ranks ran 1.41x)."""
+    return given or max(1, cpus // nproc)
 
 
 def _emulation_info(profile, threads, env, nproc, args):

@@ -39,3 +39,13 @@ def test_one_rank_refuses_what_it_cannot_stand_for(capsys):
     )
     argv = ["profile", "--model", "tiny-cpu", "--one-rank", "--out", "/tmp/never.json"]
     _one_line_error(capsys, argv, "--emulate-link")
+
+
+def test_one_rank_runs_with_a_ranks_share_of_the_cpus():
+    """Issue 42: rank 0 alone gets the threads a rank of the all-ranks job gets (the same D)."""
+    from megatron_oases.compare.cli import threads_per_rank
+
+    assert threads_per_rank(None, 2, cpus=2) == 1  # both modes: 1 thread per rank process
+    assert threads_per_rank(None, 8, cpus=2) == 1
+    assert threads_per_rank(None, 2, cpus=16) == 8
+    assert threads_per_rank(3, 2, cpus=2) == 3  # --threads-per-rank wins
