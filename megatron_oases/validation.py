@@ -269,6 +269,25 @@ def check_plan_fits_model(plan, args):
             )
 
 
+def check_plan_checkpoint_format(plan, args):
+    """Only torch_dist's save rewrites a per-layer plan's shards into the stock layout
+    (``megatron_oases/hetero/checkpoint.py``); ``--ckpt-format torch`` would save each layer at
+    its own degree, a checkpoint no other layout can load (a uniform plan is the stock layout)."""
+    if getattr(args, "ckpt_format", "torch_dist") != "torch":
+        return
+    if not (getattr(args, "save", None) or getattr(args, "load", None)):
+        return
+    T = args.tensor_model_parallel_size
+    if all(int(d) == T for d in plan["degrees"]):
+        return
+    raise OasesConfigError(
+        "--oases-plan with --ckpt-format torch: that format keeps each layer at its plan's TMP "
+        "degree, a checkpoint that stock Megatron and other plans cannot load; use "
+        "--ckpt-format torch_dist (the default), which saves a plan's checkpoint in the stock "
+        "layout"
+    )
+
+
 def check_megatron_features(mode, args):
     """Megatron features the split schedules cannot run (present in 0.19 or only on Megatron-LM
     main): GTP, whose weight shards are prefetched along a fixed layer order that sub-batch
@@ -422,6 +441,7 @@ def check_oases_args(args, before_megatron=False, plan=None, cuda_available=None
             check_splittable(args.micro_batch_size, parts=sub_batches(args))
     if plan is not None:
         check_plan_fits_model(plan, args)
+        check_plan_checkpoint_format(plan, args)
     check_cuda_graphs(args, cuda_available if cuda_available is not None else True)
     return args
 

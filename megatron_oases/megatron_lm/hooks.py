@@ -64,6 +64,40 @@ def exit_with_error(message, status=2, rank=None):
     sys.exit(status)
 
 
+#: What ``python -m megatron_oases.megatron_lm defaults --cpu`` (the CPU_DEFAULTS) sets, by
+#: Megatron's attribute names: a CUDA-less run with another value fails inside Megatron (NCCL,
+#: APEX / fused kernels), once per rank.
+CPU_SETTINGS = (
+    ("distributed_backend", "gloo", "--distributed-backend nccl"),
+    ("gradient_accumulation_fusion", False, "gradient accumulation fusion"),
+    ("masked_softmax_fusion", False, "masked softmax fusion"),
+    ("bias_gelu_fusion", False, "bias-GeLU fusion"),
+    ("bias_swiglu_fusion", False, "bias-SwiGLU fusion"),
+    ("bias_dropout_fusion", False, "bias-dropout fusion"),
+    ("apply_rope_fusion", False, "RoPE fusion"),
+    ("use_cpu_initialization", True, "GPU initialization"),
+)
+
+
+def check_cpu_settings(args, cuda=None):
+    """Without CUDA, Megatron-LM's own defaults (NCCL, fused kernels) fail on every rank with a
+    traceback: name the flags that ``oases-pretrain-gpt`` adds itself and a patched
+    ``pretrain_gpt.py`` needs spelled out."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return
+    wrong = [what for name, cpu, what in CPU_SETTINGS if getattr(args, name, cpu) != cpu]
+    if wrong:
+        raise OasesConfigError(
+            f"no CUDA GPU here, but Megatron-LM's GPU defaults are on ({', '.join(wrong)}); add "
+            "the CPU settings to the command line: "
+            "$(python -m megatron_oases.megatron_lm defaults --cpu)"
+        )
+
+
 def install(args, prog=None):
     """After Megatron parsed ``args``, before ``pretrain()``: check the Oases flags, hook the build.
 
@@ -78,6 +112,7 @@ def install(args, prog=None):
         check_megatron_core()
         config = validate_oases_args(args)
         hook = model_setup_hook(args, config)
+        check_cpu_settings(args)
         from ..training.preflight import check_before_training
 
         check_before_training(args)  # data paths and checkpoints, as oases-pretrain-gpt does

@@ -88,14 +88,65 @@ def check_save_dir(args):
 # ------------------------------------------------------------------------------------- --load
 
 
+def torch_format_files(path):
+    """The files of a ``--ckpt-format torch`` checkpoint directory (one ``torch.save`` file per
+    model-parallel rank in ``mp_rank_*/``, Megatron's own test of the format), or None when
+    ``path`` is not one."""
+    try:
+        ranks = sorted(n for n in os.listdir(path) if n.startswith("mp_rank_0"))
+    except OSError:
+        return None
+    if not ranks:
+        return None
+    files = []
+    for rank in ranks:
+        try:
+            names = sorted(os.listdir(os.path.join(path, rank)))
+        except OSError:
+            names = []
+        files += [os.path.join(rank, n) for n in names if n.endswith(".pt")] or [
+            os.path.join(rank, "model_optim_rng.pt")
+        ]
+    return files
+
+
+def _torch_file_problem(path, name):
+    """Why the ``torch.save`` file ``name`` of ``path`` cannot be loaded (missing, or a zip
+    archive without its end record: cut short), or None."""
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        return f"{name} is missing"
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(4)
+        if head[:1] == b"\x80":  # torch.save's legacy (pickle) format: no end record to check
+            return None
+        if head != b"PK\x03\x04":
+            return f"{name} is not a torch.save file"
+        f.seek(max(0, size - 65557))  # the end record and the longest zip comment
+        if b"PK\x05\x06" not in f.read():
+            return f"{name} is truncated ({size} bytes, no zip end record)"
+    return None
+
+
 def _complete(path):
-    """Why the torch_dist checkpoint directory ``path`` is incomplete, or None if it is not."""
+    """Why the checkpoint directory ``path`` (torch_dist or ``--ckpt-format torch``) is
+    incomplete, or None if it is not."""
     if not os.path.isdir(path):
         return "it is missing"
+    torch_files = torch_format_files(path)
+    if torch_files is not None:  # --ckpt-format torch: no metadata.json, no .metadata
+        for name in torch_files:
+            why = _torch_file_problem(path, name)
+            if why:
+                return why
+        return None
     if not os.path.isfile(os.path.join(path, "metadata.json")):  # written last by the save
         return "metadata.json is missing (the save did not finish)"
     if not os.path.isfile(os.path.join(path, ".metadata")):
-        return None  # not a torch_dist checkpoint: Megatron's own load checks it
+        if _backend(path) == "torch_dist":  # before torch's reader warns on every rank
+            return ".metadata is missing (torch_dist's index of the shards)"
+        return None  # another format: Megatron's own load checks it
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -114,6 +165,17 @@ def _complete(path):
         if have < size:
             return f"{name} is truncated ({have} of {size} bytes)"
     return None
+
+
+def _backend(path):
+    """The ``sharded_backend`` that the checkpoint's ``metadata.json`` names (None: unreadable)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            return json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def complete_iterations(load_dir):
@@ -324,6 +386,7 @@ def check_load(args):
     saved = (state_dict or {}).get("args")
     if saved is None:
         return
+    check_torch_format_plan(args.load, iteration, saved)
     checkpointing.set_checkpoint_version(state_dict.get("checkpoint_version", 0))
     problems = []
     skip = _gpt_into_hybrid(saved, args)
@@ -357,6 +420,42 @@ def check_load(args):
     problem = _schedule_problem(saved, args)
     if problem:
         raise OasesConfigError(f"--load {args.load}: {problem}")
+
+
+def _plan_degrees(path):
+    """The per-layer degrees of the plan file ``path``, or None when it cannot be read."""
+    import json
+
+    try:
+        with open(path) as f:
+            degrees = json.load(f)["degrees"]
+        return [int(d) for d in degrees]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_torch_format_plan(load_dir, iteration, saved):
+    """A ``--ckpt-format torch`` checkpoint saved under a per-layer plan holds each layer at its
+    plan's TMP degree (only torch_dist's save rewrites a plan's shards into the stock layout,
+    :mod:`megatron_oases.hetero.checkpoint`): no other layout can load it. Refused here, with one
+    line, rather than by a shape mismatch on every rank. (New saves of that kind are refused by
+    :func:`megatron_oases.validation.check_plan_checkpoint_format`.)"""
+    plan = getattr(saved, "oases_plan", None)
+    if not plan or iteration is None:
+        return
+    if torch_format_files(os.path.join(load_dir, f"iter_{iteration:07d}")) is None:
+        return
+    T = getattr(saved, "tensor_model_parallel_size", 1)
+    degrees = _plan_degrees(plan)
+    if degrees is not None and all(d == T for d in degrees):
+        return  # a uniform plan: the stock layout
+    raise OasesConfigError(
+        f"--load {load_dir}: the checkpoint of iteration {iteration} was saved in --ckpt-format "
+        f"torch under the per-layer plan {plan}, each layer at the plan's TMP degree, a layout "
+        "that neither stock Megatron nor another plan can load; resume from a checkpoint saved "
+        "in --ckpt-format torch_dist (the default), which keeps a plan's checkpoint in the "
+        "stock layout"
+    )
 
 
 def make_load_patch(load_dir):

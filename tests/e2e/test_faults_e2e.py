@@ -238,6 +238,7 @@ def test_killed_resave_keeps_the_checkpoint_loadable_and_damage_is_one_line(
         "truncated-shard",
         "missing-shard",
         "missing-metadata",
+        "missing-dot-metadata",
     ):
         path = str(r["root"] / name)
         shutil.copytree(ckpt, path, ignore=shutil.ignore_patterns("*.saving"))
@@ -249,6 +250,8 @@ def test_killed_resave_keeps_the_checkpoint_loadable_and_damage_is_one_line(
             os.truncate(shard, os.path.getsize(shard) // 2)
         elif name == "missing-shard":
             os.unlink(os.path.join(it, "__0_0.distcp"))
+        elif name == "missing-dot-metadata":
+            os.unlink(os.path.join(it, ".metadata"))
         else:
             os.unlink(os.path.join(it, "metadata.json"))
         broken[name] = path
@@ -261,6 +264,8 @@ def test_killed_resave_keeps_the_checkpoint_loadable_and_damage_is_one_line(
         "__1_0.distcp is truncated",
         "missing-shard": "__0_0.distcp is missing; write 2 (a complete checkpoint there)",
         "missing-metadata": "metadata.json is missing (the save did not finish); write 2",
+        "missing-dot-metadata": "the checkpoint of iteration 4 is incomplete or damaged: "
+        ".metadata is missing (torch_dist's index of the shards); write 2",
         "vocab-at-tp1": "the padded vocabulary is 768 in the checkpoint (--vocab-size 520 padded "
         "to a multiple of --make-vocab-size-divisible-by 128 x --tensor-model-parallel-size 2), "
         "640 here; use --make-vocab-size-divisible-by 256",
@@ -363,3 +368,18 @@ def test_unwritable_trace_path_is_one_line_before_training(tmp_path):
         "a directory; choose another path"
     ], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and not TRAINED.search(proc.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_torch_format_checkpoint_resumes(tmp_path):
+    """``--ckpt-format torch`` (no metadata.json, one ``torch.save`` file per model-parallel
+    rank) was called "incomplete or damaged ... start without --load"; it resumes now."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = "train --ckpt-format torch --num-workers 0 --train-iters 4 --save".split() + [ckpt]
+    first = launch(argv + ["--exit-interval", "2"], nproc=1)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert os.listdir(os.path.join(ckpt, "iter_0000002")) == ["mp_rank_00"]
+    resumed = launch(argv + ["--load", ckpt, "--log-json", str(tmp_path / "b.json")], nproc=1)
+    assert resumed.returncode == 0 and not errors(resumed), resumed.stderr[-3000:]
+    with open(tmp_path / "b.json") as f:
+        assert json.load(f)["lm loss"]["start_step"] == 3  # iterations 3 and 4, from the checkpoint

@@ -405,3 +405,104 @@ def test_trace_and_log_json_paths_are_checked_like_out(tmp_path, flag):
     if flag == "--oases-trace":
         with pytest.raises(OasesConfigError, match=r"only \{rank\} may stand in braces"):
             check_output_paths(parse(f"{flag} {tmp_path}/t.{{rank}}.{{step}}.json", world_size=1))
+
+
+def test_torch_format_and_missing_index_are_told_apart_before_torch_loads(tmp_path):
+    """``--ckpt-format torch`` checkpoints were called "incomplete or damaged"; a torch_dist
+    checkpoint without ``.metadata`` got its line only after torch's warnings on every rank.
+    Both are decided from the directory alone now (no torch load), and a torch-format file cut
+    short is refused."""
+    import argparse
+
+    import torch
+
+    from megatron_oases.errors import OasesConfigError
+    from megatron_oases.training.checkpoint_check import check_tracker, check_torch_format_plan
+
+    torch_ckpt = tmp_path / "torch"
+    rank = torch_ckpt / "iter_0000002" / "mp_rank_00"
+    rank.mkdir(parents=True)
+    torch.save({"iteration": 2, "weights": torch.zeros(4096)}, rank / "model_optim_rng.pt")
+    (torch_ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    assert check_tracker(str(torch_ckpt)) == 2
+    os.truncate(rank / "model_optim_rng.pt", 4000)
+    with pytest.raises(OasesConfigError, match="mp_rank_00/model_optim_rng.pt is truncated"):
+        check_tracker(str(torch_ckpt))
+
+    dist = tmp_path / "dist"
+    it = dist / "iter_0000004"
+    it.mkdir(parents=True)
+    (it / "metadata.json").write_text(
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+    )
+    (it / "__0_0.distcp").write_bytes(b"shard")
+    (dist / "latest_checkpointed_iteration.txt").write_text("4")
+    with pytest.raises(OasesConfigError) as err:
+        check_tracker(str(dist))
+    assert str(err.value).startswith(
+        f"--load {dist}: the checkpoint of iteration 4 is incomplete or damaged: .metadata is "
+        "missing (torch_dist's index of the shards); no complete checkpoint is left there"
+    ), str(err.value)
+
+    # a per-layer plan's torch-format checkpoint: each layer at its degree, no layout loads it
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"degrees": [2, 1]}))
+    os.truncate(rank / "model_optim_rng.pt", 0)  # (not read: the saved args decide)
+    saved = argparse.Namespace(oases_plan=str(plan), tensor_model_parallel_size=2)
+    with pytest.raises(OasesConfigError, match=f"under the per-layer plan {plan}, each layer"):
+        check_torch_format_plan(str(torch_ckpt), 2, saved)
+    plan.write_text(json.dumps({"degrees": [2, 2]}))  # uniform: the stock layout
+    check_torch_format_plan(str(torch_ckpt), 2, saved)
+
+
+def test_per_layer_plan_with_torch_format_checkpoints_is_refused_up_front(tmp_path):
+    from helpers.runs import parse
+
+    from megatron_oases.errors import OasesConfigError
+    from megatron_oases.formats.plan import load_plan
+    from megatron_oases.validation import check_plan_checkpoint_format
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"version": 1, "tensor_model_parallel_size": 2, "degrees": [2, 1]}))
+    plan = load_plan(str(path), num_layers=2, tensor_model_parallel_size=2)
+    flags = f"--tensor-model-parallel-size 2 --save {tmp_path / 'ckpt'}"
+    args = parse(f"{flags} --ckpt-format torch", world_size=2)
+    with pytest.raises(OasesConfigError, match="^--oases-plan with --ckpt-format torch: "):
+        check_plan_checkpoint_format(plan, args)
+    check_plan_checkpoint_format(plan, parse(flags, world_size=2))  # torch_dist: stock layout
+
+
+def test_patched_pretrain_gpt_on_cpu_without_the_cpu_settings_names_the_fix(monkeypatch, capsys):
+    """Megatron-LM's ``pretrain_gpt.py`` (patched) on a CUDA-less host without the CPU settings
+    died in NCCL's init with a traceback per rank; ``install`` (the patch's call after parsing)
+    now exits 2 with one line naming ``defaults --cpu``."""
+    from megatron_oases import megatron_lm
+    from megatron_oases.arguments import parse_megatron_args, with_defaults
+    from megatron_oases.megatron_lm.hooks import CPU_SETTINGS, check_cpu_settings
+
+    monkeypatch.setattr("megatron_oases.errors.ERROR_EXIT_GRACE_S", 0)
+    monkeypatch.setenv("RANK", "0")
+    argv = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    argv += "--max-position-embeddings 32 --micro-batch-size 2 --train-iters 2 --lr 1e-3 "
+    argv = (argv + "--mock-data --tokenizer-type NullTokenizer --vocab-size 512").split()
+    gpu = parse_megatron_args(with_defaults(argv, cuda=True), prog="test", world_size=1)
+    cpu = parse_megatron_args(with_defaults(argv, cuda=False), prog="test", world_size=1)
+    assert all(hasattr(cpu, name) for name, _, _ in CPU_SETTINGS)  # Megatron's names
+    check_cpu_settings(cpu, cuda=False)
+    check_cpu_settings(gpu, cuda=True)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            megatron_lm.install(gpu, prog="pretrain_gpt.py")
+    finally:
+        megatron_lm.uninstall()
+    assert exc.value.code == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ": error: " in ln]
+    assert len(err) == 1 and err[0].startswith(
+        "pretrain_gpt.py: error: no CUDA GPU here, but Megatron-LM's GPU defaults are on "
+        "(--distributed-backend nccl, "
+    ), err
+    assert err[0].endswith(
+        "add the CPU settings to the command line: "
+        "$(python -m megatron_oases.megatron_lm defaults --cpu)"
+    )

@@ -182,7 +182,13 @@ def test_install_hooks_megatron_model_setup_once(megatron_parse, monkeypatch):
     from megatron.training import training
 
     original = training.setup_model_and_optimizer
-    args = megatron_parse(TINY + MOCK + RECOMPUTE + ["--oases-schedule", "oases"])
+    cpu = subprocess.run(  # a CUDA-less host needs them spelled out (check_cpu_settings)
+        [sys.executable, "-m", "megatron_oases.megatron_lm", "defaults", "--cpu"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    args = megatron_parse(TINY + MOCK + RECOMPUTE + cpu + ["--oases-schedule", "oases"])
     try:
         megatron_lm.install(args)
         megatron_lm.install(args)
