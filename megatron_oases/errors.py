@@ -97,7 +97,9 @@ def exit_status(exc, prog, stopped=()):
     * ``stopped`` (a run stopped on a check, e.g. NaN loss): 1, :func:`report_stop`.
     * another rank died or hung (:func:`is_peer_lost`): 1, after :data:`ERROR_EXIT_GRACE_S` on
       rank 0 only — normally the launcher has ended the job by then, and the line that counts is
-      the other rank's own error or the launcher's report of its exit.
+      the other rank's own error or the launcher's report of its exit. When the lost rank ran on
+      another host, this host's launcher has not: the other ranks here wait one grace more, so
+      that rank 0 prints before their exit makes the launcher stop it.
     """
     if isinstance(exc, OasesConfigError):
         report_once(f"{prog}: error: {exc}")
@@ -123,5 +125,7 @@ def exit_status(exc, prog, stopped=()):
                 file=sys.stderr,
                 flush=True,
             )
+        else:
+            time.sleep(ERROR_EXIT_GRACE_S)
         return 1
     raise exc

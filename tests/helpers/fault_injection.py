@@ -9,6 +9,8 @@ Never imported by the package: tests launch this file as the torchrun program
 * ``kill``: SIGKILL rank R inside iteration N, at its first forward (the other ranks are in the
   middle of the iteration, waiting in a collective).
 * ``stop``: SIGSTOP rank R there instead (a hung rank: the others time out).
+* ``linkdown``: rank R takes its host's network interface (``GLOO_SOCKET_IFNAME``) down there: the
+  host drops off the network (two-host tests, ``tests/helpers/netns.py``; needs root).
 * ``kill-save``: SIGKILL rank R while it writes its shard of the checkpoint of iteration N, after
   writing part of the shard file.
 * ``enospc``: that write fails as on a full disk (``OSError(ENOSPC)``), part of the file written.
@@ -28,7 +30,11 @@ def parse(spec):
 
 
 def _die(kind):
-    if kind == "stop":
+    if kind == "linkdown":
+        import subprocess
+
+        subprocess.run(["ip", "link", "set", os.environ["GLOO_SOCKET_IFNAME"], "down"], check=True)
+    elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     else:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -45,6 +51,9 @@ def install_iteration_fault(kind, iteration):
 
             def failing_forward(*a, **k):
                 sys.stdout.flush()
+                print(
+                    f"fault_injection: {kind} at iteration {iteration}", file=sys.stderr, flush=True
+                )
                 _die(kind)
                 return forward_step_func(*a, **k)
 
@@ -84,7 +93,7 @@ def main():
     if spec:
         kind, rank, iteration = parse(spec)
         if int(os.environ.get("RANK", "0")) == rank:
-            if kind in ("kill", "stop"):
+            if kind in ("kill", "stop", "linkdown"):
                 install_iteration_fault(kind, iteration)
             elif kind in ("kill-save", "enospc"):
                 install_save_fault(kind, iteration)

@@ -1,0 +1,444 @@
+"""Two hosts for real: ``oases-pretrain-gpt`` under ``torchrun --nnodes 2``, one torchrun per host,
+each host a network namespace with its own address on a veth pair (``tests/helpers/netns.py``);
+gloo runs over the veth (``GLOO_SOCKET_IFNAME``), the rendezvous on host 0's address.
+
+Layout: TP=2 inside each host, DP=2 across the hosts (4 ranks; the last rank, which prints
+Megatron's iteration lines, on host 1). One chain of four runs into one ``--save`` directory,
+iterations 1-4 saving at 2 and 4, covers the schedules, the checkpoint and the faults:
+
+1. ``stock`` (``--oases-schedule off``), uninterrupted: the reference losses; its checkpoint of
+   iteration 2 is written by the ranks of both hosts.
+2. ``overlap``, rank 2 (host 1) SIGKILLed at the start of iteration 3: the job ends on both hosts
+   within a bounded time with one error line; iterations 1-2 equal stock's; the checkpoint of
+   iteration 2 is intact.
+3. ``cross-pass`` resumed from it, rank 2 taking host 1's veth down at the start of iteration 4:
+   both hosts end after the distributed timeout (``--distributed-timeout-seconds-after-init``)
+   with one error line; iteration 3 equals stock's; the checkpoint of iteration 2 is intact.
+4. ``oases`` resumed from it (veth up again): iterations 3-4 equal stock's, iteration 4 saved.
+
+Then the SLURM launch script on two SLURM nodes, one ``slurmd`` per namespace (controller on
+host 0): ``docs/multi-node.md``.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import helpers
+import pytest
+from helpers.console import console_script
+from helpers.netns import ADDRS, IFNAME, TwoHosts, why_not_available
+from helpers.paths import FAULT_INJECTION
+from helpers.variants import MEGATRON_LM_MOCK as MOCK
+from helpers.variants import MEGATRON_LM_TINY as TINY
+
+_WHY_NOT = why_not_available()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),  # the first test sets up the chain of four 4-rank runs
+    pytest.mark.skipif(
+        _WHY_NOT is not None, reason=f"two hosts need network namespaces: {_WHY_NOT}"
+    ),
+]
+
+#: Iterations 1-4 of the tiny model (TP=2 from MEGATRON_LM_TINY; DP=2 across the hosts), full
+#: recomputation (cross-pass and oases need it), saving at 2 and 4; a peer that stops answering is given up after 10 s once training runs.
+ARGV = (
+    TINY
+    + MOCK
+    + helpers.RECOMPUTE.split()
+    + [
+        "--train-iters",
+        "4",
+        "--save-interval",
+        "2",
+        "--distributed-timeout-seconds-after-init",
+        "10",
+        "--num-workers",
+        "0",
+    ]
+)
+#: Megatron's iteration line: iteration number, loss.
+ITERATION = re.compile(r" iteration +(\d+)/ *\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
+#: The most a job may take from the fault to its end on both hosts: the 10 s timeout, the 5 s
+#: grace before the error line, torchrun stopping the other ranks, with room for a loaded host.
+FAULT_TO_END_S = 60
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with TwoHosts() as h:
+        yield h
+
+
+def launch(hosts, argv, fault=None, timeout=300):
+    """``torchrun --nnodes 2 --node-rank k`` on each host k of ``hosts``, ``oases-pretrain-gpt
+    argv`` (with ``fault``: ``oases run argv`` in ``tests/helpers/fault_injection.py``, the same
+    program). Each torchrun in its own session, killed with what is left of it at the end (a hang
+    past ``timeout`` fails the test). Returns ``rcs``, ``out`` (per host), ``losses`` ({iteration:
+    loss}), ``faulted`` (when the fault's rank said it strikes), ``ended`` (when both had exited).
+    """
+    program = [FAULT_INJECTION, "run"] if fault else [console_script("oases-pretrain-gpt")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=IFNAME)
+    env.pop("OASES_FAULT", None)
+    if fault:
+        env["OASES_FAULT"] = fault
+    port = str(20000 + os.getpid() % 10000 + int(time.time()) % 5000)
+    files = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    procs = []
+    try:
+        for k in range(2):
+            cmd = hosts.exec_prefix(k) + [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(k),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                ADDRS[0],
+                "--master-port",
+                port,
+                *program,
+                *argv,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=files[k],
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=env,
+                    start_new_session=True,
+                    stdin=subprocess.DEVNULL,
+                )
+            )
+        deadline = time.time() + timeout
+        faulted = None
+        while time.time() < deadline and any(p.poll() is None for p in procs):
+            if fault and faulted is None:
+                files[1].seek(0)
+                if "fault_injection: " in files[1].read():
+                    faulted = time.time()
+            time.sleep(0.2)
+        ended = time.time()
+        hung = [k for k, p in enumerate(procs) if p.poll() is None]
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    out = []
+    for f in files:
+        f.seek(0)
+        out.append(f.read())
+        f.close()
+    if hung:
+        pytest.fail(f"host(s) {hung} hung: no exit within {timeout} s\n{out[0][-3000:]}")
+    losses = {int(i): float(v) for i, v in ITERATION.findall(out[1])}
+    return types.SimpleNamespace(
+        rcs=[p.returncode for p in procs], out=out, losses=losses, faulted=faulted, ended=ended
+    )
+
+
+def errors(run):
+    """Our one-line errors (``PROG: error: ...``) in both hosts' output."""
+    return [ln for o in run.out for ln in o.splitlines() if re.match(r"^[\w -]+: error: ", ln)]
+
+
+def tracker(ckpt):
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        return f.read().strip()
+
+
+def assert_same_losses(got, ref, iterations, what):
+    assert sorted(got) == iterations, (what, got)
+    for it in iterations:
+        assert got[it] == pytest.approx(ref[it], rel=1e-5), (what, it, got, ref)
+
+
+@pytest.fixture(scope="module")
+def chain(hosts, tmp_path_factory):
+    """The four runs of the module docstring, into one ``--save`` directory."""
+    root = tmp_path_factory.mktemp("two_hosts")
+    runs, after = {}, {}
+    stock_ckpt, ckpt = str(root / "stock"), str(root / "ckpt")
+    runs["stock"] = launch(hosts, ARGV + ["--oases-schedule", "off", "--save", stock_ckpt])
+    runs["kill"] = launch(
+        hosts,
+        ARGV + ["--oases-schedule", "overlap", "--save", ckpt],
+        fault="kill:rank=2:iter=3",
+    )
+    after["kill"] = tracker(ckpt)
+    resume = ["--load", ckpt, "--save", ckpt]
+    try:
+        runs["linkdown"] = launch(
+            hosts,
+            ARGV + ["--oases-schedule", "cross-pass", *resume],
+            fault="linkdown:rank=2:iter=4",
+        )
+    finally:
+        hosts.link(1, "up")
+        hosts.link(0, "up")
+    after["linkdown"] = tracker(ckpt)
+    runs["resumed"] = launch(hosts, ARGV + ["--oases-schedule", "oases", *resume])
+    for name, run in runs.items():  # for a look after a failure
+        for k, text in enumerate(run.out):
+            (root / f"{name}.host{k}.log").write_text(text)
+    return types.SimpleNamespace(
+        runs=runs, after=after, stock_ckpt=stock_ckpt, ckpt=ckpt, root=root
+    )
+
+
+def test_stock_runs_across_two_hosts_and_saves_from_both(chain):
+    stock = chain.runs["stock"]
+    assert stock.rcs == [0, 0], stock.out[0][-3000:] + stock.out[1][-3000:]
+    assert sorted(stock.losses) == [1, 2, 3, 4], stock.out[1][-3000:]
+    assert re.search(r"^  world_size \.+ 4$", stock.out[0], re.M), stock.out[0][:3000]
+    shards = sorted(os.listdir(os.path.join(chain.stock_ckpt, "iter_0000002")))
+    writers = {int(m.group(1)) for s in shards if (m := re.match(r"__(\d+)_\d+\.distcp$", s))}
+    assert writers & {0, 1} and writers & {2, 3}, shards  # ranks of host 0 and of host 1
+
+
+def test_sigkilled_rank_on_one_host_ends_the_job_on_both(chain):
+    run = chain.runs["kill"]
+    assert run.rcs[0] != 0 and run.rcs[1] != 0, run.rcs
+    assert "exitcode  : -9" in run.out[1], run.out[1][-3000:]  # host 1's launcher names it
+    lines = errors(run)
+    assert len(lines) == 1, lines
+    assert "lost contact with another rank of this job" in lines[0], lines
+    assert run.faulted and run.ended - run.faulted < FAULT_TO_END_S, run.ended - run.faulted
+    assert chain.after["kill"] == "2"
+    print(f"SIGKILL on host 1: both hosts ended {run.ended - run.faulted:.0f} s after it")
+
+
+def test_host_dropping_off_the_network_ends_the_job_on_both(chain):
+    run = chain.runs["linkdown"]
+    assert run.rcs[0] != 0 and run.rcs[1] != 0, run.rcs
+    lines = errors(run)
+    assert len(lines) == 1, lines
+    assert "lost contact with another rank of this job" in lines[0], lines
+    assert run.faulted and run.ended - run.faulted < FAULT_TO_END_S, run.ended - run.faulted
+    assert chain.after["linkdown"] == "2"
+    print(f"link down on host 1: both hosts ended {run.ended - run.faulted:.0f} s after it")
+
+
+def test_schedules_equal_stock_and_the_checkpoint_survives_both_faults(chain):
+    stock = chain.runs["stock"].losses
+    assert_same_losses(chain.runs["kill"].losses, stock, [1, 2], "overlap, before the kill")
+    assert_same_losses(chain.runs["linkdown"].losses, stock, [3], "cross-pass, resumed")
+    resumed = chain.runs["resumed"]
+    assert resumed.rcs == [0, 0], resumed.out[0][-3000:] + resumed.out[1][-3000:]
+    assert_same_losses(resumed.losses, stock, [3, 4], "oases, resumed after both faults")
+    assert tracker(chain.ckpt) == "4"
+
+
+# ------------------------------------------------------------------ SLURM on the same two hosts
+
+#: Two SLURM nodes, one per host: slurmctld and node0's slurmd on host 0, node1's on host 1
+#: (``%n``: the node's own spool, pid and log files); munged, whose socket is a file, serves both.
+SLURM_CONF = """\
+ClusterName=oases2n
+SlurmctldHost=node0({addr0})
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool-%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SchedulerType=sched/backfill
+ReturnToService=2
+InactiveLimit=0
+KillWait=5
+MinJobAge=4
+NodeName=node0 NodeAddr={addr0} CPUs={cpus} State=UNKNOWN
+NodeName=node1 NodeAddr={addr1} CPUs={cpus} State=UNKNOWN
+PartitionName=ci Nodes=node0,node1 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm_two_nodes(hosts, tmp_path_factory):
+    """munged, slurmctld and two slurmds on ``hosts``; an environment whose ``SLURM_CONF`` names
+    them. Everything started is stopped at the end (and :class:`TwoHosts` kills what is left
+    inside the namespaces)."""
+    from test_slurm import (
+        SBIN_PATH,
+        _alive,
+        _detected_cpus,
+        _ensure_slurm_installed,
+        _read_pid,
+        _which,
+    )
+
+    _ensure_slurm_installed()
+    root = str(tmp_path_factory.mktemp("slurm2"))
+    for sub in ("state", "log"):
+        os.makedirs(os.path.join(root, sub), mode=0o700)
+    munge_dir = tempfile.mkdtemp(prefix="oases-munge-")  # short: an AF_UNIX path
+    key = os.path.join(munge_dir, "munge.key")
+    with open(key, "wb") as f:
+        f.write(os.urandom(1024))
+    os.chmod(key, 0o400)
+    socket_path = os.path.join(munge_dir, "munge.sock")
+    conf = os.path.join(root, "slurm.conf")
+    with open(conf, "w") as f:
+        f.write(
+            SLURM_CONF.format(
+                addr0=ADDRS[0],
+                addr1=ADDRS[1],
+                ctld_port=6817,  # each host has its own ports
+                slurmd_port=6818,
+                munge_socket=socket_path,
+                root=root,
+                cpus=_detected_cpus(),
+            )
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", ""), SBIN_PATH])
+    env["SLURM_CONF"] = conf
+    pid_files = {
+        "munged": os.path.join(munge_dir, "munged.pid"),
+        "slurmctld": os.path.join(root, "slurmctld.pid"),
+        "slurmd-node0": os.path.join(root, "slurmd-node0.pid"),
+        "slurmd-node1": os.path.join(root, "slurmd-node1.pid"),
+    }
+
+    def start(cmd, what):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{what} failed to start (rc {proc.returncode}): {proc.stderr}")
+
+    def logs():
+        text = ""
+        for name in sorted(os.listdir(os.path.join(root, "log"))):
+            with open(os.path.join(root, "log", name)) as f:
+                text += f"--- {name}\n" + f.read()[-2000:]
+        return text
+
+    try:
+        start(
+            [
+                _which("munged"),
+                "--force",
+                f"--key-file={key}",
+                f"--socket={socket_path}",
+                f"--pid-file={pid_files['munged']}",
+                f"--log-file={munge_dir}/munged.log",
+                f"--seed-file={munge_dir}/munged.seed",
+            ],
+            "munged",
+        )
+        start(hosts.exec_prefix(0) + [_which("slurmctld"), "-f", conf], "slurmctld")
+        for k in range(2):
+            start(
+                hosts.exec_prefix(k) + [_which("slurmd"), "-f", conf, "-N", f"node{k}"],
+                f"slurmd on host {k}",
+            )
+        deadline = time.time() + 60
+        state = ""
+        while time.time() < deadline:
+            proc = subprocess.run(
+                hosts.exec_prefix(0) + ["sinfo", "--noheader", "--format=%n %T"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            state = proc.stdout.strip()
+            if proc.returncode == 0 and sorted(state.splitlines()) == ["node0 idle", "node1 idle"]:
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"the two SLURM nodes did not become idle ({state!r})\n{logs()}")
+        yield types.SimpleNamespace(env=env, root=root, logs=logs)
+    finally:
+        subprocess.run(
+            hosts.exec_prefix(0) + ["scontrol", "shutdown"],
+            env=env,
+            capture_output=True,
+            timeout=30,
+        )
+        for name, path in pid_files.items():
+            pid = _read_pid(path)
+            deadline = time.time() + 10
+            while pid and _alive(pid) and time.time() < deadline:
+                if name == "munged":
+                    os.kill(pid, signal.SIGTERM)
+                time.sleep(0.2)
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_slurm_script_runs_on_two_nodes(hosts, slurm_two_nodes, tmp_path):
+    """``sbatch --nodes 2 launch_scripts/slurm_pretrain_gpt_oases.sh``: srun starts one torchrun
+    per node, ``MASTER_ADDR`` is node0 (from ``scontrol show hostnames``, resolved in each host's
+    ``/etc/hosts``), 2 ranks per node train on gloo over the veth."""
+    from helpers.paths import LAUNCHER, REPO
+
+    out, golden = tmp_path / "job.out", tmp_path / "golden.json"
+    env = dict(
+        slurm_two_nodes.env,
+        PYTHON=sys.executable,
+        OASES_ROOT=REPO,
+        PYTHONPATH=REPO,
+        OMP_NUM_THREADS="1",
+        DEVICE="cpu",
+        GPUS_PER_NODE="2",
+        MODEL="tiny-cpu",
+        ENTRY="pretrain-gpt-oases",
+        TRAIN_ITERS="2",
+        DIST_TIMEOUT_MINUTES="1",
+        LOG_JSON=str(golden),
+        GLOO_SOCKET_IFNAME=IFNAME,
+    )
+    cmd = hosts.exec_prefix(0) + [
+        "sbatch",
+        "--wait",
+        "--nodes=2",
+        "--job-name=oases-two-nodes",
+        f"--output={out}",
+        f"--chdir={tmp_path}",
+        "--time=4",
+        LAUNCHER,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    log = out.read_text() if out.exists() else "(no output file)"
+    assert (
+        proc.returncode == 0
+    ), f"{proc.stdout}{proc.stderr}\n{log[-4000:]}\n{slurm_two_nodes.logs()}"
+    assert (
+        "device=cpu nodes=2 ranks/node=2 world=4 TP=2 PP=1 schedule=off master=node0:" in log
+    ), log
+    assert re.search(r"^  world_size \.+ 4$", log, re.M), log[-3000:]
+    assert "iteration        2/       2" in log, log[-3000:]
+    with open(golden) as f:
+        assert len(json.load(f)["lm loss"]["values"]) == 2
