@@ -74,6 +74,7 @@ class OasesConfig:
         check_oases_args(args, plan=plan, cuda_available=torch.cuda.is_available())
         if plan is not None:
             _warn_plan_differences(path, plan, args)
+        _warn_nothing_to_overlap(args)
         backend = getattr(args, "attention_backend", "auto")
         return cls(
             schedule=Schedule(getattr(args, "oases_schedule", "off")),
@@ -103,6 +104,26 @@ def _warn_plan_differences(path, plan, args):
         f"oases: warning: --oases-plan {path} was made for {theirs}; this run has {ours}: the "
         "degrees run, but the plan's predicted time describes the other run (re-plan with "
         "these settings, or pass the plan's)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _warn_nothing_to_overlap(args):
+    """Once per job (rank 0): a split schedule at TP=1 has no tensor-parallel all-reduce to
+    overlap; it runs, its sub-batches only make the matmuls smaller (slower)."""
+    import os
+    import sys
+
+    schedule = getattr(args, "oases_schedule", "off")
+    if schedule == "off" or args.tensor_model_parallel_size != 1:
+        return
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    print(
+        f"oases: warning: --oases-schedule {schedule} at --tensor-model-parallel-size 1 has no "
+        "tensor-parallel communication to overlap: it only splits the matmuls (slower than "
+        "--oases-schedule off); use --tensor-model-parallel-size 2 or more",
         file=sys.stderr,
         flush=True,
     )

@@ -63,7 +63,12 @@ def build_parser():
         "runs) and report, per budget, the fastest stock setting that fits against the fastest "
         "Oases setting that fits (GB = 1e9 bytes, e.g. 0.05,0.1,0.2 for tiny CPU models)",
     )
-    p.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks (torchrun --nproc_per_node; default: TP x PP x CP of the flags, at least 2)",
+    )
     p.add_argument(
         "--one-rank",
         action="store_true",
@@ -134,6 +139,36 @@ def _has_flag(argv, flag):
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
+def _nproc(nproc, train_argv):
+    """``--nproc``, or when not given the model-parallel size of the flags (TP x PP x CP, at
+    least 2): a world size the user never gave must not be the one Megatron's error names."""
+    from ..arguments import flag_value
+
+    sizes = {}
+    for flag in (
+        "--tensor-model-parallel-size",
+        "--pipeline-model-parallel-size",
+        "--context-parallel-size",
+    ):
+        value = flag_value(train_argv, flag) or "1"
+        try:
+            sizes[flag] = int(value)
+        except ValueError:
+            raise OasesConfigError(f"{flag} {value}: not an integer") from None
+    model_parallel = 1
+    for size in sizes.values():
+        model_parallel *= max(1, size)
+    if nproc is None:
+        return max(2, model_parallel)
+    if nproc >= 1 and nproc % model_parallel:
+        raise OasesConfigError(
+            f"--nproc {nproc} is not a multiple of the model-parallel size {model_parallel} "
+            "(tensor x pipeline x context parallel); use --nproc "
+            f"{model_parallel * max(1, nproc // model_parallel)} or leave --nproc out"
+        )
+    return nproc
+
+
 def _validate(variant, train_argv, nproc):
     """Megatron's parse + validate (+ the Oases rules) of one variant's ``oases train`` flags for
     ``nproc`` ranks, before anything is launched."""
@@ -169,6 +204,7 @@ def main(argv):
                     "oases+planner variant only"
                 )
             raise OasesConfigError(f"oases compare sets {flag} itself; drop it from the flags")
+    own.nproc = _nproc(own.nproc, train_argv)
     if own.nproc < 1 or own.iters < 1 or own.warmup < 0 or own.repeats < 1:
         raise OasesConfigError("--nproc, --iters and --repeats must be >= 1 and --warmup >= 0")
     if own.one_rank and not own.emulate_link:

@@ -506,3 +506,49 @@ def test_patched_pretrain_gpt_on_cpu_without_the_cpu_settings_names_the_fix(monk
         "add the CPU settings to the command line: "
         "$(python -m megatron_oases.megatron_lm defaults --cpu)"
     )
+
+
+def test_compare_derives_nproc_from_the_parallel_sizes(tmp_path):
+    """``oases compare --one-rank -- --tensor-model-parallel-size 4`` without ``--nproc`` failed
+    with "world size (2) is not divisible by total_model_size 4", a world size the user never
+    gave; it runs 4 ranks now, and a --nproc that cannot hold the model is one line."""
+    from megatron_oases.cli import main
+    from megatron_oases.compare.cli import _nproc
+    from megatron_oases.errors import OasesConfigError
+
+    assert _nproc(None, "--tensor-model-parallel-size 4".split()) == 4
+    assert (
+        _nproc(None, "--tensor-model-parallel-size=2 --pipeline-model-parallel-size 2".split()) == 4
+    )
+    assert _nproc(None, []) == 2  # TP=PP=1: two data-parallel ranks, as before
+    assert _nproc(8, "--tensor-model-parallel-size 4".split()) == 8
+    with pytest.raises(OasesConfigError) as err:
+        _nproc(2, "--tensor-model-parallel-size 4".split())
+    assert str(err.value) == (
+        "--nproc 2 is not a multiple of the model-parallel size 4 (tensor x pipeline x context "
+        "parallel); use --nproc 4 or leave --nproc out"
+    )
+    argv = ["compare", "--one-rank", "--emulate-link", "rtx3090-pcie", "--nproc", "2"]
+    argv += ["--out", str(tmp_path / "cmp"), "--", "--tensor-model-parallel-size", "4"]
+    assert main(argv) == 2
+
+
+def test_split_schedule_at_tp1_warns_once_that_nothing_overlaps(monkeypatch, capsys):
+    """TP=1 under an Oases schedule ran with no word (0.48x in the report): one warning line."""
+    from helpers.runs import parse
+
+    from megatron_oases.config import OasesConfig
+
+    monkeypatch.setenv("RANK", "0")
+    parse("--oases-schedule overlap", world_size=1)  # Megatron's checks, then OasesConfig's
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "oases: warning" in ln]
+    assert err == [
+        "oases: warning: --oases-schedule overlap at --tensor-model-parallel-size 1 has no "
+        "tensor-parallel communication to overlap: it only splits the matmuls (slower than "
+        "--oases-schedule off); use --tensor-model-parallel-size 2 or more"
+    ]
+    parse("--tensor-model-parallel-size 2 --oases-schedule overlap", world_size=2)
+    parse("", world_size=1)
+    monkeypatch.setenv("RANK", "1")
+    OasesConfig.from_args(parse("--oases-schedule overlap", world_size=1))  # rank 0 only
+    assert "oases: warning" not in capsys.readouterr().err
