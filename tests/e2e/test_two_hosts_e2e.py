@@ -24,6 +24,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -248,9 +249,11 @@ def test_schedules_equal_stock_and_the_checkpoint_survives_both_faults(chain):
 
 #: Two SLURM nodes, one per host: slurmctld and node0's slurmd on host 0, node1's on host 1
 #: (``%n``: the node's own spool, pid and log files); munged, whose socket is a file, serves both.
+#: slurmctld checks that it runs on ``SlurmctldHost``: the machine's own name (both namespaces share
+#: it), at host 0's address.
 SLURM_CONF = """\
 ClusterName=oases2n
-SlurmctldHost=node0({addr0})
+SlurmctldHost={machine}({addr0})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -301,7 +304,7 @@ def slurm_two_nodes(hosts, tmp_path_factory):
 
     _ensure_slurm_installed()
     root = str(tmp_path_factory.mktemp("slurm2"))
-    for sub in ("state", "log"):
+    for sub in ("state", "log", "spool-node0", "spool-node1"):
         os.makedirs(os.path.join(root, sub), mode=0o700)
     munge_dir = tempfile.mkdtemp(prefix="oases-munge-")  # short: an AF_UNIX path
     key = os.path.join(munge_dir, "munge.key")
@@ -313,6 +316,7 @@ def slurm_two_nodes(hosts, tmp_path_factory):
     with open(conf, "w") as f:
         f.write(
             SLURM_CONF.format(
+                machine=socket.gethostname().split(".")[0],
                 addr0=ADDRS[0],
                 addr1=ADDRS[1],
                 ctld_port=6817,  # each host has its own ports
@@ -357,10 +361,10 @@ def slurm_two_nodes(hosts, tmp_path_factory):
             ],
             "munged",
         )
-        start(hosts.exec_prefix(0) + [_which("slurmctld"), "-f", conf], "slurmctld")
+        start(hosts.daemon_prefix(0) + [_which("slurmctld"), "-f", conf], "slurmctld")
         for k in range(2):
             start(
-                hosts.exec_prefix(k) + [_which("slurmd"), "-f", conf, "-N", f"node{k}"],
+                hosts.daemon_prefix(k) + [_which("slurmd"), "-f", conf, "-N", f"node{k}"],
                 f"slurmd on host {k}",
             )
         deadline = time.time() + 60
@@ -442,3 +446,5 @@ def test_slurm_script_runs_on_two_nodes(hosts, slurm_two_nodes, tmp_path):
     assert "iteration        2/       2" in log, log[-3000:]
     with open(golden) as f:
         assert len(json.load(f)["lm loss"]["values"]) == 2
+    with open(os.path.join(slurm_two_nodes.root, "log", "slurmd-node1.log")) as f:
+        assert "launch task StepId=" in f.read()  # srun's torchrun task on the second node

@@ -95,6 +95,24 @@ class TwoHosts:
         """The command prefix that runs a program on host ``k``."""
         return ["ip", "netns", "exec", self.names[k]]
 
+    def daemon_prefix(self, k):
+        """The prefix for a daemon on host ``k`` that needs this machine's ``/sys`` (slurmd's
+        cgroups): ``ip netns exec`` mounts a sysfs of the namespace over ``/sys``, hiding
+        ``/sys/fs/cgroup``; this enters the network namespace only, with the host's
+        ``/etc/hosts`` bind-mounted in a private mount namespace."""
+        return [
+            "nsenter",
+            f"--net=/var/run/netns/{self.names[k]}",
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            'mount --bind "$0" /etc/hosts && exec "$@"',
+            f"/etc/netns/{self.names[k]}/hosts",
+        ]
+
     def link(self, k, state):
         """Bring host ``k``'s veth ``up`` or ``down`` (a host dropping off the network)."""
         _ip("-n", self.names[k], "link", "set", IFNAME, state)
