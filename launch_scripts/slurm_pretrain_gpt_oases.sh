@@ -43,6 +43,12 @@ fi
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="${OASES_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 cfg() { "${PYTHON}" -m megatron_oases.megatron_lm "$@"; }
+# A bad value is one line and exit 2 before anything runs (not a bash or Python traceback later).
+bad() {
+    echo "error: $*" >&2
+    exit 2
+}
+positive_int() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || bad "$1=$2: must be a positive integer"; }
 
 # ------------------------------------------------------------------------------------- runtime
 DEVICE=${DEVICE:-auto}
@@ -61,6 +67,8 @@ else
     GPUS_PER_NODE=${GPUS_PER_NODE:-2}
 fi
 NUM_NODES=${NUM_NODES:-${SLURM_JOB_NUM_NODES:-1}}
+positive_int GPUS_PER_NODE "${GPUS_PER_NODE}"
+positive_int NUM_NODES "${NUM_NODES}"
 if [[ -z "${MASTER_ADDR:-}" ]]; then
     if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
         MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)
@@ -118,11 +126,23 @@ DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)
 
 TP=${TP:-$(cfg get "${MODEL}" parallel.tensor-model-parallel-size 1)}
 PP=${PP:-$(cfg get "${MODEL}" parallel.pipeline-model-parallel-size 1)}
+positive_int TP "${TP}"
+positive_int PP "${PP}"
+if ((WORLD_SIZE % (TP * PP))); then
+    bad "GPUS_PER_NODE x NUM_NODES = ${WORLD_SIZE} ranks is not a multiple of TP x PP =" \
+        "$((TP * PP)); change GPUS_PER_NODE, TP or PP"
+fi
 MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-$(cfg get "${MODEL}" training.micro-batch-size 2)}
+positive_int MICRO_BATCH_SIZE "${MICRO_BATCH_SIZE}"
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-$(cfg get "${MODEL}" training.global-batch-size \
     $((MICRO_BATCH_SIZE * WORLD_SIZE / (TP * PP))))}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
 LR=${LR:-1.0e-4}
+positive_int GLOBAL_BATCH_SIZE "${GLOBAL_BATCH_SIZE}"
+positive_int TRAIN_ITERS "${TRAIN_ITERS}"
+positive_int DIST_TIMEOUT_MINUTES "${DIST_TIMEOUT_MINUTES}"
+[[ "${LR}" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] ||
+    bad "LR=${LR}: must be a number, e.g. LR=1.0e-4"
 OASES_SCHEDULE=${OASES_SCHEDULE:-off}
 LOG_JSON=${LOG_JSON:-${OASES_ROOT}/out/${SLURM_JOB_NAME:-oases}-${SLURM_JOB_ID:-local}.json}
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"

@@ -62,6 +62,29 @@ def command(name):
     raise KeyError(name)
 
 
+#: ``oases calibrate``'s counts: 0 or less was accepted (``--threads 0``) or ended in a traceback.
+CALIBRATE_COUNTS = (
+    "--threads",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--ffn-hidden-size",
+    "--seq-length",
+    "--tensor-model-parallel-size",
+    "--micro-batch-size",
+)
+
+
+def _check_calibrate(argv):
+    """``oases calibrate``'s counts must be >= 1 (a non-integer is argparse's one line)."""
+    from .arguments import flag_value
+    from .errors import OasesConfigError
+
+    for flag in CALIBRATE_COUNTS:
+        value = flag_value(argv, flag)
+        if value is not None and value.lstrip("-").isdigit() and int(value) < 1:
+            raise OasesConfigError(f"{flag} {value}: must be >= 1")
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
@@ -84,6 +107,8 @@ def main(argv=None):
     from .errors import TrainingStopped
 
     try:
+        if argv[0] == "calibrate":
+            _check_calibrate(argv[1:])
         rc = command(argv[0])(argv[1:])
     except Exception as exc:  # ours: one line once per job; anything else: raised again
         return exit_status(exc, f"oases {argv[0]}", stopped=(TrainingStopped,))

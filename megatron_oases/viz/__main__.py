@@ -12,6 +12,43 @@ import sys
 from .analysis import load_traces, run_metrics, trace_files
 
 
+def _inputs(args):
+    """The emulated comm model and the traces of ``args``; an unusable ``--out``, ``--emulated``
+    or trace file raises :class:`OasesConfigError` naming it, before anything is drawn."""
+    from ..errors import OasesConfigError
+
+    if args.out:  # before reading the traces: a chart must not be lost to a path it cannot use
+        from ..outputs import check_output_file
+
+        check_output_file(args.out, flag="-o/--out", example="timeline.png")
+    comm_model = None
+    if args.emulated:
+        from .analysis import emulated_comm_model
+
+        prof, _, d = args.emulated.partition(":")
+        try:
+            dilation = float(d)
+        except ValueError:
+            dilation = 0.0
+        if not prof or not dilation > 0:
+            raise OasesConfigError(
+                f"--emulated {args.emulated}: expected PROFILE:D, a cluster profile and the "
+                "run's dilation D > 0 (oases compare prints both), e.g. rtx3090-pcie:12.5"
+            )
+        comm_model = emulated_comm_model({"profile": prof, "dilation": dilation})
+    files = [f for p in args.traces for f in trace_files(p)]
+    for f in files:
+        try:
+            load_traces([f])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise OasesConfigError(
+                f"{f} is not a trace written by --oases-trace ({type(exc).__name__}: "
+                f"{str(why).splitlines()[0] if str(why) else ''}); pass the run's trace files"
+            ) from None
+    return comm_model, load_traces(files)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m megatron_oases.viz", description=__doc__)
     parser.add_argument(
@@ -43,23 +80,13 @@ def main(argv=None):
         "column group NAME",
     )
     args = parser.parse_args(argv)
-    if args.out:  # before reading the traces: a chart must not be lost to a path it cannot use
-        from ..errors import OasesConfigError
-        from ..outputs import check_output_file
+    from ..errors import OasesConfigError
 
-        try:
-            check_output_file(args.out, flag="-o/--out", example="timeline.png")
-        except OasesConfigError as exc:
-            print(f"python -m megatron_oases.viz: error: {exc}", file=sys.stderr)
-            return 2
-    comm_model = None
-    if args.emulated:
-        from .analysis import emulated_comm_model
-
-        prof, _, d = args.emulated.partition(":")
-        comm_model = emulated_comm_model({"profile": prof, "dilation": float(d)})
-    files = [f for p in args.traces for f in trace_files(p)]
-    traces = load_traces(files)
+    try:
+        comm_model, traces = _inputs(args)
+    except OasesConfigError as exc:  # bad input: one line, exit 2 (never a traceback)
+        print(f"python -m megatron_oases.viz: error: {exc}", file=sys.stderr)
+        return 2
     if not traces:
         print(f"no trace files found in {args.traces}", file=sys.stderr)
         return 2

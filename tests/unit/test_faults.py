@@ -552,3 +552,60 @@ def test_split_schedule_at_tp1_warns_once_that_nothing_overlaps(monkeypatch, cap
     monkeypatch.setenv("RANK", "1")
     OasesConfig.from_args(parse("--oases-schedule overlap", world_size=1))  # rank 0 only
     assert "oases: warning" not in capsys.readouterr().err
+
+
+def test_viz_and_calibrate_bad_input_is_one_line(tmp_path, capsys):
+    """``viz`` printed a traceback for a damaged trace or a bad ``--emulated``; ``calibrate``
+    accepted ``--threads 0`` and died on ``--hidden-size 0``."""
+    from megatron_oases.cli import main
+    from megatron_oases.viz.__main__ import main as viz
+
+    bad = tmp_path / "trace.rank0.json"
+    bad.write_text('{"traceEvents": ')
+    for argv, line in (
+        ([str(bad)], f"{bad} is not a trace written by --oases-trace (JSONDecodeError: "),
+        (["--emulated", "rtx3090-pcie:abc", str(bad)], "--emulated rtx3090-pcie:abc: expected "),
+        (["--emulated", "nope:2", str(bad)], "unknown cluster profile 'nope'"),
+    ):
+        assert viz(argv) == 2, argv
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert len(err) == 1 and err[0].startswith(f"python -m megatron_oases.viz: error: {line}")
+    for argv, line in (
+        (["--threads", "0"], "--threads 0: must be >= 1"),
+        (["--hidden-size=0"], "--hidden-size 0: must be >= 1"),
+    ):
+        assert main(["calibrate", *argv]) == 2, argv
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert err == [f"oases calibrate: error: {line}"], err
+
+
+@pytest.mark.parametrize(
+    "env,line",
+    [
+        ({"LR": "abc"}, "error: LR=abc: must be a number, e.g. LR=1.0e-4"),
+        ({"TP": "0"}, "error: TP=0: must be a positive integer"),
+        ({"GPUS_PER_NODE": "0"}, "error: GPUS_PER_NODE=0: must be a positive integer"),
+        (
+            {"TP": "4"},
+            "error: GPUS_PER_NODE x NUM_NODES = 2 ranks is not a multiple of TP x PP = 4; change "
+            "GPUS_PER_NODE, TP or PP",
+        ),
+    ],
+)
+def test_slurm_script_bad_values_are_one_line(env, line):
+    """The SLURM script answered ``LR=abc`` with a Python traceback, ``TP=0`` with bash's
+    "division by 0" and ``GPUS_PER_NODE=0`` with a torchrun assertion."""
+    import subprocess
+    import sys
+
+    from helpers.paths import REPO
+
+    script = os.path.join(REPO, "launch_scripts", "slurm_pretrain_gpt_oases.sh")
+    keep = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    for k in ("TP", "PP", "LR", "GPUS_PER_NODE", "NUM_NODES", "MODEL", "DEVICE"):
+        keep.pop(k, None)
+    full = dict(keep, DRY_RUN="1", DEVICE="cpu", PYTHON=sys.executable, **env)
+    proc = subprocess.run(["bash", script], env=full, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [line], proc.stderr[-2000:]
+    assert "oases launch:" not in proc.stdout  # refused before the command line is built
