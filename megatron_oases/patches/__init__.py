@@ -26,7 +26,7 @@ def factories(config):
     from ..instrument.trace_patch import make_patch as oases_trace
     from ..platform.norm_recompute import make_patch as norm_recompute_without_te
     from ..platform.torch_norm import make_patch as torch_norm_sp
-    from ..schedule.transformer_block import make_patch as oases_schedule
+    from ..schedule.patch import make_patch as oases_schedule
     from ..testbed.emulator import make_patch as emulate_link
 
     return (

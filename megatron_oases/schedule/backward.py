@@ -3,28 +3,185 @@ interleaved; runs follow each other with a barrier between them. Design notes:
 ``docs/schedules.md``.
 
 - :func:`kept_graphs`: blocks whose graphs forward kept (``overlap`` without recompute, and the
-  blocks after Megatron's ``--recompute-method block`` layers in every schedule);
+  blocks after Megatron's ``--recompute-method block`` layers in every schedule); each block's
+  backward through its kept (or recomputed) graph is :func:`block_backward`;
 - :func:`fine_grained`: ``oases``: forward saved every block's input, so recomputation starts
   from there and issues no reduction; bda's backward comes from its RNG snapshot alone;
 - :func:`layer_phases`: a recomputed layer's recompute pass (its forward reductions issued
   again) and backward pass; ``cross-pass`` chains them in one program, ``overlap`` with
   recompute runs each pass as its own run (the paper's basic pipelined schedule).
+
+As in :mod:`.forward`, each function takes the micro-batch's :class:`~.ops.BlockOps` (``ops``),
+the sub-batch and the block; the ops it returns are made by ``ops``' factories.
 """
 
 import torch
 
-from .ops import backward
 from .rng import replay
+
+_engine = torch.autograd.Variable._execution_engine
+
+
+def backward(outputs, grads, freed=False):
+    """``torch.autograd.backward(outputs, grads)`` without its Python layer (argument
+    normalisation, gradients made where None is given), which the schedule's calls do not need;
+    the shape check is kept. ``freed``: ``outputs[0]``'s data was freed in forward (a kept
+    graph's root, :meth:`.ops.BlockOps.free_data`), so its check is skipped, as in Megatron's
+    ``custom_backward``."""
+    if len(outputs) == 1:  # the common case: one root, no loop or tuple() calls
+        out, g = outputs[0], grads[0]
+        if not freed and out.shape != g.shape:
+            _shape_error(out, g)
+        outputs, grads = (out,), (g,)
+    else:
+        skip = 1 if freed else 0
+        for out, g in zip(outputs[skip:], grads[skip:]):
+            if out.shape != g.shape:
+                _shape_error(out, g)
+        outputs, grads = tuple(outputs), tuple(grads)
+    _engine.run_backward(
+        tensors=outputs,
+        grad_tensors=grads,
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def _shape_error(out, g):
+    raise RuntimeError(
+        f"oases: gradient of shape {tuple(g.shape)} for an output of shape {tuple(out.shape)}"
+    )
 
 
 def kept_graphs(ops, sb):
     """Backward of the blocks that kept their graphs (from ``first_kept`` on)."""
     program = []
     for j in reversed(range(ops.first_kept, ops.blocks.num_blocks)):
-        program += ops.block_backward(sb, j)
+        program += block_backward(ops, sb, j)
     return program
 
 
+# ---------------------------------------------------------------------- one block's backward
+def block_backward(ops, sb, j):
+    """Block j's backward ops through its kept (or recomputed) graph, in order."""
+    block = sb.blocks[j]
+    if ops.joins(block):
+        first = [ops.compute(lambda: _joined_grad(ops, sb, j), j, "backward")]
+        return first + _input_gradient_reductions(ops, sb, j) + [_norm_grad_op(ops, sb, j)]
+    first = [ops.light(lambda: _bda_grad(ops, sb, j), j, "backward")]
+    return first + main_backward(ops, sb, j) + [_norm_grad_op(ops, sb, j)]
+
+
+def main_backward(ops, sb, j):
+    """Block j's main backward between its collectives: under SP the all-gather of R_j's
+    gradient (the row-parallel reduce-scatter's backward) first; then the input-gradient
+    reduction of the column-parallel linear (all-reduce, or reduce-scatter under SP)."""
+    block, program = sb.blocks[j], []
+    if ops.regathers(j):  # main_j's input again, in the same collective
+        program.append(_regather(ops, sb, j))
+    elif ops.sp:
+        get = lambda: block.take("reduced_grad")  # noqa: E731
+        done = ops.store(block, "reduced_grad")
+        program.append(ops.collective("all_gather", get, done, j, "backward"))
+    program.append(ops.compute(lambda: _main_grad(ops, sb, j), j, "backward"))
+    return program + _input_gradient_reductions(ops, sb, j)
+
+
+def _input_gradient_reductions(ops, sb, j):
+    """The reduction of main_j's input gradient; for a kept graph built in runs of tokens
+    (tail pieces) one per run, queued together, joined when the last is taken."""
+    block = sb.blocks[j]
+    n, block.pieces = block.pieces, None
+    if n is None:
+        get = lambda: block.take("norm_grad")  # noqa: E731
+        return [ops.reduce(get, ops.store(block, "norm_grad"), j, "backward")]
+    parts = [None] * n
+
+    def done(i, t):
+        parts[i] = t
+        if i == n - 1:
+            block.norm_grad = torch.cat(parts)
+
+    return ops.queued(j, "backward", n, lambda i: block.piece_grads.pop(i), done)
+
+
+def _regather(ops, sb, j):
+    """One all-gather of R_j's gradient and main_j's saved input shard (a collective each
+    would leave the second with no compute to hide behind)."""
+    block = sb.blocks[j]
+
+    def done(gathered):
+        block.reduced_grad, block.gathered = gathered
+
+    get = lambda: (block.take("reduced_grad"), block.norm_output.detach())  # noqa: E731
+    return ops.collective("all_gather", get, done, j, "backward")
+
+
+def _norm_grad_op(ops, sb, j):
+    """ln_j's backward as a (light) op of block j's backward program."""
+    return ops.light(lambda: _norm_grad(ops, sb, j), j, "backward")
+
+
+def _joined_grad(ops, sb, j):
+    """bda_j's and main_j's backward in one call (R_j joined, :meth:`.ops.BlockOps.reduced_input`)."""
+    block = sb.blocks[j]
+    g = sb.blocks[j + 1].take("input_grad")
+    _backward_through_main(ops, sb, j, [block.take("output")], [g])
+    block.input_grad = g  # the residual's (see BlockOps.block_input); ln_j's adds to it
+
+
+def _backward_through_main(ops, sb, j, roots, grads, freed=False):
+    """``backward`` from roots whose graph holds main_j's: with the sequence split, the later
+    chunks' key/value gradients join the call (attention), and it runs in the sub-batch's
+    chunk (Megatron's selective recompute re-runs core attention in there)."""
+    prefix = ops.prefix
+    if prefix is None:
+        backward(roots, grads, freed)
+        return
+    attention, layer = ops.blocks.attention(j), ops.blocks.layer_index(j)
+    if attention:
+        more, more_grads = prefix.backward_roots(layer, sb.index)
+        roots, grads = roots + more, grads + more_grads
+    with prefix.running(sb.index):
+        backward(roots, grads, freed)
+    if attention:
+        prefix.collect(layer, sb.index)
+
+
+def _bda_grad(ops, sb, j):
+    """bda_j's backward through its kept graph: R_j's gradient lands in its sink; the
+    residual's is the output gradient itself (see :meth:`.ops.BlockOps.block_input`)."""
+    g = sb.blocks[j + 1].take("input_grad")
+    backward([sb.blocks[j].take("output")], [g])
+    sb.blocks[j].input_grad = g
+
+
+def _main_grad(ops, sb, j):
+    block = sb.blocks[j]
+    P, g = block.take("partial"), block.take("reduced_grad")
+    if isinstance(P, list):  # forward ran it in runs of tokens (tail pieces), data freed
+        # one backward call per run: each run's weight gradient is accumulated before the
+        # next run's is computed (one call over all runs could hold several at once), and
+        # each run's input-gradient all-reduce starts before the next run's backward
+        for p, gi in zip(P, torch.tensor_split(g, len(P), dim=0)):
+            backward([p], [gi], freed=True)
+        return
+    freed = P.numel() != g.numel()  # data freed in forward (kept graph) unless kept
+    _backward_through_main(ops, sb, j, [P], [g], freed)
+    if ops.regathers(j):
+        block.gathered = None  # main_j's input gradient has landed in norm_grad
+
+
+def _norm_grad(ops, sb, j):
+    """ln_j's backward; its input gradient adds to the residual's (:meth:`.ops.BlockOps.block_input`)."""
+    block = sb.blocks[j]
+    backward([block.take("norm_output")], [block.take("norm_grad")])
+
+
+# ---------------------------------------------------------------------- recomputed blocks
 def fine_grained(ops, sb):
     """``oases``: backward of the recomputed blocks (below ``first_kept``), each recomputed
     from its saved input H_j only, so the recomputation runs as soon as the previous
@@ -34,8 +191,8 @@ def fine_grained(ops, sb):
     for j in reversed(range(J)):
         norm = lambda j=j: _recompute_norm(ops, sb, j, residual=False)  # noqa: E731
         program += _recompute_to_main(ops, sb, j, norm, early=True)
-        program += ops.main_backward(sb, j)
-        program.append(ops.norm_grad_op(sb, j))
+        program += main_backward(ops, sb, j)
+        program.append(_norm_grad_op(ops, sb, j))
         if j > 0:
             bda = lambda j=j: _bda_grad_from_rng(ops, sb, j - 1)  # noqa: E731
             program.append(ops.light(bda, j - 1, "backward"))
@@ -84,7 +241,7 @@ def layer_phases(ops, sb, layer):
     recompute.append(ops.light(lambda: _recompute_bda(ops, sb, last), last, "recompute"))
     program = []
     for j in reversed(blocks):
-        program += ops.block_backward(sb, j)
+        program += block_backward(ops, sb, j)
     return recompute, program
 
 

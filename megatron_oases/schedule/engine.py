@@ -1,6 +1,7 @@
 """The overlapped TMP schedule of one pipeline stage's layers, as one autograd node (paper §3).
 
-Forward cuts the micro-batch into sub-batches (:mod:`.split`), builds each one's forward program
+:func:`schedule_layers` is the entry the replaced forwards call (:mod:`.patch`). Forward cuts
+the micro-batch into sub-batches (:mod:`.split`), builds each one's forward program
 (:mod:`.forward`) and runs them interleaved (:mod:`.executor`), so one sub-batch's collective
 hides behind another's compute. Backward builds the schedule's backward runs (:mod:`.backward`,
 table :data:`BACKWARD`) the same way. The schedules, their memory and their RNG handling are
@@ -8,11 +9,13 @@ described in ``docs/schedules.md``.
 """
 
 import contextlib
+import dataclasses
 
 import torch
 
 from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
 from . import backward as programs
+from .blocks import LayerBlocks
 from .comm import EarlyReductions, deferred_tmp_comm
 from .executor import Interleave, run_programs
 from .forward import forward_program
@@ -80,18 +83,17 @@ BACKWARD = {
 class ScheduledLayers:
     """One micro-batch through a stage's blocks under schedule ``mode``; owns no global state.
 
-    ``recompute``: Megatron's full recompute is on; ``recompute_layers``: how many leading
-    layers it checkpoints (None: all). ``parts``: sub-batches; ``split``: how they are cut
-    (``--oases-split``). ``embedding`` / ``output``: the stage's ends run in the programs
-    (:mod:`.stage`), or None. ``tracer``: records each op (optional)."""
+    ``recomputed_layers``: how many leading layers Megatron's full recompute checkpoints
+    (:func:`recomputed_layers`; 0: every block keeps its graph). ``parts``: sub-batches;
+    ``split``: how they are cut (``--oases-split``). ``embedding`` / ``output``: the stage's ends
+    run in the programs (:mod:`.stage`), or None. ``tracer``: records each op (optional)."""
 
     def __init__(
         self,
         blocks,
         mode,
+        recomputed_layers=0,
         microbatch=-1,
-        recompute=True,
-        recompute_layers=None,
         tracer=None,
         parts=SUB_BATCHES,
         embedding=None,
@@ -102,12 +104,7 @@ class ScheduledLayers:
         self.blocks, self.mode, self.microbatch, self.tracer = blocks, mode, microbatch, tracer
         self.parts, self.split_kind = parts, split
         self.embedding, self.output = embedding, output
-        layers = len(blocks.layers)
-        if mode == "overlap" and not recompute:
-            layers = 0
-        elif recompute_layers is not None:
-            layers = min(recompute_layers, layers)
-        self.recomputed_layers = layers
+        layers = self.recomputed_layers = min(recomputed_layers, len(blocks.layers))
         if not layers:
             self.saved = "graphs"
         else:
@@ -221,3 +218,66 @@ class ScheduledLayersFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         run, ctx.run = ctx.run, None
         return None, run.backward(grad_output)
+
+
+def recomputed_layers(config, indices):
+    """How many of a run of a stage's layers (``indices``: their positions in the stage,
+    ascending) Megatron's full recomputation checkpoints (``config``: its TransformerConfig): all
+    of them under ``--recompute-method uniform`` (one layer per checkpoint, see
+    :mod:`megatron_oases.validation`), those among the stage's first ``--recompute-num-layers``
+    under ``block`` (always a leading part of the run), none without full recomputation."""
+    if config.recompute_granularity != "full":
+        return 0
+    if config.recompute_method == "block":
+        return sum(1 for i in indices if i < config.recompute_num_layers)
+    return len(indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSchedule:
+    """How the replaced forwards (:mod:`.patch`) run a stage's layers, fixed at install:
+    ``mode`` (``--oases-schedule``; ``off``: a plan's degree runs in Megatron's own loop),
+    ``parts`` sub-batches cut as ``split``, ``graphs`` (``--oases-cuda-graphs``'
+    :class:`.graphs.BlockGraphs`) and ``tracer`` (``oases-trace``'s), or None."""
+
+    mode: str
+    parts: int = SUB_BATCHES
+    split: str = "batch"
+    graphs: object = None
+    tracer: object = None
+
+    def next_microbatch(self):
+        """The next micro-batch's number in the trace (-1 untraced: only the trace reads it)."""
+        return self.tracer.next_microbatch() if self.tracer is not None else -1
+
+
+def schedule_layers(
+    schedule,
+    layers,
+    hidden,
+    config,
+    indices=None,
+    attention_mask=None,
+    rotary_pos_emb=None,
+    attention_bias=None,
+    microbatch=-1,
+    embedding=None,
+    output=None,
+):
+    """A stage's ``layers`` (``indices``: their positions in the stage, default all of them) on
+    ``hidden`` under ``schedule`` (a :class:`LayerSchedule`): one autograd node, the one entry of
+    the replaced forwards. ``config``: Megatron's TransformerConfig, whose full recompute decides
+    what forward keeps. ``embedding`` / ``output``: the stage's ends (:mod:`.stage`), or None."""
+    indices = range(len(layers)) if indices is None else indices
+    run = ScheduledLayers(
+        LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias, schedule.graphs),
+        schedule.mode,
+        recomputed_layers=recomputed_layers(config, indices),
+        microbatch=microbatch,
+        tracer=schedule.tracer,
+        parts=schedule.parts,
+        embedding=embedding,
+        output=output,
+        split=schedule.split,
+    )
+    return ScheduledLayersFunction.apply(run, hidden)

@@ -1,5 +1,5 @@
-"""The ``oases-schedule`` patch's ``HybridStack.forward``: a ``HybridModel`` stage's layers through
-the overlapped schedule.
+"""``HybridStack.forward`` under the ``oases-schedule`` patch (:mod:`.patch`): a ``HybridModel``
+stage's layers through the overlapped schedule.
 
 Each ``*`` (attention) or ``-`` (MLP) layer of ``--hybrid-layer-pattern`` is one block of
 :mod:`.blocks`, so a ``*-*-`` stack is scheduled exactly as the GPT layers it migrates from.
@@ -14,16 +14,12 @@ from megatron.core.utils import make_viewless_tensor
 
 from ..errors import OasesConfigError
 from ..hetero.runtime import stage_of
-from ..validation import SUB_BATCHES
-from .blocks import LayerBlocks
-from .engine import ScheduledLayers, ScheduledLayersFunction
-from .transformer_block import recomputed_layers
+from .engine import schedule_layers
 
 
-def make_stack_forward(original, mode, tracer=None, parts=SUB_BATCHES, split="batch", graphs=None):
-    """``HybridStack.forward`` running its layers through ``mode`` (arguments as
-    :func:`.transformer_block.make_block_forward`'s)."""
-    counter = {"microbatch": 0}
+def make_stack_forward(original, schedule):
+    """``HybridStack.forward`` running its layers under ``schedule`` (an
+    :class:`.engine.LayerSchedule`)."""
 
     def forward(
         self,
@@ -62,19 +58,15 @@ def make_stack_forward(original, mode, tracer=None, parts=SUB_BATCHES, split="ba
         if hasattr(hidden_states, "unwrap"):  # a WrappedTensor (Megatron's inference path)
             hidden_states = hidden_states.unwrap()
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-        mb = tracer.next_microbatch() if tracer else counter["microbatch"]
-        counter["microbatch"] += 1
-        run = ScheduledLayers(
-            LayerBlocks(self.layers, attention_mask, rotary_pos_emb, None, graphs),
-            mode,
-            microbatch=mb,
-            recompute=self.config.recompute_granularity == "full",
-            recompute_layers=recomputed_layers(self.config, range(len(self.layers))),
-            tracer=tracer,
-            parts=parts,
-            split=split,
+        hidden_states = schedule_layers(
+            schedule,
+            self.layers,
+            hidden_states,
+            self.config,
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            microbatch=schedule.next_microbatch(),
         )
-        hidden_states = ScheduledLayersFunction.apply(run, hidden_states)
         if self.post_process and self.post_layer_norm:
             hidden_states = self.final_norm(hidden_states)
         return make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)

@@ -3,7 +3,8 @@
 :class:`BlockOps` knows the micro-batch's settings (which blocks keep their graphs, sequence
 parallelism, the split's chunk attention) and makes the :class:`~.executor.Compute` and
 :class:`~.executor.Comm` ops that the forward (:mod:`.forward`) and backward (:mod:`.backward`)
-program builders put in order. Design notes: ``docs/schedules.md``.
+program builders put in order; the backward bodies the ops run are in :mod:`.backward`. Design
+notes: ``docs/schedules.md``.
 """
 
 import functools
@@ -12,42 +13,6 @@ import torch
 
 from .cuts import grad_sink, joined_reduction
 from .executor import Comm, Compute
-
-_engine = torch.autograd.Variable._execution_engine
-
-
-def backward(outputs, grads, freed=False):
-    """``torch.autograd.backward(outputs, grads)`` without its Python layer (argument
-    normalisation, gradients made where None is given), which the schedule's calls do not need;
-    the shape check is kept. ``freed``: ``outputs[0]``'s data was freed in forward (a kept
-    graph's root, :meth:`BlockOps.free_data`), so its check is skipped, as in Megatron's
-    ``custom_backward``."""
-    if len(outputs) == 1:  # the common case: one root, no loop or tuple() calls
-        out, g = outputs[0], grads[0]
-        if not freed and out.shape != g.shape:
-            _shape_error(out, g)
-        outputs, grads = (out,), (g,)
-    else:
-        skip = 1 if freed else 0
-        for out, g in zip(outputs[skip:], grads[skip:]):
-            if out.shape != g.shape:
-                _shape_error(out, g)
-        outputs, grads = tuple(outputs), tuple(grads)
-    _engine.run_backward(
-        tensors=outputs,
-        grad_tensors=grads,
-        keep_graph=False,
-        create_graph=False,
-        inputs=(),
-        allow_unreachable=True,
-        accumulate_grad=True,
-    )
-
-
-def _shape_error(out, g):
-    raise RuntimeError(
-        f"oases: gradient of shape {tuple(g.shape)} for an output of shape {tuple(out.shape)}"
-    )
 
 
 class BlockOps:
@@ -148,8 +113,8 @@ class BlockOps:
         """H_j as block j's inputs: ln_j's through a sink whose gradient adds to the block's
         input gradient, and (``residual``) bda_j's residual in ``block.residual``, an alias
         without a graph. bda is ``residual + dropout(...)``, so the residual's gradient is bda's
-        output gradient itself (:meth:`joined_grad` and :meth:`bda_grad` start the input
-        gradient with it); a leaf used by both would make ``AccumulateGrad`` copy that gradient
+        output gradient itself (bda_j's backward, :mod:`.backward`, starts the input gradient
+        with it); a leaf used by both would make ``AccumulateGrad`` copy that gradient
         into ``.grad``.
         The alias is ``.data`` (no aten call): bda's add reads the residual and saves nothing,
         so no saved-tensor version check needs the shared counter ``detach()`` would keep."""
@@ -196,49 +161,6 @@ class BlockOps:
             ops.append(self.compute(lambda: main(block.take("gathered")), j, pass_))
         return ops
 
-    # ------------------------------------------------------------------ backward
-    def main_backward(self, sb, j):
-        """Block j's main backward between its collectives: under SP the all-gather of R_j's
-        gradient (the row-parallel reduce-scatter's backward) first; then the input-gradient
-        reduction of the column-parallel linear (all-reduce, or reduce-scatter under SP)."""
-        block, ops = sb.blocks[j], []
-        if self.regathers(j):  # main_j's input again, in the same collective
-            ops.append(self.regather(sb, j))
-        elif self.sp:
-            get = lambda: block.take("reduced_grad")  # noqa: E731
-            done = self.store(block, "reduced_grad")
-            ops.append(self.collective("all_gather", get, done, j, "backward"))
-        ops.append(self.compute(lambda: self.main_grad(sb, j), j, "backward"))
-        return ops + self.input_gradient_reductions(sb, j)
-
-    def input_gradient_reductions(self, sb, j):
-        """The reduction of main_j's input gradient; for a kept graph built in runs of tokens
-        (tail pieces) one per run, queued together, joined when the last is taken."""
-        block = sb.blocks[j]
-        n, block.pieces = block.pieces, None
-        if n is None:
-            get = lambda: block.take("norm_grad")  # noqa: E731
-            return [self.reduce(get, self.store(block, "norm_grad"), j, "backward")]
-        parts = [None] * n
-
-        def done(i, t):
-            parts[i] = t
-            if i == n - 1:
-                block.norm_grad = torch.cat(parts)
-
-        return self.queued(j, "backward", n, lambda i: block.piece_grads.pop(i), done)
-
-    def regather(self, sb, j):
-        """One all-gather of R_j's gradient and main_j's saved input shard (a collective each
-        would leave the second with no compute to hide behind)."""
-        block = sb.blocks[j]
-
-        def done(gathered):
-            block.reduced_grad, block.gathered = gathered
-
-        get = lambda: (block.take("reduced_grad"), block.norm_output.detach())  # noqa: E731
-        return self.collective("all_gather", get, done, j, "backward")
-
     def joins(self, block):
         """Block's R_j joins main_j's graph (:meth:`reduced_input`): without SP and for a whole
         block (not run in runs of tokens), where nothing happens between bda_j's backward and
@@ -252,66 +174,3 @@ class BlockOps:
         if self.joins(block):
             return joined_reduction(block.take("partial"), R)
         return self.sink(R, self.store(block, "reduced_grad"))
-
-    def block_backward(self, sb, j):
-        """Block j's backward ops through its kept (or recomputed) graph, in order."""
-        block = sb.blocks[j]
-        if self.joins(block):
-            first = [self.compute(lambda: self.joined_grad(sb, j), j, "backward")]
-            return first + self.input_gradient_reductions(sb, j) + [self.norm_grad_op(sb, j)]
-        first = [self.light(lambda: self.bda_grad(sb, j), j, "backward")]
-        return first + self.main_backward(sb, j) + [self.norm_grad_op(sb, j)]
-
-    def norm_grad_op(self, sb, j):
-        """ln_j's backward as a (light) op of block j's backward program."""
-        return self.light(lambda: self.norm_grad(sb, j), j, "backward")
-
-    def joined_grad(self, sb, j):
-        """bda_j's and main_j's backward in one call (R_j joined, :meth:`reduced_input`)."""
-        block = sb.blocks[j]
-        g = sb.blocks[j + 1].take("input_grad")
-        self._backward_through_main(sb, j, [block.take("output")], [g])
-        block.input_grad = g  # the residual's (see block_input); ln_j's adds to it
-
-    def _backward_through_main(self, sb, j, roots, grads, freed=False):
-        """``backward`` from roots whose graph holds main_j's: with the sequence split, the later
-        chunks' key/value gradients join the call (attention), and it runs in the sub-batch's
-        chunk (Megatron's selective recompute re-runs core attention in there)."""
-        if self.prefix is None:
-            backward(roots, grads, freed)
-            return
-        attention, layer = self.blocks.attention(j), self.blocks.layer_index(j)
-        if attention:
-            more, more_grads = self.prefix.backward_roots(layer, sb.index)
-            roots, grads = roots + more, grads + more_grads
-        with self.prefix.running(sb.index):
-            backward(roots, grads, freed)
-        if attention:
-            self.prefix.collect(layer, sb.index)
-
-    def bda_grad(self, sb, j):
-        """bda_j's backward through its kept graph: R_j's gradient lands in its sink; the
-        residual's is the output gradient itself (see :meth:`block_input`)."""
-        g = sb.blocks[j + 1].take("input_grad")
-        backward([sb.blocks[j].take("output")], [g])
-        sb.blocks[j].input_grad = g
-
-    def main_grad(self, sb, j):
-        block = sb.blocks[j]
-        P, g = block.take("partial"), block.take("reduced_grad")
-        if isinstance(P, list):  # forward ran it in runs of tokens (tail pieces), data freed
-            # one backward call per run: each run's weight gradient is accumulated before the
-            # next run's is computed (one call over all runs could hold several at once), and
-            # each run's input-gradient all-reduce starts before the next run's backward
-            for p, gi in zip(P, torch.tensor_split(g, len(P), dim=0)):
-                backward([p], [gi], freed=True)
-            return
-        freed = P.numel() != g.numel()  # data freed in forward (kept graph) unless kept
-        self._backward_through_main(sb, j, [P], [g], freed)
-        if self.regathers(j):
-            block.gathered = None  # main_j's input gradient has landed in norm_grad
-
-    def norm_grad(self, sb, j):
-        """ln_j's backward; its input gradient adds to the residual's (:meth:`block_input`)."""
-        block = sb.blocks[j]
-        backward([block.take("norm_output")], [block.take("norm_grad")])

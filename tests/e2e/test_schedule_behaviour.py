@@ -402,7 +402,7 @@ def _uninstall_worker(base):
     from megatron.core.tensor_parallel import layers
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_oases.schedule import transformer_block as sched_patch
+    from megatron_oases.schedule import patch as sched_patch
 
     def symbols():
         return (

@@ -18,10 +18,10 @@ from megatron_oases.schedule.engine import BACKWARD, ScheduledLayers, ScheduledL
 from megatron_oases.schedule.state import BlockState, EndState
 from megatron_oases.validation import SPLIT_SCHEDULES
 
-#: what forward keeps → (recompute, recompute_layers) of ScheduledLayers: every block's graph;
-#: no graph (every layer recomputed); the first layer recomputed, the later ones' graphs kept
-#: (Megatron's ``--recompute-method block --recompute-num-layers 1``)
-KEEPS = {"graphs": (False, 0), "none": (True, None), "later": (True, 1)}
+#: what forward keeps → how many leading layers are recomputed, of ``layers``: none (every
+#: block's graph kept); all; the first (Megatron's ``--recompute-method block
+#: --recompute-num-layers 1``: the later layers' graphs kept)
+KEEPS = {"graphs": lambda layers: 0, "none": lambda layers: layers, "later": lambda layers: 1}
 
 
 def _saved(schedule, keeps):
@@ -77,10 +77,8 @@ def _check(schedule, keeps, parts, pieces, monkeypatch, layout="gpt", sp=False):
     for p in params:
         p.grad = None
 
-    recompute, recompute_layers = KEEPS[keeps]
-    run = ScheduledLayers(
-        blocks, schedule, recompute=recompute, recompute_layers=recompute_layers, parts=parts
-    )
+    recomputed = KEEPS[keeps](len(blocks.layers))
+    run = ScheduledLayers(blocks, schedule, recomputed_layers=recomputed, parts=parts)
     assert (schedule, run.saved) in BACKWARD
     assert run.saved == _saved(schedule, keeps)
     x_run = x.clone().requires_grad_()

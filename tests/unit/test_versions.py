@@ -79,7 +79,7 @@ def _built_patches(args):
     from megatron_oases import megatron_lm
     from megatron_oases.instrument import golden
     from megatron_oases.instrument import trace_patch as trace
-    from megatron_oases.schedule import transformer_block as schedule
+    from megatron_oases.schedule import patch as schedule
 
     config = OasesConfig.from_args(args)
     built = {
@@ -114,6 +114,7 @@ def test_replaced_symbols_are_what_megatron_calls():
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.training import checkpointing, training
 
+    from megatron_oases.schedule.engine import LayerSchedule
     from megatron_oases.schedule.transformer_block import make_block_forward
 
     req = compat.require_symbol
@@ -129,7 +130,8 @@ def test_replaced_symbols_are_what_megatron_calls():
     for flag in ("allreduce_dgrad", "disable_grad_reduce", "sequence_parallel"):
         assert flag in inspect.getsource(forward), flag
     # Our TransformerBlock.forward hands the stock one its arguments by position.
-    ours = list(inspect.signature(make_block_forward(TransformerBlock.forward, "oases")).parameters)
+    ours = make_block_forward(TransformerBlock.forward, LayerSchedule("oases"))
+    ours = list(inspect.signature(ours).parameters)
     stock = list(inspect.signature(TransformerBlock.forward).parameters)
     positional = [p for p in ours if p not in ("self", "kwargs")]
     assert stock[1 : 1 + len(positional)] == positional
