@@ -2,8 +2,8 @@
 
 Steps (each in its own process, under its own time limit, its result kept when a later one fails):
 
-* ``env``: torch, CUDA, the GPU, megatron-core, Triton/TE, and the GPU's GEMM rate (the host rate
-  the link emulator divides by).
+* ``env``: torch, CUDA, the GPU, megatron-core, Triton/TE, the GPU's GEMM rate and memory
+  bandwidth (the host rates the link emulator's device model divides by).
 * ``parity``: every schedule against stock Megatron on this device (loss and every gradient), two
   ranks sharing it through gloo with device tensors; fp32, ``--bf16``, sequence parallelism and
   ``--attention-backend flash``.
@@ -19,6 +19,16 @@ Steps (each in its own process, under its own time limit, its result kept when a
 * ``graphs``: ``--oases-cuda-graphs``: parity of ``oases`` and ``overlap`` (no recompute) with
   graphs against stock (fp32, ``--bf16``), calls and kernels per layer, GPU idle share, memory and
   the one-rank emulated timing with and without graphs (on the CPU its ``eager`` bookkeeping).
+
+* ``faithful`` (run on its own: ``--steps env,faithful``): device-bound one-rank rows
+  ``profile:TP:micro-batch`` in priority order (:data:`FAITHFUL_ROWS`, ``--rows``), each with
+  stock full recompute, stock without recompute, ``oases``, ``overlap-norecompute`` and
+  ``oases``+graphs, two passes in alternating order, each job's GPU busy share (a row counts at
+  >= 0.85; below, the micro-batch is doubled once), speed-ups against the fair baseline and the
+  best stock variant beside the roofline prediction, and the first row's kernel traces analysed
+  here (:mod:`megatron_oases.instrument.kernel_trace`). The emulator's host rates are this
+  device's (``OASES_HOST_FLOPS``, ``OASES_HOST_MEM_GBS`` from ``env``), so its per-shape D
+  applies. Rows that no longer fit the step's budget are skipped with a line.
 
 ``--dry-run`` runs the same steps on the CPU with tiny shapes (CI runs it). Writes
 ``report.json`` and ``report.md`` (and ``check.log``) into ``--out``: by default
@@ -121,6 +131,29 @@ def gemm_tflops(dtype_name, dry):
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
+def memory_gbs(dry):
+    """Sustained memory bandwidth of this device (GB/s): a large copy reads and writes each byte
+    once (median of a few); the emulator's host memory rate (``OASES_HOST_MEM_GBS``)."""
+    import torch
+
+    cuda = _cuda()
+    n = (1 << 28) if cuda and not dry else (1 << 22)  # 1 GiB of fp32 on a GPU
+    dev = "cuda" if cuda else "cpu"
+    src = torch.ones(n, device=dev)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(7):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return 2 * n * src.element_size() / statistics.median(times) / 1e9
+
+
 def step_env(dry):
     import torch
 
@@ -154,6 +187,7 @@ def step_env(dry):
     else:
         out["device"] = "cpu (" + (platform.processor() or platform.machine()) + ")"
     out["gemm_tflops"] = {d: gemm_tflops(d, dry) for d in ("float32", "bfloat16")}
+    out["memory_gbs"] = memory_gbs(dry)
     return out
 
 
@@ -604,6 +638,354 @@ def step_graphs(dry, save=None, gemm_rate=None, trace_dir=None):
     return out
 
 
+# -- faithful: device-bound one-rank rows (issue 42) ---------------------------------------------
+
+#: ``profile:TP:micro-batch[:D]`` in priority order (a cut budget keeps the first ones). The
+#: communication/compute ratio of a TMP layer does not depend on the tokens per micro-batch, so a
+#: micro-batch large enough to keep the H100 busy stands for the target's own. The last row is an
+#: H100 group spanning two nodes (TP 16 over the profile's inter-node link): the GPU is the
+#: target, so no dilation (D = 1).
+FAITHFUL_ROWS = (
+    "rtx4090-pcie:4:64",
+    "rtx3090-pcie:2:32",
+    "rtx4090-pcie:2:32",
+    "l40s-pcie:2:32",
+    "rtx3090-pcie:4:64",
+    "h100-nvlink:2:32",
+    "h100-nvlink:16:256:1",
+)
+#: the dry run forces D: a loaded CPU's measured rate puts D in the thousands (seconds of waiting
+#: per collective); the host rates still reach the emulator and the prediction
+FAITHFUL_DRY_ROWS = ("rtx4090-pcie:4:2:1",)
+#: (label, variant, graphs?) and each one's fair baseline (the same recompute setting)
+FAITHFUL_VARIANTS = (
+    ("megatron", "megatron", False),
+    ("megatron-norecompute", "megatron-norecompute", False),
+    ("oases", "oases", False),
+    ("overlap-norecompute", "overlap-norecompute", False),
+    ("oases+graphs", "oases", True),
+)
+FAIR_BASELINE = {
+    "megatron": "megatron",
+    "megatron-norecompute": "megatron-norecompute",
+    "oases": "megatron",
+    "oases+graphs": "megatron",
+    "overlap-norecompute": "megatron-norecompute",
+}
+STOCK = ("megatron", "megatron-norecompute")
+BUSY_MIN = 0.85  # a row counts only where every job kept the GPU at least this busy
+WARMUP = 2
+PREDICTION_MODEL = (
+    "roofline of the target GPU (megatron_oases.device_model: GEMM FLOPs at the profile's "
+    "sustained rate + memory-bound bytes at its memory bandwidth) per layer forward T_f; "
+    "backward 2 T_f, full recompute + T_f; 2 layers, embedding/loss/optimizer left out. "
+    "All-reduce t_AR of b*s*h elements on the profile's link for the group (ring alpha-beta). "
+    "Stock: every all-reduce exposed (6 per layer with full recompute, 4 without) except the "
+    "2 backward ones, each hidden behind its block's weight-gradient GEMMs (~T_f of the block). "
+    "Schedules, ideal overlap: max(compute, all-reduces) + one all-reduce per layer exposed "
+    "(at most the serial time); "
+    "serial (no overlap at all): compute + every all-reduce (oases issues none in recompute: 4 "
+    "per layer). Split and graph-copy costs are left out."
+)
+
+
+def parse_rows(text):
+    """``profile:TP:mb[:D]`` items, comma-separated; one ``ValueError`` line for a bad one."""
+    rows = []
+    for item in [t.strip() for t in text.split(",") if t.strip()]:
+        parts = item.split(":")
+        try:
+            if len(parts) not in (3, 4):
+                raise ValueError
+            tp, mb = int(parts[1]), int(parts[2])
+            d = float(parts[3]) if len(parts) == 4 else None
+            if tp < 1 or mb < 1 or (d is not None and d <= 0):
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"--rows item {item!r}: write profile:TP:micro-batch[:D], e.g. rtx4090-pcie:4:64"
+            ) from None
+        rows.append((parts[0], tp, mb, d))
+    return rows
+
+
+def _row_key(profile, tp, mb):
+    return f"{profile}-tp{tp}-mb{mb}"
+
+
+def _layer_shape(s):
+    """The layer_math shape dict of the faithful model flags."""
+    flags = dict(zip(_argv(s["timing"])[::2], _argv(s["timing"])[1::2]))
+    h = int(flags["--hidden-size"])
+    return {
+        "hidden_size": h,
+        "num_attention_heads": int(flags["--num-attention-heads"]),
+        "num_query_groups": None,
+        "kv_channels": None,
+        "ffn_hidden_size": 4 * h,
+        "swiglu": False,
+        "seq_length": int(flags["--seq-length"]),
+        "normalization": "LayerNorm",
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+    }
+
+
+def predict_row(s, profile_name, tp, mb, host=None, layers=2):
+    """Modelled iteration time of each variant on the target and the speed-ups (see
+    :data:`PREDICTION_MODEL`); ``host`` (GEMM TFLOP/s, memory GB/s): also the roofline D that
+    the emulator's device model gives this row on this device."""
+    from megatron_oases import device_model as dm
+    from megatron_oases.testbed.clusters import load_cluster
+
+    profile = load_cluster(profile_name)
+    target = dm.DeviceRates.from_profile(profile)
+    shape = _layer_shape(s)
+    p = profile.dtype_bytes
+    blocks = [dm.roofline_time(dm.block_work(shape, b, tp, p, mb), target).total_s
+              for b in ("attention", "mlp")]  # fmt: skip
+    t_f = sum(blocks)
+    ar = profile.all_reduce_time(
+        mb * shape["seq_length"] * shape["hidden_size"] * p, list(range(tp))
+    )
+    hidden_bwd = sum(min(ar, b) for b in blocks)  # stock: dgrad all-reduce behind the wgrad GEMMs
+    c_full, c_nr = 4 * t_f * layers, 3 * t_f * layers
+    t = {
+        "megatron": c_full + layers * (6 * ar - hidden_bwd),
+        "megatron-norecompute": c_nr + layers * (4 * ar - hidden_bwd),
+    }
+    serial = {"oases": c_full + 4 * ar * layers, "overlap-norecompute": c_nr + 4 * ar * layers}
+    ideal = {  # never worse than no overlap at all
+        "oases": min(serial["oases"], max(c_full, 4 * ar * layers) + ar * layers),
+        "overlap-norecompute": min(
+            serial["overlap-norecompute"], max(c_nr, 4 * ar * layers) + ar * layers
+        ),
+    }
+    ideal["oases+graphs"], serial["oases+graphs"] = ideal["oases"], serial["oases"]
+    best = min(t.values())
+    out = {
+        "target_layer_forward_ms": 1e3 * t_f,
+        "all_reduce_ms": 1e3 * ar,
+        "comm_over_compute_stock": 6 * ar / (4 * t_f),
+        "iteration_ms": {k: 1e3 * v for k, v in t.items()},
+        "speedup": {},
+    }
+    for label, base in FAIR_BASELINE.items():
+        if label in STOCK:
+            out["speedup"][label] = {"fair": 1.0, "best_stock": best / t[label]}
+            continue
+        out["speedup"][label] = {
+            "fair_ideal": t[base] / ideal[label],
+            "fair_serial": t[base] / serial[label],
+            "best_stock_ideal": best / ideal[label],
+            "best_stock_serial": best / serial[label],
+        }
+    if host:
+        rates = dm.DeviceRates(host[0] * 1e12, host[1] * 1e9, "this device")
+        d = dm.dilation(dm.layer_work(shape, tp, p, mb), rates, target)
+        out["roofline_d"] = d.d
+        out["roofline_d_parts"] = d.describe()
+    return out
+
+
+def _job(argv, iters, dry):
+    """One faithful job: ``WARMUP`` + ``iters`` timed iterations + one profiled (busy share); the
+    D its emulator printed."""
+    import io
+
+    buf = io.StringIO()
+    total = WARMUP + iters + 1
+    with contextlib.redirect_stdout(buf):
+        try:
+            r = one_rank_job(argv, total, profile_at=total)
+        finally:
+            sys.stdout.write(buf.getvalue())
+    ds = re.findall(r"\bD = ([0-9.]+(?:e[+-]?[0-9]+)?)", buf.getvalue())
+    busy = r["gpu_busy_s"] / r["wall_s"] if "gpu_busy_s" in r and r.get("wall_s") else None
+    return {
+        "timed_s": r["iteration_s"][WARMUP : WARMUP + iters],
+        "busy_share": busy,
+        "dilation": float(ds[-1]) if ds else None,
+    }
+
+
+def faithful_row(s, profile, tp, mb, d, iters, dry, graphs):
+    """Every variant of one row, two passes in alternating order."""
+    from megatron_oases.errors import last_line
+
+    _fake_group(tp)
+    if d is not None:
+        os.environ["OASES_EMULATE_DILATION"] = repr(d)
+    jobs = {
+        label: emulated_argv(s, "timing", tp, mb, profile, name, graphs.split() if g else ())
+        for label, name, g in FAITHFUL_VARIANTS
+    }
+    per = {label: {"timed_s": [], "busy_share": [], "dilation": None} for label in jobs}
+    order = list(jobs)
+    try:
+        for pass_order in (order, order[::-1]):
+            for label in pass_order:
+                if "error" in per[label]:
+                    continue
+                try:
+                    r = _job(jobs[label], iters, dry)
+                except Exception as exc:  # noqa: BLE001 - one job's failure is a result
+                    per[label]["error"] = last_line(exc)[:300]
+                    continue
+                per[label]["timed_s"] += r["timed_s"]
+                per[label]["busy_share"].append(r["busy_share"])
+                per[label]["dilation"] = r["dilation"]
+    finally:
+        os.environ.pop("OASES_EMULATE_DILATION", None)
+    row = {"profile": profile, "tp": tp, "micro_batch": mb, "dilation_forced": d, "variants": {}}
+    for label, v in per.items():
+        t = v["timed_s"]
+        busy = [b for b in v["busy_share"] if b is not None]
+        out = {
+            "iteration_s": t,
+            "dilation": v["dilation"],
+            "busy_share": min(busy) if busy else None,
+        }
+        if t:
+            med = statistics.median(t)
+            out.update(median_s=med, cv=statistics.pstdev(t) / statistics.fmean(t))
+        if "error" in v:
+            out["error"] = v["error"]
+        row["variants"][label] = out
+    med = {k: v.get("median_s") for k, v in row["variants"].items()}
+    stock = [med[k] for k in STOCK if med.get(k)]
+    best = min(stock) if stock else None
+    row["speedup"] = {
+        label: {
+            "fair": (
+                med[FAIR_BASELINE[label]] / med[label] if med.get(FAIR_BASELINE[label]) else None
+            ),
+            "best_stock": best / med[label] if best else None,
+        }
+        for label in row["variants"]
+        if med.get(label)
+    }
+    known = [v["busy_share"] for v in row["variants"].values() if v["busy_share"] is not None]
+    row["min_busy_share"] = min(known) if known else None
+    row["counts"] = bool(known) and min(known) >= BUSY_MIN
+    return row
+
+
+def _trace_first_row(s, profile, tp, mb, d, trace_dir, dry):
+    """Kernel traces of stock and ``oases`` at the first row, analysed here (on the device)."""
+    from megatron_oases.errors import last_line
+    from megatron_oases.instrument import kernel_trace
+    from megatron_oases.testbed.link_model import CudaLink
+
+    _fake_group(tp)
+    out = {}
+    if d is not None:
+        os.environ["OASES_EMULATE_DILATION"] = repr(d)
+    CudaLink.annotate = True
+    try:
+        for label in ("megatron", "oases"):
+            argv = emulated_argv(s, "timing", tp, mb, profile, label)
+            path = os.path.join(
+                trace_dir, f"trace-faithful-{_row_key(profile, tp, mb)}-{label}.json"
+            )
+            try:
+                one_rank_job(argv, 3, profile_at=3, trace_path=path)
+                res = {"analysis": kernel_trace.analyse(path)}
+                subprocess.run(["gzip", "-f", path], check=False)
+                res["file"] = os.path.basename(path) + ".gz"
+            except Exception as exc:  # noqa: BLE001
+                res = {"error": last_line(exc)[:300]}
+            if not _cuda():  # a CPU trace has no kernels: the analysis runs on a recorded one
+                res["synthetic_analysis"] = kernel_trace.analyse(kernel_trace.synthetic_trace())
+            out[label] = res
+    finally:
+        CudaLink.annotate = False
+        os.environ.pop("OASES_EMULATE_DILATION", None)
+    return out
+
+
+def step_faithful(
+    dry, save=None, gemm_rate=None, mem_gbs=None, trace_dir=None, rows=None, iters=None,
+    deadline_s=None,
+):  # fmt: skip
+    """Device-bound one-rank rows (see :data:`FAITHFUL_ROWS`): each variant's iteration time, its
+    GPU busy share, speed-ups against the fair baseline and the best stock variant beside the
+    roofline prediction, and the first row's kernel traces analysed here."""
+    import torch
+
+    from megatron_oases.errors import last_line
+    from megatron_oases.testbed.clusters import load_cluster
+
+    t_end = time.time() + (deadline_s or 450)
+    save = save or (lambda result: None)
+    if gemm_rate:  # the emulator's "host" is this device: its GEMM rate and memory bandwidth
+        os.environ["OASES_HOST_FLOPS"] = repr(gemm_rate * 1e12)
+    if mem_gbs:
+        os.environ["OASES_HOST_MEM_GBS"] = repr(mem_gbs)
+    s = shapes(dry)
+    rows = (
+        parse_rows(rows)
+        if rows
+        else parse_rows(",".join(FAITHFUL_DRY_ROWS if dry else FAITHFUL_ROWS))
+    )
+    iters = iters or (2 if dry else 6)
+    graphs = "--oases-cuda-graphs" + ("" if _cuda() else " eager")
+    out = {
+        "model": s["timing"] + " --num-layers 2" + (" --bf16" if _cuda() else ""),
+        "iterations": f"{WARMUP} warm-up + {iters} timed per pass, 2 passes in alternating order "
+        "(+1 profiled for the busy share)",
+        "host_rates": {"gemm_tflops": gemm_rate, "memory_gbs": mem_gbs},
+        "busy_min": BUSY_MIN,
+        "prediction_model": PREDICTION_MODEL,
+        "rows": {},
+        "skipped": [],
+    }
+    host = (gemm_rate, mem_gbs) if gemm_rate and mem_gbs else None
+    row_s = None  # how long the last row took
+    for i, (profile, tp, mb, d) in enumerate(rows):
+        try:
+            load_cluster(profile)
+        except Exception as exc:  # noqa: BLE001
+            out["skipped"].append(f"{profile}:{tp}:{mb}: not run: {last_line(exc)[:200]}")
+            continue
+        left = t_end - time.time()
+        if row_s is not None and left < row_s:
+            out["skipped"].append(
+                f"{profile}:{tp}:{mb}: not run: {left:.0f} s of the step's budget left, a row "
+                f"took {row_s:.0f} s"
+            )
+            continue
+        t0 = time.time()
+        row = faithful_row(s, profile, tp, mb, d, iters, dry, graphs)
+        row_s = time.time() - t0
+        if row["min_busy_share"] is not None and not row["counts"]:
+            if t_end - time.time() > 2 * row_s:  # double the micro-batch once, and say so
+                first = row
+                row = faithful_row(s, profile, tp, 2 * mb, d, iters, dry, graphs)
+                row["doubled_from"] = {"micro_batch": mb, "min_busy_share": first["min_busy_share"]}
+                mb = 2 * mb
+            else:
+                row["not_doubled"] = "busy share below the minimum; no time left to double"
+        try:
+            row["prediction"] = predict_row(s, profile, tp, mb, host)
+        except Exception as exc:  # noqa: BLE001
+            row["prediction"] = {"error": last_line(exc)[:300]}
+        out["rows"][_row_key(profile, tp, mb)] = row
+        save(out)
+        if i == 0 and trace_dir:
+            out["traces"] = _trace_first_row(s, profile, tp, mb, d, trace_dir, dry)
+            save(out)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    from megatron_oases.testbed.link_model import CudaLink
+
+    out["collective_kernel"] = {
+        "kernel": CudaLink.last_kernel,
+        "fallback_reason": CudaLink.fallback_reason,
+    }
+    return out
+
+
 STEPS = {
     "env": (step_env, 60),
     "parity": (step_parity, 240),
@@ -612,6 +994,7 @@ STEPS = {
     "split": (step_split, 60),
     "graphs": (step_graphs, 300),
     "python": (step_python, 180),
+    "faithful": (step_faithful, 460),
 }
 
 
@@ -735,6 +1118,9 @@ def write_report(report, out):
     python = (steps.get("python") or {}).get("result")
     if python:
         lines += _python_report(python)
+    faithful = (steps.get("faithful") or {}).get("result")
+    if faithful:
+        lines += _faithful_report(faithful)
     split = (steps.get("split") or {}).get("result")
     if split:
         lines += [
@@ -749,6 +1135,125 @@ def write_report(report, out):
             lines += ["", f"**{n} failed**: {s['error']}"]
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _x(v):
+    return f"{v:.2f}x" if isinstance(v, (int, float)) else "-"
+
+
+def _faithful_report(f):
+    labels = [label for label, _, _ in FAITHFUL_VARIANTS]
+    lines = [
+        "",
+        "## Faithful one-rank rows (device-bound; issue 42)",
+        "",
+        f"Model: `{f['model']}`; {f['iterations']}. Host rates given to the emulator (this "
+        f"device's): GEMM {_fmt(f['host_rates'].get('gemm_tflops'), '{:.3g}')} TFLOP/s, memory "
+        f"{_fmt(f['host_rates'].get('memory_gbs'), '{:.3g}')} GB/s. A row counts only where "
+        f"every job kept the GPU at least {f['busy_min']:.0%} busy (the profiled iteration's "
+        "kernel time ÷ its wall time; the profiler slows the host, so a lower bound).",
+        "",
+        "Speed-ups: **fair** = against stock with the same recompute setting (oases and "
+        "oases+graphs against stock full recompute, overlap-norecompute against stock without "
+        "recompute); **best** = against the faster stock variant. Predicted: ideal overlap / no "
+        "overlap, from the roofline model below.",
+        "",
+    ]
+    for key, row in f["rows"].items():
+        pred = row.get("prediction") or {}
+        head = f"### {key}"
+        if row.get("dilation_forced"):
+            head += f" (D forced to {row['dilation_forced']:g}: the GPU is the target)"
+        lines += [head, ""]
+        if row.get("doubled_from"):
+            df = row["doubled_from"]
+            lines.append(
+                f"Micro-batch doubled from {df['micro_batch']}: its busy share was "
+                f"{_fmt(df['min_busy_share'], '{:.2f}')} < {f['busy_min']}."
+            )
+        if row.get("not_doubled"):
+            lines.append(f"Not doubled: {row['not_doubled']}.")
+        counts = row.get("counts")
+        lines.append(
+            f"Lowest busy share {_fmt(row.get('min_busy_share'), '{:.2f}')}: "
+            + ("**counts** (device-bound)." if counts else "**does not count** (host-bound or "
+               "not measured: no CUDA).")  # fmt: skip
+        )
+        if "roofline_d" in pred:
+            lines.append(f"Roofline D on this device: {pred['roofline_d_parts']}.")
+        if "error" in pred:
+            lines.append(f"Prediction: {pred['error']}.")
+        lines += [
+            "",
+            "| variant | median s | CV | busy | D (emulator) | vs fair | vs best stock | "
+            "predicted vs fair | predicted vs best |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for label in labels:
+            v = row["variants"].get(label, {})
+            sp = row["speedup"].get(label, {})
+            ps = (pred.get("speedup") or {}).get(label, {})
+            if "fair_ideal" in ps:
+                pf = f"{_x(ps['fair_ideal'])} / {_x(ps['fair_serial'])}"
+                pb = f"{_x(ps['best_stock_ideal'])} / {_x(ps['best_stock_serial'])}"
+            else:
+                pf, pb = _x(ps.get("fair")), _x(ps.get("best_stock"))
+            med = (
+                _fmt(v.get("median_s"), "{:.4f}")
+                if "median_s" in v
+                else f"failed: {v.get('error')}"
+            )
+            lines.append(
+                f"| {label} | {med} | {_fmt(v.get('cv'), '{:.1%}')} | "
+                f"{_fmt(v.get('busy_share'), '{:.2f}')} | {_fmt(v.get('dilation'), '{:.4g}')} | "
+                f"{_x(sp.get('fair'))} | {_x(sp.get('best_stock'))} | {pf} | {pb} |"
+            )
+        lines.append("")
+    for line in f.get("skipped", []):
+        lines.append(f"- skipped: {line}")
+    tr = f.get("traces")
+    if tr:
+        lines += [
+            "",
+            "### Kernel traces of the first row (analysed on the device)",
+            "",
+            "| variant | busy share | compute ms | spin ms | spin beside compute | two streams at "
+            "once ms | idle gaps > 100 µs (n, ms) | largest gap ms | stream waits (on spins, "
+            "spin inputs, other) | waits that stalled on a spin (n, ms) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for label, r in tr.items():
+            for kind in ("analysis", "synthetic_analysis"):
+                a = r.get(kind)
+                if not a:
+                    continue
+                if "spin_us" not in a:
+                    lines.append(f"| {label} ({kind}) | {a.get('note', 'no kernels')} |||||||||")
+                    continue
+                w = a["stream_wait_summary"]
+                k = w["by_kind"]
+                name = label + (" (synthetic trace: the CPU's has no kernels)"
+                                if kind == "synthetic_analysis" else "")  # fmt: skip
+                lines.append(
+                    f"| {name} | {_fmt(a['busy_share'], '{:.2f}')} | "
+                    f"{a['compute_us'] / 1e3:.2f} | {a['spin_us'] / 1e3:.2f} | "
+                    f"{a['spin_overlapped_us'] / 1e3:.2f} ms "
+                    f"({_fmt(a['spin_overlapped_share'], '{:.0%}')}) | "
+                    f"{a['concurrent_streams_us'] / 1e3:.2f} | {a['idle_gaps_over_100us']}, "
+                    f"{a['idle_gaps_over_100us_total_us'] / 1e3:.2f} | "
+                    f"{a['largest_gap_us'] / 1e3:.2f} | {k.get('spin', 0)}, {k.get('input', 0)}, "
+                    f"{k.get('other', 0)} | {w['on_spins_that_stalled']}, "
+                    f"{w['stalled_us'] / 1e3:.2f} |"
+                )
+            if r.get("error"):
+                lines.append(f"| {label} | failed: {r['error']} |||||||||")
+        files = [r["file"] for r in tr.values() if r.get("file")]
+        if files:
+            lines += ["", "Traces next to this report: " + ", ".join(f"`{x}`" for x in files)]
+    lines += ["", f"Prediction model: {f['prediction_model']}"]
+    ck = f.get("collective_kernel") or {}
+    lines += ["", f"Collectives stood in for by: {ck.get('kernel') or 'host-clock waits (CPU)'}"]
+    return lines
 
 
 def _python_report(py):
@@ -864,7 +1369,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="the same steps on the CPU, tiny shapes")
     p.add_argument("--out", default=None, help="report directory")
-    p.add_argument("--steps", default=",".join(STEPS), help="comma-separated subset of the steps")
+    p.add_argument(
+        "--steps",
+        default=",".join(n for n in STEPS if n != "faithful"),
+        help="comma-separated subset of the steps (default: all but faithful, which has a "
+        "session of its own: --steps env,faithful)",
+    )
     p.add_argument("--budget-s", type=float, default=480, help="stop starting steps after this")
     p.add_argument(
         "--parity-configs",
@@ -872,11 +1382,27 @@ def main(argv=None):
         help="parity: only the configs whose name starts with one of these (comma-separated, "
         "e.g. llama; default all)",
     )
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="faithful: profile:TP:micro-batch[:D] rows in priority order (default: the issue's "
+        "seven; D forces the dilation, 1 = the GPU is the target)",
+    )
+    p.add_argument("--iters", type=int, default=None, help="faithful: timed iterations per pass")
     p.add_argument("--step", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--gemm-tflops", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--trace-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mem-gbs", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline-s", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.rows:
+        try:
+            parse_rows(args.rows)
+        except ValueError as exc:
+            p.error(str(exc))
+    if args.iters is not None and args.iters < 1:
+        p.error("--iters must be at least 1")
     if args.step:  # inside a step's own process
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         fn = STEPS[args.step][0]
@@ -885,11 +1411,15 @@ def main(argv=None):
             with open(args.result, "w") as f:
                 json.dump(result, f, default=str)
 
-        kwargs = {"gemm_rate": args.gemm_tflops} if args.step in ("timing", "graphs") else {}
+        rated = ("timing", "graphs", "faithful")
+        kwargs = {"gemm_rate": args.gemm_tflops} if args.step in rated else {}
         if args.step == "graphs":
             kwargs.update(save=save, trace_dir=args.trace_dir)
         if args.step == "python":
             kwargs = {"save": save}
+        if args.step == "faithful":
+            kwargs.update(save=save, mem_gbs=args.mem_gbs, trace_dir=args.trace_dir,
+                          rows=args.rows, iters=args.iters, deadline_s=args.deadline_s)  # fmt: skip
         if args.step == "parity":
             only = args.parity_configs.split(",") if args.parity_configs else None
             kwargs = {"save": save, "only": only}
@@ -924,9 +1454,15 @@ def main(argv=None):
                 continue
             extra = []
             env = report["steps"].get("env", {}).get("result") or {}
-            if name in ("timing", "graphs") and env.get("gemm_tflops"):
+            if name in ("timing", "graphs", "faithful") and env.get("gemm_tflops"):
                 rate = env["gemm_tflops"]["bfloat16" if env.get("cuda_available") else "float32"]
                 extra = ["--gemm-tflops", repr(rate)]
+            if name == "faithful":
+                if env.get("memory_gbs"):
+                    extra += ["--mem-gbs", repr(env["memory_gbs"])]
+                extra += ["--trace-dir", out, "--deadline-s", repr(max(limit - 20, 5))]
+                extra += ["--rows", args.rows] if args.rows else []
+                extra += ["--iters", str(args.iters)] if args.iters else []
             if name == "parity" and args.parity_configs:
                 extra = ["--parity-configs", args.parity_configs]
             if name == "graphs":  # the kernel timelines go next to the report

@@ -235,8 +235,18 @@ def synthetic_trace():
     def kernel(name, stream, ts, dur, launch_ts, tid=1):
         corr[0] += 1
         c = corr[0]
-        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
-                   "tid": tid, "ts": launch_ts, "dur": 2, "args": {"correlation": c}})
+        ev.append(
+            {
+                "ph": "X",
+                "cat": "cuda_runtime",
+                "name": "cudaLaunchKernel",
+                "pid": 1,
+                "tid": tid,
+                "ts": launch_ts,
+                "dur": 2,
+                "args": {"correlation": c},
+            }
+        )
         ev.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts,
                    "dur": dur, "args": {"stream": stream, "correlation": c}})  # fmt: skip
 

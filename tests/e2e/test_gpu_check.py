@@ -86,3 +86,59 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert "## CUDA graphs" in md
     # the issue's budget for the dry run
     assert elapsed < 180, f"dry run took {elapsed:.0f} s"
+
+
+@pytest.mark.timeout(900)
+def test_gpu_check_faithful_dry_run(tmp_path):
+    """``--steps env,faithful``: every variant of a row in two passes, the speed-ups against the
+    fair baseline and the best stock variant beside the roofline prediction, the first row's
+    traces analysed (the CPU's hold no kernels: a synthetic one runs through the analysis too),
+    and a row that cannot run is one line, not a failure."""
+    out = tmp_path / "gpu"
+    env = dict(os.environ, PYTHON=sys.executable)
+    for k in ("OASES_EMULATE_DILATION", "OASES_HOST_FLOPS", "OASES_HOST_MEM_GBS"):
+        env.pop(k, None)
+    cmd = ["bash", os.path.join(REPO, "benchmarks", "gpu", "check.sh"), "--dry-run"]
+    cmd += ["--steps", "env,faithful", "--rows", "rtx4090-pcie:4:2:1,no-such-gpu:2:2"]
+    cmd += ["--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=880, env=env)
+    log = (out / "check.log").read_text() if (out / "check.log").exists() else ""
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + log[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    env_result = report["steps"]["env"]["result"]
+    assert env_result["memory_gbs"] > 0  # the emulator's host memory rate on a GPU
+    f = report["steps"]["faithful"]["result"]
+    assert f["host_rates"]["memory_gbs"] == env_result["memory_gbs"]
+    (key,) = f["rows"]
+    assert key == "rtx4090-pcie-tp4-mb2"
+    row = f["rows"][key]
+    labels = ["megatron", "megatron-norecompute", "oases", "overlap-norecompute", "oases+graphs"]
+    assert list(row["variants"]) == labels
+    for label, v in row["variants"].items():
+        assert "error" not in v, (label, v)
+        assert len(v["iteration_s"]) == 4 and v["median_s"] > 0  # 2 timed x 2 passes
+        assert v["dilation"] == 1.0  # forced by the row; the emulator's own line read back
+        assert v["busy_share"] is None  # no CUDA
+    sp = row["speedup"]
+    assert sp["overlap-norecompute"]["fair"] == pytest.approx(
+        row["variants"]["megatron-norecompute"]["median_s"]
+        / row["variants"]["overlap-norecompute"]["median_s"]
+    )
+    assert sp["oases"]["fair"] == pytest.approx(
+        row["variants"]["megatron"]["median_s"] / row["variants"]["oases"]["median_s"]
+    )
+    assert row["counts"] is False  # no busy share measured: the row cannot count
+    pred = row["prediction"]
+    assert pred["roofline_d"] > 0 and "D = " in pred["roofline_d_parts"]
+    ideal, serial = pred["speedup"]["oases"]["fair_ideal"], pred["speedup"]["oases"]["fair_serial"]
+    assert ideal >= serial > 0
+    assert any("no-such-gpu:2:2: not run" in line for line in f["skipped"])
+    for label in ("megatron", "oases"):
+        t = f["traces"][label]
+        assert "error" not in t, t
+        assert (out / t["file"]).exists() and "+" not in t["file"]
+        assert t["analysis"]["kernels"] == 0
+        assert t["synthetic_analysis"]["spin_overlapped_share"] == pytest.approx(0.5)
+    md = (out / "report.md").read_text()
+    assert "## Faithful one-rank rows" in md and "### Kernel traces of the first row" in md
+    assert "Prediction model:" in md and "vs fair" in md and "skipped: no-such-gpu" in md
