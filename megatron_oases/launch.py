@@ -188,3 +188,23 @@ def run_torchrun(argv, nproc, timeout=300, env=None, module="megatron_oases"):
         timeout=timeout,
         env=full_env,
     )
+
+
+def die_with_launcher():
+    """Under ``torchrun`` (``TORCHELASTIC_RUN_ID`` set, Linux): ask the kernel to SIGKILL this
+    rank when its launcher dies. A launcher killed with SIGKILL cannot stop its ranks, which
+    would otherwise train on as orphans (and hold ``--save``'s lock). Returns True if set."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() == 1:  # the launcher died before the request: nothing will signal us
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True

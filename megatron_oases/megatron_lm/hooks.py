@@ -54,6 +54,9 @@ def extra_args_provider(existing=None):
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment sets it.
     """
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    from ..launch import die_with_launcher
+
+    die_with_launcher()  # a launcher killed with SIGKILL leaves no orphan ranks
     _install_cpu_shims()
     return _chain(existing, add_oases_args, _local_transformer_impl_default)
 

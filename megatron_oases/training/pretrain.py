@@ -51,6 +51,9 @@ def run(argv, demo=False, prog=PROG):
     from ..compat import check_megatron_core
 
     check_megatron_core()
+    from ..launch import die_with_launcher
+
+    die_with_launcher()  # a launcher killed with SIGKILL leaves no orphan ranks
     argv = with_defaults(argv, demo=demo)
     platform.install_cpu_shims()  # a no-op with CUDA
     try:

@@ -383,3 +383,53 @@ def test_torch_format_checkpoint_resumes(tmp_path):
     assert resumed.returncode == 0 and not errors(resumed), resumed.stderr[-3000:]
     with open(tmp_path / "b.json") as f:
         assert json.load(f)["lm loss"]["start_step"] == 3  # iterations 3 and 4, from the checkpoint
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(200)
+def test_killed_launcher_leaves_no_orphan_ranks(tmp_path):
+    """``kill -9`` of torchrun itself: its ranks trained on as orphans; each rank now asks the
+    kernel for SIGKILL when its launcher dies (``launch.die_with_launcher``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    argv = ["train", "--train-iters", "100000", "--num-workers", "0"]
+    log = tmp_path / "out.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            torchrun_command(argv, 2), stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.time() + 150
+        while not TRAINED.search(log.read_text()):
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only, as `kill -9 <torchrun pid>`
+        proc.wait()
+        deadline = time.time() + 10
+        while any(map(_alive, ranks)) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, ranks)), "ranks still running after their launcher died"
+    finally:
+        for pid in [proc.pid] + locals().get("ranks", []):  # ranks have sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
