@@ -413,6 +413,7 @@ def test_killed_launcher_leaves_no_orphan_ranks(tmp_path):
             torchrun_command(argv, 2), stdout=out, stderr=subprocess.STDOUT, env=env,
             start_new_session=True,
         )  # fmt: skip
+    ranks = []
     try:
         deadline = time.time() + 150
         while not TRAINED.search(log.read_text()):
@@ -427,7 +428,7 @@ def test_killed_launcher_leaves_no_orphan_ranks(tmp_path):
             time.sleep(0.2)
         assert not any(map(_alive, ranks)), "ranks still running after their launcher died"
     finally:
-        for pid in [proc.pid] + locals().get("ranks", []):  # ranks have sessions of their own
+        for pid in [proc.pid] + ranks:  # the ranks have sessions of their own
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
