@@ -7,7 +7,7 @@ half is Megatron's ``IdentityOp``):
 
     H_j ──ln_j──▶ L_j ──main_j──▶ partial_j ══all-reduce══▶ R_j ──bda_j(R_j, bias_j, H_j)──▶ H_{j+1}
 
-``main_j`` is ``self_attention`` or ``mlp`` with TMP communication deferred (see :mod:`.comm`):
+``main_j`` is ``self_attention`` or ``mlp`` with TMP communication deferred (see :mod:`.deferral`):
 its forward all-reduce follows it, and its backward all-reduce is on the gradient of ``L_j``.
 Under sequence parallelism H_j, R_j and the ln output hold s/t of the sequence, and the one
 all-reduce becomes two collectives (Korthikanti et al. 2022)::

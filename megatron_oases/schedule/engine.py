@@ -16,7 +16,8 @@ import torch
 from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
 from . import backward as programs
 from .blocks import LayerBlocks
-from .comm import EarlyReductions, deferred_tmp_comm
+from .comm import EarlyReductions
+from .deferral import deferred_tmp_comm
 from .executor import Interleave, run_programs
 from .forward import forward_program
 from .ops import BlockOps

@@ -236,7 +236,7 @@ def run_programs(
     optional): the yield points inside compute ops call into this run. ``ids``: each program's
     sub-batch index for the trace (default its position; the first program leads).
     ``compute_context``: a context manager the run executes in (the engine's deferral of
-    Megatron's own TMP communication, :class:`.comm.deferred_tmp_comm`): entered once, not per
+    Megatron's own TMP communication, :class:`.deferral.deferred_tmp_comm`): entered once, not per
     compute op, as only compute ops call Megatron's layers (a collective's issue and its ``done``
     do not)."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()

@@ -3,7 +3,7 @@
 The two-sub-batch schedules issue every kernel of a block twice, and on a fast GPU the host's
 cost of issuing them, not the GPU, sets the step time (``docs/host-cost.md``). Here main_j (the
 attention or MLP between its layernorm and its TMP reduction, which the schedule keeps outside:
-:mod:`.comm`) is captured once per input shape into a forward graph and a backward graph, then
+:mod:`.deferral`) is captured once per input shape into a forward graph and a backward graph, then
 each call is one replay of each. Design and limits: ``docs/schedules.md`` (CUDA graphs).
 
 A captured graph owns static buffers: its inputs, its outputs, the tensors its backward needs and
@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..validation import CUDA_GRAPH_MODES
-from .comm import deferred_tmp_comm
+from .deferral import deferred_tmp_comm
 
 #: copies of one block's graph at most (sub-batches × micro-batches in flight); more means a
 #: forward whose backward never comes, i.e. a bug, not a schedule

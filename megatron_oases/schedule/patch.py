@@ -9,12 +9,13 @@ run (:func:`megatron_oases.compat.require_symbol` / ``require_call``). All are r
   :func:`.engine.schedule_layers` nodes, one per run of equal-degree layers with a plan;
 - ``HybridStack.forward`` → :mod:`.hybrid_stack`: a ``HybridModel`` stage's layers, one node;
 - a schedule without a plan: ``GPTModel.forward``, ``GPTModel._postprocess`` and
-  ``tensor_parallel.scatter_to_sequence_parallel_region`` → :mod:`.stage` (and :mod:`.comm` for
-  the scatter): the embedding and the output layer + loss as ops of the programs;
+  ``tensor_parallel.scatter_to_sequence_parallel_region`` → :mod:`.stage` (and :mod:`.deferral`
+  for the scatter): the embedding and the output layer + loss as ops of the programs;
 - ``tensor_parallel.layers.reduce_from_tensor_model_parallel_region`` and
   ``reduce_scatter_to_sequence_parallel_region``, ``ColumnParallelLinear.forward``,
-  ``torch.distributed.all_reduce`` → :mod:`.comm`: Megatron's own TMP communication deferred to
-  the schedule inside the engine's compute ops;
+  ``torch.distributed.all_reduce`` → :mod:`.deferral`: Megatron's own TMP communication deferred
+  to the schedule inside the engine's compute ops (its opening table: who sets and who reads
+  each field of the state they share);
 - a plan: checkpoint save/load, ``finalize_model_grads`` (before 0.19) and
   ``param_is_not_tensor_parallel_duplicate`` (with its copy in ``optimizer.clip_grads``) →
   :mod:`megatron_oases.hetero`: checkpoints in the stock layout, the replica sync, grad-norm
@@ -31,7 +32,7 @@ from ..compat import finalize_model_grads_replacements, require_call, require_sy
 from ..hetero.model import make_param_is_not_tp_duplicate
 from ..patching import Patch
 from . import stage
-from .comm import make_all_reduce, make_column_forward, make_deferred_reduction, make_scatter
+from .deferral import make_all_reduce, make_column_forward, make_deferred_reduction, make_scatter
 from .engine import LayerSchedule
 from .graphs import BlockGraphs
 from .hybrid_stack import make_stack_forward
@@ -84,7 +85,7 @@ def _stage_end_replacements():
 
 def _early_all_reduce():
     """``torch.distributed.all_reduce``, routing the column linears' input-gradient all-reduce to
-    the schedule (:mod:`.comm`): checked to be how Megatron's linear issues it, before its weight
+    the schedule (:mod:`.deferral`): checked to be how Megatron's linear issues it, before its weight
     gradient, on the group its forward saved."""
     import torch.distributed
     from megatron.core.tensor_parallel.layers import (

@@ -12,8 +12,8 @@ import contextlib
 import torch
 
 from . import loss
-from .comm import cut_at_scatter, supplied_reduction
 from .cuts import grad_sink
+from .deferral import cut_at_scatter, supplied_reduction
 from .executor import Comm, Compute
 from .rng import replay, snapshot
 

@@ -39,7 +39,8 @@ def _run(program):
     input), compute as the executor runs it (TMP communication deferred)."""
     import torch.distributed as dist
 
-    from megatron_oases.schedule.comm import deferred_tmp_comm, start_collective
+    from megatron_oases.schedule.comm import start_collective
+    from megatron_oases.schedule.deferral import deferred_tmp_comm
     from megatron_oases.schedule.executor import Comm
 
     for op in program:
@@ -77,7 +78,7 @@ def _sequence_parallel_worker(positions, dropout):
 
     from megatron_oases import platform
     from megatron_oases.patching import Patch
-    from megatron_oases.schedule.comm import make_deferred_reduction, make_scatter
+    from megatron_oases.schedule.deferral import make_deferred_reduction, make_scatter
 
     platform.install_cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)

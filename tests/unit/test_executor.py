@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_oases.instrument import trace as trace_mod
-from megatron_oases.schedule import comm
+from megatron_oases.schedule import comm, deferral
 from megatron_oases.schedule import executor as ex
 from megatron_oases.schedule.executor import Comm, Compute, run_programs
 
@@ -111,7 +111,7 @@ def program(fake, name, n_comms, group, state=None):
         def fn(k=k):
             fake.log.append(("compute", f"{name}{k}"))
             state.setdefault("seen", []).append(state.get(k - 1))
-            state.setdefault("deferring", []).append(comm.deferring())
+            state.setdefault("deferring", []).append(deferral.deferring())
 
         ops.append(Compute(fn, block=f"{name}{k}"))
         if k == n_comms:
@@ -120,13 +120,13 @@ def program(fake, name, n_comms, group, state=None):
         def get(k=k):
             t = torch.full((2,), float(k + 1))
             fake.name_of[id(t)] = f"{name.upper()}{k}"
-            state.setdefault("get_deferring", []).append(comm.deferring())
+            state.setdefault("get_deferring", []).append(deferral.deferring())
             return t
 
         def done(t, k=k):
             fake.log.append(("done", f"{name.upper()}{k}"))
             state[k] = t.clone()
-            state.setdefault("done_deferring", []).append(comm.deferring())
+            state.setdefault("done_deferring", []).append(deferral.deferring())
 
         ops.append(Comm(get, done, group, block=f"{name.upper()}{k}"))
     return ops, state
@@ -343,12 +343,12 @@ def test_run_executes_with_tmp_comm_deferred(fake):
     layer; the caller's state is back afterwards."""
     a, sa = program(fake, "a", 2, FakeGroup(2))
     b, _ = program(fake, "b", 2, FakeGroup(2))
-    assert not comm.deferring()
-    run_programs([a, b], compute_context=comm.deferred_tmp_comm())
+    assert not deferral.deferring()
+    run_programs([a, b], compute_context=deferral.deferred_tmp_comm())
     assert sa["deferring"] == [True, True, True]
     assert sa["get_deferring"] == [True, True]
     assert sa["done_deferring"] == [True, True]
-    assert not comm.deferring()
+    assert not deferral.deferring()
 
 
 def test_compute_error_propagates_and_restores_deferral(fake):
@@ -357,8 +357,8 @@ def test_compute_error_propagates_and_restores_deferral(fake):
 
     a, _ = program(fake, "a", 1, FakeGroup(2))
     with pytest.raises(ValueError, match="compute failed"):
-        run_programs([a, [Compute(boom)]], compute_context=comm.deferred_tmp_comm())
-    assert not comm.deferring()
+        run_programs([a, [Compute(boom)]], compute_context=deferral.deferred_tmp_comm())
+    assert not deferral.deferring()
     assert ("compute", "a0") in fake.log
 
 
@@ -403,17 +403,17 @@ class TestDeferredTmpComm:
     """The replacements Megatron's TP linears get: stock outside the context, deferred inside."""
 
     def test_context_nests_and_restores(self):
-        assert not comm.deferring()
-        with comm.deferred_tmp_comm():
-            assert comm.deferring()
-            with comm.deferred_tmp_comm(enabled=False):
-                assert not comm.deferring()
-            assert comm.deferring()
-        assert not comm.deferring()
+        assert not deferral.deferring()
+        with deferral.deferred_tmp_comm():
+            assert deferral.deferring()
+            with deferral.deferred_tmp_comm(enabled=False):
+                assert not deferral.deferring()
+            assert deferral.deferring()
+        assert not deferral.deferring()
         with pytest.raises(ZeroDivisionError):
-            with comm.deferred_tmp_comm():
+            with deferral.deferred_tmp_comm():
                 1 / 0
-        assert not comm.deferring()
+        assert not deferral.deferring()
 
     @pytest.mark.parametrize(
         "name",
@@ -427,12 +427,12 @@ class TestDeferredTmpComm:
             return x * 2
 
         original.__name__ = name
-        reduce = comm.make_deferred_reduction(original)
+        reduce = deferral.make_deferred_reduction(original)
         assert reduce.__wrapped__ is original and reduce.__name__ == name
         x = torch.ones(3)
         torch.testing.assert_close(reduce(x, group="g"), torch.full((3,), 2.0))
         assert calls == ["g"]
-        with comm.deferred_tmp_comm():
+        with deferral.deferred_tmp_comm():
             assert reduce(x, group="g") is x  # the partial sum, unchanged
         assert calls == ["g"]
 
@@ -460,10 +460,10 @@ class TestDeferredTmpComm:
                 self.sequence_parallel = True
 
         lin = Linear()
-        forward = comm.make_column_forward(original)
+        forward = deferral.make_column_forward(original)
         assert forward.__wrapped__ is original
         assert forward(lin, 1, "w") == 2
-        with comm.deferred_tmp_comm():
+        with deferral.deferred_tmp_comm():
             assert forward(lin, 1, k=3) == 2
             with pytest.raises(RuntimeError, match="forward failed"):
                 forward(lin, 1, fail=True)
@@ -486,9 +486,9 @@ class TestDeferredTmpComm:
             def __init__(self):
                 self.allreduce_dgrad = self.disable_grad_reduce = self.sequence_parallel = False
 
-        forward = comm.make_column_forward(lambda self, x: x)
+        forward = deferral.make_column_forward(lambda self, x: x)
         assert forward(Linear(), 1) == 1  # not deferring: Megatron's own call
-        with comm.deferred_tmp_comm():
+        with deferral.deferred_tmp_comm():
             with pytest.raises(RuntimeError, match="no instance attribute 'tp_group'"):
                 forward(Linear(), 1)
 
@@ -622,11 +622,11 @@ def test_yield_point_splits_the_running_op_trace_segment(fake):
 def test_deferral_context_is_reentrant():
     """One deferral object is entered around every compute op, nested where a yield point runs
     another sub-batch's ops inside a running one: each exit restores what its enter found."""
-    ctx, off = comm.deferred_tmp_comm(early="e"), comm.deferred_tmp_comm(False)
+    ctx, off = deferral.deferred_tmp_comm(early="e"), deferral.deferred_tmp_comm(False)
     with ctx:
         with off:
             with ctx:
-                assert comm.deferring()
-            assert not comm.deferring()
-        assert comm.deferring()
-    assert not comm.deferring()
+                assert deferral.deferring()
+            assert not deferral.deferring()
+        assert deferral.deferring()
+    assert not deferral.deferring()
