@@ -217,7 +217,12 @@ def _check_order(log):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
     "name, flags",
-    [("overlap", " --oases-schedule overlap"), ("oases", " --oases-schedule oases" + RECOMPUTE)],
+    [
+        ("overlap", " --oases-schedule overlap"),
+        ("oases", " --oases-schedule oases" + RECOMPUTE),
+        # the graphs' CPU bookkeeping (static buffers, replays in place of the computes)
+        ("oases+graphs", " --oases-schedule oases --oases-cuda-graphs eager" + RECOMPUTE),
+    ],
 )
 def test_collectives_go_out_before_the_other_sub_batch_and_are_waited_on_where_consumed(
     recorded, name, flags
