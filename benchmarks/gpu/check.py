@@ -728,6 +728,9 @@ def _layer_shape(s):
         "normalization": "LayerNorm",
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
+        # as the emulator counts the target (megatron_oases.testbed.emulator.shape_of_args):
+        # Megatron's default attention backend picks a fused kernel on a GPU
+        "core_attention": "fused",
     }
 
 
@@ -780,9 +783,13 @@ def predict_row(s, profile_name, tp, mb, host=None, layers=2):
             "best_stock_ideal": best / ideal[label],
             "best_stock_serial": best / serial[label],
         }
-    if host:
+    if host:  # as the emulator computes it (resolve_dilation), this device as the host
         rates = dm.DeviceRates(host[0] * 1e12, host[1] * 1e9, "this device")
-        d = dm.dilation(dm.layer_work(shape, tp, p, mb), rates, target)
+        cuda = _cuda()
+        d = dm.roofline_dilation(
+            profile, shape, tp, rates, 2 if cuda else 4, samples=mb,
+            host_attention="fused" if cuda else "unfused",
+        )  # fmt: skip
         out["roofline_d"] = d.d
         out["roofline_d_parts"] = d.describe()
     return out
