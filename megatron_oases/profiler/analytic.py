@@ -1,7 +1,11 @@
 """``oases profile --analytic --cluster PROFILE``: a profile from FLOP counts and a cluster profile.
 
-Compute: block FLOPs (``layer_math``) at the cluster's sustained TFLOP/s; recompute = forward,
-backward = 2 × forward; core attention's forward (what selective recomputation runs again) is not
+Compute: each block's roofline time on the cluster's GPU,
+``roofline_time(block_work(...), DeviceRates.from_profile(cluster))`` of
+:mod:`megatron_oases.device_model` (the function the emulators dilate compute with): GEMM FLOPs at
+the sustained TFLOP/s plus memory-bound bytes (norms, bias adds, activations, dropout, residual
+adds, the unfused softmax, layout copies) at the sustained memory bandwidth; recompute = forward,
+backward = 2 × forward; the output layer (one GEMM) at the sustained rate; core attention's forward (what selective recomputation runs again) is not
 written: the planner takes its FLOP share of the attention block's forward
 (``Profile.core_attention_time``). Communication: the cluster's ring α–β model for each group
 (placement rules of :mod:`megatron_oases.testbed.clusters`); with sequence parallelism also the
@@ -12,6 +16,7 @@ clusters can be planned on a laptop.
 
 import time
 
+from ..device_model import DeviceRates, block_work, roofline_time
 from ..formats.profile import PROFILE_VERSION, gather_ranks, ranks_key, tp_ranks
 from ..testbed.clusters import load_cluster
 from . import layer_math
@@ -133,19 +138,24 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
     degrees = degrees or candidate_degrees(args, tp)
     p = cluster.dtype_bytes
     rate = cluster.sustained_tflops * 1e12
+    rates = DeviceRates.from_profile(cluster)
+    sp = bool(getattr(args, "sequence_parallel", False))
+    # the core attention the target GPU runs (Megatron's --attention-backend on CUDA), as the
+    # emulator's dilation counts it
+    attention = target_core_attention(args)
+    work_shape = dict(shape, core_attention=attention)
 
     compute = {}
     for block in layer_math.BLOCKS:
         compute[block] = {}
         for d in degrees:
-            fwd = layer_math.block_flops_forward(shape, block, d) / rate
+            fwd = forward_time(work_shape, block, d, p, rates, sequence_parallel=sp)
             compute[block][str(d)] = {
                 "forward_s": [[n, fwd * n] for n in SAMPLE_POINTS],
                 "recompute_s": [[n, fwd * n] for n in SAMPLE_POINTS],
                 "backward_s": [[n, 2 * fwd * n] for n in SAMPLE_POINTS],
             }
 
-    sp = bool(getattr(args, "sequence_parallel", False))
     groups = comm_groups(degrees + ([tp] if tp not in degrees else []), sequence_parallel=sp)
     comm = {kind: {} for kind in groups}
     for kind in groups:
@@ -185,6 +195,9 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
             "cluster": cluster.name,
             "gpu": cluster.gpu,
             "sustained_tflops": cluster.sustained_tflops,
+            "memory_bandwidth_gbs": cluster.memory_bandwidth_gbs,
+            "compute_model": "roofline",
+            "core_attention": attention,
         },
         "compute": compute,
         "fixed_compute": fixed_compute,
@@ -194,6 +207,21 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
         "memory": memory_section(shape, tp, degrees, p, overhead_bytes, sequence_parallel=sp),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def target_core_attention(args):
+    """``"fused"`` or ``"unfused"``: the core attention Megatron runs on the target GPU for
+    ``args`` (:func:`megatron_oases.testbed.emulator.shape_of_args`, the emulator's count)."""
+    from ..testbed.emulator import shape_of_args
+
+    return shape_of_args(args)["core_attention"]
+
+
+def forward_time(shape, block, degree, dtype_bytes, rates, sequence_parallel=False):
+    """One block's forward per rank per sample on a device of ``rates``: its roofline time
+    (GEMM FLOPs ÷ the GEMM rate + memory-bound bytes ÷ the memory bandwidth)."""
+    work = block_work(shape, block, degree, dtype_bytes, sequence_parallel=sequence_parallel)
+    return roofline_time(work, rates).total_s
 
 
 def grad_bytes(dtype_bytes):
