@@ -1187,7 +1187,8 @@ def _faithful_report(f):
                "not measured: no CUDA).")  # fmt: skip
         )
         if "roofline_d" in pred:
-            lines.append(f"Roofline D on this device: {pred['roofline_d_parts']}.")
+            used = " (not used: the row forces D)" if row.get("dilation_forced") else ""
+            lines.append(f"Roofline D on this device{used}: {pred['roofline_d_parts']}.")
         if "error" in pred:
             lines.append(f"Prediction: {pred['error']}.")
         lines += [
