@@ -81,7 +81,7 @@ def main(argv=None):
             "launch_flags": r["winner_plan"]["launch_flags"],
             "best_stock": f"{bs['name']} {_setting(bs)}" if bs else None,
             "best_stock_s": bs["iteration_time_s"] if bs else None,
-            "best_stock_launch_flags": bs["launch_flags"] if bs else None,
+            "best_stock_launch_flags": bs["stock_launch_flags"] if bs else None,
             "best_oases": f"{bo['name']} {_setting(bo)}" if bo else None,
             "best_oases_s": bo["iteration_time_s"] if bo else None,
             "stock_over_oases": r["stock_over_oases"],

@@ -349,6 +349,10 @@ def search(
         )
         if found and (best_stock is None or by_time(found[0]) < by_time(best_stock)):
             best_stock, stock_plan = found
+    if best_stock is not None:  # what plain Megatron-LM takes (no --oases-* flag)
+        best_stock["stock_launch_flags"] = " ".join(
+            best_stock["launch_flags"].replace("--oases-schedule off", "").split()
+        )
     if best_stock is not None and best_stock not in refined:
         # beside an Oases row of the same layout, or in place of a slower stock one
         refined = [r for r in refined if r["name"] != best_stock["name"] or is_oases(r)]
@@ -404,8 +408,8 @@ def verdict(result):
     elif s is not None:
         faster = f"{1 / ratio:.2f}x faster than the best Oases layout" if ratio else "the only fit"
         lines.append(
-            f"stock Megatron wins here: {s['name']} is {faster}; run stock with: "
-            f"{s['launch_flags']}"
+            f"stock Megatron wins here: {s['name']} is {faster}; run stock Megatron-LM with: "
+            f"{s['stock_launch_flags']}"
         )
     return lines
 

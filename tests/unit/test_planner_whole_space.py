@@ -93,8 +93,8 @@ def test_where_stock_wins_it_says_so_with_stocks_launch_line(h2048):
     stock = result["best_stock"]
     assert result["candidates"][0] is stock
     line = verdict(result)[2]
-    assert line.startswith("stock Megatron wins here") and stock["launch_flags"] in line
-    assert "--oases-schedule off" in stock["launch_flags"]
+    assert line.startswith("stock Megatron wins here") and stock["stock_launch_flags"] in line
+    assert "--oases" not in line and "--tensor-model-parallel-size 1" in line
 
 
 def test_plan_file_records_both(tmp_path):
