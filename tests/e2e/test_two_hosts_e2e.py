@@ -161,6 +161,54 @@ def assert_same_losses(got, ref, iterations, what):
         assert got[it] == pytest.approx(ref[it], rel=1e-5), (what, it, got, ref)
 
 
+SERVE = (
+    "import socket, sys; s = socket.create_server((sys.argv[1], 29400)); s.settimeout(20); "
+    "c, _ = s.accept(); c.sendall(b'host 0')"
+)
+CONNECT = (
+    "import socket, sys; c = socket.create_connection((sys.argv[1], 29400), timeout=3); "
+    "print(c.recv(16).decode())"
+)
+
+
+def test_the_hosts_meet_only_over_the_veth_and_are_torn_down_after_a_failure():
+    with pytest.raises(RuntimeError, match="failed on purpose"):
+        with TwoHosts() as h:
+            names = list(h.names)
+            server = subprocess.Popen(h.exec_prefix(0) + [sys.executable, "-c", SERVE, ADDRS[0]])
+            try:
+                for _ in range(50):  # until it listens
+                    client = subprocess.run(
+                        h.exec_prefix(1) + [sys.executable, "-c", CONNECT, ADDRS[0]],
+                        capture_output=True,
+                        text=True,
+                        timeout=30,
+                    )
+                    if client.returncode == 0:
+                        break
+                    time.sleep(0.2)
+                assert client.stdout.strip() == "host 0", client.stderr
+            finally:
+                server.kill()
+                server.wait()
+            # not from this machine's own namespace, nor once host 1's veth is down
+            outside = subprocess.run(
+                [sys.executable, "-c", CONNECT, ADDRS[0]], capture_output=True, timeout=30
+            )
+            assert outside.returncode != 0
+            h.link(1, "down")
+            cut = subprocess.run(
+                h.exec_prefix(1) + [sys.executable, "-c", CONNECT, ADDRS[0]],
+                capture_output=True,
+                timeout=30,
+            )
+            assert cut.returncode != 0
+            raise RuntimeError("failed on purpose")
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in names), listed
+    assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
+
+
 def sbatch_stock(hosts, slurm, root, ckpt):
     """``sbatch --nodes 2`` of the SLURM script: stock, iterations 1-4, saving into ``ckpt``;
     (sbatch's result, the job's output)."""
