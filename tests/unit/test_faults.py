@@ -417,7 +417,7 @@ def test_torch_format_and_missing_index_are_told_apart_before_torch_loads(tmp_pa
     import torch
 
     from megatron_oases.errors import OasesConfigError
-    from megatron_oases.training.checkpoint_check import check_tracker, check_torch_format_plan
+    from megatron_oases.training.checkpoint_check import check_torch_format_plan, check_tracker
 
     torch_ckpt = tmp_path / "torch"
     rank = torch_ckpt / "iter_0000002" / "mp_rank_00"
