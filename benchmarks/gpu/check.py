@@ -800,13 +800,15 @@ def _job(argv, iters, dry):
     D its emulator printed."""
     import io
 
-    buf = io.StringIO()
+    class Tee(io.StringIO):  # the log still gets every line as it comes (a hang shows where)
+        def write(self, text):
+            sys.__stdout__.write(text)
+            return super().write(text)
+
+    buf = Tee()
     total = WARMUP + iters + 1
     with contextlib.redirect_stdout(buf):
-        try:
-            r = one_rank_job(argv, total, profile_at=total)
-        finally:
-            sys.stdout.write(buf.getvalue())
+        r = one_rank_job(argv, total, profile_at=total)
     ds = re.findall(r"\bD = ([0-9.]+(?:e[+-]?[0-9]+)?)", buf.getvalue())
     busy = r["gpu_busy_s"] / r["wall_s"] if "gpu_busy_s" in r and r.get("wall_s") else None
     return {
