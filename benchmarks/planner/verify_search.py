@@ -2,7 +2,15 @@
 small GPT on 4 emulated GPUs (rtx3090-pcie links), every layout the search ranks run under the
 emulator (``--verify-top`` over all of them), plus the rule of thumb's pick.
 
-    python benchmarks/planner/verify_search.py [--out benchmarks/results/planner]
+    flock /tmp/oases-bench.lock python benchmarks/planner/verify_search.py \
+        [--out benchmarks/results/planner] [--top K] [--repeats R]
+
+Each candidate runs ``--repeats`` times at most, the order reversed on every other repeat (so a
+drift of the shared host's load falls on the candidates evenly), until the measured order of the
+top 5 is the same after two repeats in a row; a candidate's measured time is the median of its
+repeats. ``--top K`` runs the K the search ranks first (default: all) plus the rule of thumb's
+pick. The distributed optimizer is left out of this grid (``oases train`` on gloo/CPU; the
+question here is the ranking of the layouts and schedules).
 
 Reports the predicted against the measured iteration of each, Spearman's rank correlation over the
 top 5 and over all, how far the chosen layout's measured time is from the best measured one, and
@@ -46,7 +54,7 @@ def write_report(out, out_dir):
         "",
         "`python benchmarks/planner/verify_search.py` (do not edit by hand). **An emulation on a "
         "2-CPU host, not GPUs**: 4 ranks of `oases train` under `--emulate-link rtx3090-pcie` "
-        f"(D = {out['dilation']:.0f}); measured = median timed iteration ÷ D. Model: GPT "
+        f"(D per candidate's layer shape, the first {out['dilation']:.3g}); measured = median timed iteration ÷ D. Model: GPT "
         "H=512, 8 layers, 8 heads, seq 512, vocabulary 1024, global batch 8; searched without the "
         "host term (the emulator does not reproduce the target host).",
         "",
@@ -88,16 +96,22 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "planner"))
     p.add_argument("--runs", default="/tmp/oases-verify-search", help="the runs' directory")
     p.add_argument("--report-only", action="store_true", help="rebuild the .md from the .json")
+    p.add_argument("--top", type=int, default=None, help="run the K first candidates only")
+    p.add_argument("--repeats", type=int, default=3, help="at most this many repeats (>= 2)")
     args = p.parse_args(argv)
     if args.report_only:
         with open(os.path.join(args.out, "verify_search.json")) as f:
             write_report(json.load(f), args.out)
         print(f"wrote {args.out}/verify_search.md")
         return 0
+    from megatron_oases.planner import search as search_mod
+
+    search_mod._optimizers = lambda layout: (False,)  # no distributed optimizer (docstring)
     flat = {**read_model_file(MODEL), **SHAPE}
     margs = model_for_search(flat, GBS)
     result = search(margs, CLUSTER, GPUS, GBS, host_us_per_call=0, top=5)
-    cands = result["candidates"]
+    cands = result["candidates"][: args.top] if args.top else result["candidates"]
+    result["candidates"] = cands
     thumb = result["rule_of_thumb"]
     if thumb and not any(
         c["name"] == thumb["name"]
@@ -111,9 +125,31 @@ def main(argv=None):
         extra["launch_flags"] = _flags(Layout(**thumb["layout"]), thumb, {"global_batch_size": GBS})
         cands.append(extra)
     t0 = time.time()
-    checked = verify(result, flat, args.runs, len(cands), warmup=1, iters=3, progress=print)
+    checked, rows, order_prev, repeats = None, None, None, []
+    for rep_i in range(max(2, args.repeats)):
+        order = cands if rep_i % 2 == 0 else cands[::-1]
+        run = verify(dict(result, candidates=order), flat, os.path.join(args.runs, f"r{rep_i}"),
+                     len(order), warmup=1, iters=3, progress=print)  # fmt: skip
+        got = {id(c): r for c, r in zip(order, run["rows"])}
+        repeats.append([got[id(c)].get("measured_s") for c in cands])
+        checked = run
+        rows = [dict(got[id(c)]) for c in cands]
+        for i, r in enumerate(rows):
+            vals = sorted(v[i] for v in repeats if v[i] is not None)
+            r["measured_repeats_s"] = [v[i] for v in repeats]
+            if vals:
+                mid = len(vals) // 2
+                r["measured_s"] = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+                r["status"] = "ok"
+        ranked_now = [r for r, c in zip(rows, cands) if not c.get("rule_of_thumb")]
+        top_order = [r["name"] + r["schedule"] for r in sorted(
+            (r for r in ranked_now[:5] if "measured_s" in r), key=lambda r: r["measured_s"])]  # fmt: skip
+        print(f"repeat {rep_i + 1}: measured order of the top 5: {top_order}", flush=True)
+        if rep_i >= 1 and top_order == order_prev:
+            break
+        order_prev = top_order
+    checked["rows"] = rows
     print("\n".join(verify_table(checked)))
-    rows = checked["rows"]
     ranked = [r for r, c in zip(rows, cands) if not c.get("rule_of_thumb") and "measured_s" in r]
     top = ranked[:5]
     rho_top = spearman([r["predicted_s"] for r in top], [r["measured_s"] for r in top])
@@ -139,6 +175,8 @@ def main(argv=None):
         "chosen_over_best": chosen["measured_s"] / best["measured_s"] - 1,
         "rule_of_thumb": thumb_row,
         "runs_s": round(time.time() - t0),
+        "repeats": len(repeats),
+        "candidates_run": len(cands),
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "verify_search.json"), "w") as f:

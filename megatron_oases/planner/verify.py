@@ -3,7 +3,8 @@ and set the measured iteration beside the predicted one.
 
 Each candidate runs as ``oases train`` over N ranks on this host (``oases compare``'s runner:
 torchrun, mock data, the model's shape flags, the candidate's launch line) with
-``--emulate-link CLUSTER``: compute stretched by the dilation D, every collective its modelled
+``--emulate-link CLUSTER``: compute stretched by the dilation D (the roofline D of the candidate's
+own layer shape, TP degree and micro-batch: one per candidate), every collective its modelled
 time on the cluster's links. The measured figure is the median timed iteration ÷ D, the
 emulation's stand-in for the target GPUs, compared with the candidate's predicted *device* time
 (the host term is the target host's, which the emulator does not reproduce). An emulation, not
@@ -57,10 +58,14 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
 
     if k < 1:
         raise OasesConfigError("--verify-top must be ≥ 1")
+    import copy
+
+    from .search import model_for_search
+
     gpus, cluster = result["gpus"], result["cluster"]
     profile = load_cluster(cluster)
-    env = {}
-    emulation = _emulation_info(profile, 1, env, gpus)
+    margs = model_for_search(model_flat, result["global_batch_size"])
+    emulation = None
     base = model_argv(model_flat, shape_only=True) + ["--mock-data"]
     os.makedirs(out_dir, exist_ok=True)
     rows = []
@@ -74,6 +79,12 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
         variant = Variant(
             name=_slug(cand["name"]), flags=tuple(flags), label=cand["name"], paper=""
         )
+        # D of this candidate's layer shape (TP degree, micro-batch): one per candidate
+        cargs = copy.copy(margs)
+        lay = cand["layout"]
+        cargs.tensor_model_parallel_size, cargs.micro_batch_size = lay["tp"], lay["micro_batch"]
+        env = {}
+        emulation = _emulation_info(profile, 1, env, gpus, cargs)
         progress(f"verify {i}/{k}: {cand['name']} {cand['schedule']} on {gpus} emulated ranks")
         run = run_variant(
             variant,
@@ -94,6 +105,7 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
             "split": cand["split"],
             "predicted_s": cand["device_time_s"],
             "status": run["status"],
+            "dilation": emulation["dilation"],
         }
         if run["status"] == "ok":
             row["measured_s"] = run["median_iteration_s"] / emulation["dilation"]
@@ -102,7 +114,7 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
             row["error"] = run.get("error")
         rows.append(row)
     ok = [r for r in rows if "measured_s" in r]
-    out = {"rows": rows, "dilation": emulation["dilation"], "emulation": emulation}
+    out = {"rows": rows, "dilation": rows[0]["dilation"] if rows else None, "emulation": emulation}
     out["spearman"] = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
     if ok:
         best = min(ok, key=lambda r: r["measured_s"])
@@ -123,6 +135,6 @@ def verify_table(verified):
         f"Spearman {'n/a' if rho is None else f'{rho:.2f}'}; the best measured: "
         f"{verified.get('best_measured')}"
         + ("" if gap is None else f"; the chosen one measured {100 * gap:.1f} % above it")
-        + f" (emulated, D = {verified['dilation']:.0f})"
+        + " (emulated, D per candidate's shape)"
     )
     return lines

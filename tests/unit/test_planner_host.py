@@ -55,9 +55,11 @@ def test_the_host_term_keeps_a_fast_gpu_from_splitting(h2048):
     micro-batch issue) and takes its host's time, and stock, which issues a third fewer calls
     and keeps the GPU busy, wins."""
     profile = Profile(analytic_profile(h2048, "h100-nvlink"))
-    device_only = choose_plan(profile, global_batch_size=128, memory_gb=80, host_us_per_call=0)[0]
+    # at TP 4 (with the roofline's memory-bound work, 80 GB would let every layer drop to degree 1)
+    kw = dict(global_batch_size=128, memory_gb=80, degrees=[4])
+    device_only = choose_plan(profile, host_us_per_call=0, **kw)[0]
     assert device_only["schedule"] != "off" and device_only["predicted"]["host"] is None
-    plan = choose_plan(profile, global_batch_size=128, memory_gb=80)[0]
+    plan = choose_plan(profile, **kw)[0]
     assert plan["schedule"] == "off", plan["launch_flags"]
     p = plan["predicted"]
     assert p["host"]["host_us_per_call"] == 12.0

@@ -27,9 +27,14 @@ def test_analytic_profile_matches_cluster_and_flops():
     assert data["comm"]["all_reduce"]["0,1,2,3"]["link"] == "intra_node"
     assert data["comm"]["all_gather"]["0,2"]["link"] == "intra_node"  # 2 -> 4 re-shard: no NVLink
     assert prof.all_gather_time([0, 2], 1e6) == pytest.approx(cl.all_gather_time(1e6, [0, 2]))
-    # compute: FLOPs / sustained rate, backward = 2 × forward, linear in samples
+    # compute: the roofline (GEMM FLOPs / sustained rate + memory-bound bytes / bandwidth),
+    # backward = 2 × forward, linear in samples
+    from megatron_oases.device_model import DeviceRates, block_work, roofline_time
+
     shape = data["model"]
-    f = layer_math.block_flops_forward(shape, "mlp", 2) / (cl.sustained_tflops * 1e12)
+    work = block_work(shape, "mlp", 2, cl.dtype_bytes)
+    f = roofline_time(work, DeviceRates.from_profile(cl)).total_s
+    assert f > layer_math.block_flops_forward(shape, "mlp", 2) / (cl.sustained_tflops * 1e12)
     assert prof.compute_time("mlp", "forward_s", 2, 3) == pytest.approx(3 * f)
     assert prof.compute_time("mlp", "backward_s", 2, 5) == pytest.approx(10 * f)
     # MLP GEMMs of H=2048: 16·s·h² FLOPs per sample
