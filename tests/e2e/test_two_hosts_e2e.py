@@ -39,6 +39,8 @@ import pytest
 from helpers.netns import ADDRS, IFNAME, TwoHosts, why_not_available
 from helpers.paths import FAULT_INJECTION, LAUNCHER, REPO
 
+from megatron_oases.training.checkpoint_check import check_tracker
+
 _WHY_NOT = why_not_available()
 pytestmark = [
     pytest.mark.slow,
@@ -52,11 +54,8 @@ pytestmark = [
 #: full recomputation, so that every schedule can be compared with stock (cross-pass and oases
 #: need the recomputation); saves at 2 and 4; a peer that stops answering is given up after 10 s
 #: once training runs.
-EXTRA_ARGS = (
-    helpers.NO_DROP
-    + helpers.RECOMPUTE
-    + ("--save-interval 2 --distributed-timeout-seconds-after-init 10 --num-workers 0")
-)
+FLAGS = "--save-interval 2 --distributed-timeout-seconds-after-init 10 --num-workers 0"
+EXTRA_ARGS = helpers.NO_DROP + helpers.RECOMPUTE + FLAGS
 #: Megatron's iteration line: iteration number, loss.
 ITERATION = re.compile(r" iteration +(\d+)/ *\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 #: The most a job may take from the fault to its end on both hosts: the 10 s timeout, the 5 s
@@ -270,7 +269,7 @@ def chain(hosts, slurm_two_nodes, tmp_path_factory):
         command + ["--oases-schedule", "overlap", "--save", ckpt, *json_of("kill")],
         fault="kill:rank=2:iter=3",
     )
-    after["kill"] = tracker(ckpt)
+    after["kill"] = check_tracker(ckpt)  # the iteration of a complete checkpoint
     resume = ["--load", ckpt, "--save", ckpt]
     try:
         runs["linkdown"] = launch(
@@ -281,7 +280,7 @@ def chain(hosts, slurm_two_nodes, tmp_path_factory):
     finally:
         hosts.link(1, "up")
         hosts.link(0, "up")
-    after["linkdown"] = tracker(ckpt)
+    after["linkdown"] = check_tracker(ckpt)
     runs["resumed"] = launch(
         hosts, command + ["--oases-schedule", "oases", *resume, *json_of("resumed")]
     )
@@ -324,7 +323,7 @@ def test_sigkilled_rank_on_one_host_ends_the_job_on_both(chain):
     assert len(lines) == 1, lines
     assert "lost contact with another rank of this job" in lines[0], lines
     assert run.faulted and run.ended - run.faulted < FAULT_TO_END_S, run.ended - run.faulted
-    assert chain.after["kill"] == "2"
+    assert chain.after["kill"] == 2
     print(f"SIGKILL on host 1: both hosts ended {run.ended - run.faulted:.0f} s after it")
 
 
@@ -336,7 +335,7 @@ def test_host_dropping_off_the_network_ends_the_job_on_both(chain):
     assert "lost contact with another rank of this job" in lines[0], lines
     assert "Timed out waiting 10000ms" in lines[0], lines
     assert run.faulted and run.ended - run.faulted < FAULT_TO_END_S, run.ended - run.faulted
-    assert chain.after["linkdown"] == "2"
+    assert chain.after["linkdown"] == 2
     print(f"link down on host 1: both hosts ended {run.ended - run.faulted:.0f} s after it")
 
 
