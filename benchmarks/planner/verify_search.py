@@ -145,6 +145,10 @@ def main(argv=None):
         top_order = [r["name"] + r["schedule"] for r in sorted(
             (r for r in ranked_now[:5] if "measured_s" in r), key=lambda r: r["measured_s"])]  # fmt: skip
         print(f"repeat {rep_i + 1}: measured order of the top 5: {top_order}", flush=True)
+        os.makedirs(args.out, exist_ok=True)  # what is measured so far, should the run be cut
+        with open(os.path.join(args.out, "verify_search.partial.json"), "w") as f:
+            json.dump({"repeats_done": rep_i + 1, "top5_measured_order": top_order,
+                       "rows": rows, "elapsed_s": round(time.time() - t0)}, f, indent=1)  # fmt: skip
         if rep_i >= 1 and top_order == order_prev:
             break
         order_prev = top_order
