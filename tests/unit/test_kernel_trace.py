@@ -12,7 +12,7 @@ from megatron_oases.instrument import kernel_trace as kt
 
 RECORDED = os.path.join(
     REPO,
-    "benchmarks/results/gpu/2026-11-26-NVIDIA-H100-80GB-HBM3/python/"
+    "tests/fixtures/h100-2026-11-26-"
     "trace-rtx3090-pcie-oases-graphs.json.gz",
 )
 
