@@ -117,7 +117,8 @@ def test_selective_lies_between_no_and_full_recompute(h2048, schedule, degrees):
 
 def test_selective_memory_and_time_by_hand(h2048):
     """Uniform degree 2, stock schedule: against Korthikanti et al.'s 5·a·s²·b/t and the
-    core-attention FLOP share of the attention forward, computed here from the shape."""
+    core-attention FLOP share of the attention forward (its roofline time), computed here from
+    the shape."""
     s, h, a, L = 1024, 2048, 32, 24
     assert h2048.shape["attention_dropout"] > 0 and h2048.dtype_bytes == 2
     n = 128 // 8 * 2 // 4  # global batch / DP = micro-batch 16 over T=4: 8 samples at degree 2
@@ -131,10 +132,14 @@ def test_selective_memory_and_time_by_hand(h2048):
     assert drop == pytest.approx((L - 1) * core_bytes)
     assert (L - 1) * core_bytes == pytest.approx(15.435e9, rel=1e-3)
     # backward: every attention block runs core attention's forward once more (no extra comm)
-    rate = load_cluster("rtx3090-nvlink").sustained_tflops * 1e12
+    # the attention block's forward: its roofline time (analytic profiles, device_model)
+    from megatron_oases.device_model import DeviceRates, block_work, roofline_time
+
+    shape = dict(h2048.shape, core_attention=h2048.data["hardware"]["core_attention"])
+    rates = DeviceRates.from_profile(load_cluster("rtx3090-nvlink"))
+    attention_fwd = roofline_time(block_work(shape, "attention", 2, 2, samples=n), rates).total_s
     gemm = 8 * s * h * h  # QKV (6·s·h²) and projection (2·s·h²) FLOPs per sample
     core, softmax = 4 * s * s * h, 5 * a * s * s
-    attention_fwd = (gemm + core) / 2 / rate * n
     core_s = attention_fwd * (core + softmax) / (gemm + core + softmax)
     extra = res["selective"]["backward_s"] - res["none"]["backward_s"]
     assert extra == pytest.approx(L * core_s)
