@@ -329,15 +329,19 @@ def search(
         if found:
             refined.append(found[0])
             plans[layout.name()] = found[1]
-    # the best Oases layout: level two's fastest, else the fastest of level one's planned in full
+    # the best Oases layout: level two's fastest Oases row, or level one's fastest Oases layouts
+    # planned in full with the Oases settings only (a layout whose fastest setting is stock keeps
+    # no Oases row at level two)
     best_oases = min((r for r in refined if is_oases(r)), key=by_time, default=None)
-    if best_oases is None:
-        for row in sorted(oases_quick, key=by_time)[:2]:
-            layout = Layout(**row["layout"])
-            found = _refine(profiles[layout], layout, row, common, args.num_layers, OASES_CHOICES)
-            if found and (best_oases is None or by_time(found[0]) < by_time(best_oases)):
-                best_oases, plans[layout.name()] = found
-                refined = [r for r in refined if r["name"] != layout.name()] + [best_oases]
+    for row in sorted(oases_quick, key=by_time)[:STOCK_TOP]:
+        layout = Layout(**row["layout"])
+        found = _refine(profiles[layout], layout, row, common, args.num_layers, OASES_CHOICES)
+        if found and (best_oases is None or by_time(found[0]) < by_time(best_oases)):
+            best_oases = found[0]
+            if layout.name() not in plans or not any(r["name"] == layout.name() for r in refined):
+                plans[layout.name()] = found[1]
+    if best_oases is not None and best_oases not in refined:
+        refined.append(best_oases)  # beside the layout's stock row, if any
     # the best stock layout at any TP: level one's fastest stock layouts planned in full (stock
     # recompute settings, block recompute, stage splits; uniform degree)
     best_stock = min((r for r in refined if not is_oases(r)), key=by_time, default=None)
