@@ -168,6 +168,24 @@ def _relative_report(report, rel):
             r["command"] = [os.path.basename(interpreter)] + _relative_argv(r["command"][1:], rel)
 
 
+def _require_traces(out, report):
+    """Before any work: the per-rank traces a re-analysis reads. A committed results directory
+    keeps its report but not the raw traces (``.gitignore``), so say that instead of failing in
+    the middle of the charts."""
+    for r in report.get("variants", []):
+        if r.get("status") != "ok":
+            continue
+        missing = [
+            f for f in r.get("trace_files") or () if not os.path.exists(os.path.join(out, f))
+        ]
+        if missing:
+            raise OasesConfigError(
+                f"--reanalyze {out}: {r['name']}'s trace {missing[0]} is not there (raw traces "
+                "are not kept with committed results); re-run the command in its results.md to "
+                "regenerate them, or re-analyse a directory that still has its trace.rank*.json"
+            )
+
+
 def reanalyze(out, budgets=None, recount=None):
     """``--reanalyze DIR``: recompute metrics, timelines and charts of a finished run; with
     ``budgets`` (GB per rank) the memory comparison is made at those budgets instead; with
@@ -180,6 +198,7 @@ def reanalyze(out, budgets=None, recount=None):
             report = json.load(f)
     except (OSError, ValueError) as exc:
         raise OasesConfigError(f"--reanalyze {out}: cannot read {path}: {exc}") from exc
+    _require_traces(out, report)
     if budgets:
         if not report["config"].get("memory_budget_gb"):
             raise OasesConfigError(

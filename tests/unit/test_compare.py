@@ -259,3 +259,22 @@ def test_code_version_is_dirty_only_for_code_changes(tmp_path):
     assert _code_version(str(tmp_path))["commit"] == clean
     (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
     assert _code_version(str(tmp_path))["commit"] == clean + "+dirty"
+
+
+def test_reanalyze_without_the_raw_traces_is_one_line(tmp_path):
+    """A committed results directory has its report but not its traces (.gitignore): one line
+    naming the fix, before any chart is drawn (was a FileNotFoundError traceback)."""
+    import json
+
+    from megatron_oases.compare.results import reanalyze
+    from megatron_oases.errors import OasesConfigError
+
+    report = {
+        "config": {"model": "m"},
+        "variants": [
+            {"name": "megatron", "status": "ok", "trace_files": ["megatron/trace.rank0.json"]}
+        ],
+    }
+    (tmp_path / "results.json").write_text(json.dumps(report))
+    with pytest.raises(OasesConfigError, match="megatron/trace.rank0.json is not there"):
+        reanalyze(str(tmp_path))
