@@ -3,7 +3,8 @@
 Every entry point (``oases-pretrain-gpt``, ``oases train``, ``oases compare``, ``oases profile``,
 the tests) parses the same way: :func:`with_defaults` adds the flags a CPU run needs and a user
 should not have to know about, Megatron's ``parse_args``/``validate_args`` check the Megatron side
-(their assertion messages become one error line), and :func:`validate_oases_args` the Oases side.
+(their assertion messages become one error line), and :meth:`.config.OasesConfig.from_args` the
+Oases side, once.
 """
 
 import contextlib
@@ -13,14 +14,7 @@ import sys
 
 from .config import OasesConfig
 from .errors import OasesConfigError
-from .validation import (
-    CUDA_GRAPH_MODES,
-    SCHEDULES,
-    SPLITS,
-    SUB_BATCHES,
-    check_model_shape,
-    check_oases_args,
-)
+from .validation import CUDA_GRAPH_MODES, SCHEDULES, SPLITS, SUB_BATCHES, check_model_shape
 
 #: Added when absent on a machine without CUDA: Megatron's defaults there need APEX/TE kernels.
 CPU_DEFAULTS = (
@@ -283,7 +277,19 @@ def parse_args_and_config(argv, prog="oases-pretrain-gpt", world_size=None, set_
     if world_size is not None:
         args.world_size = world_size
     check_model_shape(args)
-    validate_oases_args(args, before_megatron=True)
+    config = OasesConfig.from_args(args, validate_megatron=_validate_megatron)
+    if set_globals:
+        from megatron.training.global_vars import set_global_variables
+
+        set_global_variables(args)
+    return args, config
+
+
+def _validate_megatron(args):
+    """Megatron's ``validate_args``, its assertion as one error line; then the model sizes again
+    (Megatron derives ``ffn_hidden_size``)."""
+    from megatron.training import arguments as margs
+
     from . import platform
 
     installed = platform.install_cpu_shims()  # validate_args queries the device (no-op on CUDA)
@@ -294,20 +300,4 @@ def parse_args_and_config(argv, prog="oases-pretrain-gpt", world_size=None, set_
     finally:
         if installed:  # leave the process as we found it
             platform.uninstall_cpu_shims()
-    check_model_shape(args)  # again: Megatron derives ffn_hidden_size
-    config = OasesConfig.from_args(args)
-    if set_globals:
-        from megatron.training.global_vars import set_global_variables
-
-        set_global_variables(args)
-    return args, config
-
-
-def validate_oases_args(args, before_megatron=False):
-    """The Oases rules (:mod:`.validation`) on parsed args: the checked :class:`OasesConfig`
-    (``--oases-plan`` read once). ``before_megatron``: only the rules Megatron would mask (then
-    None)."""
-    if before_megatron:
-        check_oases_args(args, before_megatron=True)
-        return None
-    return OasesConfig.from_args(args)
+    check_model_shape(args)

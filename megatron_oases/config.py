@@ -1,8 +1,9 @@
 """The Oases settings of one run, parsed and checked once (:meth:`OasesConfig.from_args`), then
-passed down as an argument: to the patches (:mod:`.patches`), the per-layer runtime
-(:mod:`.hetero.runtime`) and the attention swap (:mod:`.attention`), through one door
-(:mod:`.prepare`) that both entry points (``oases-pretrain-gpt``, Megatron-LM's patched
-``pretrain_gpt.py``) share."""
+passed down as an argument, named ``config``: to the patches (:mod:`.patches`, every factory takes
+it and nothing else), the per-layer runtime (:mod:`.hetero.runtime`) and the attention swap
+(:mod:`.attention`), through one door (:mod:`.prepare`) that both entry points
+(``oases-pretrain-gpt``, Megatron-LM's patched ``pretrain_gpt.py``) share. The Megatron settings a
+patch reads are copied in here, typed, so that no patch reads Megatron's ``args``."""
 
 import enum
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Optional
 
 from .validation import (
     SUB_BATCHES,
+    check_before_megatron,
     check_oases_args,
     plan_differences,
     split_kind,
@@ -27,23 +29,69 @@ class Schedule(enum.StrEnum):
 
 
 @dataclass(frozen=True)
-class OasesConfig:
-    """What the ``--oases-*`` flags ask for, checked against the model and the batch.
+class EmulatedLink:
+    """``--emulate-link PROFILE`` and what :func:`.testbed.emulator.resolve_dilation` needs of
+    the model for its per-shape dilation D: ``shape`` (the layer as :mod:`.device_model` counts
+    it, :func:`.testbed.emulator.shape_of_args`; None: unknown, D from the GEMM rates alone), the
+    TMP degree, the micro-batch's samples, sequence parallelism, the host's dtype (half or fp32)
+    and ``--attention-backend`` (its name; None: the device's default)."""
 
-    ``plan``: the ``--oases-plan`` file's contents (read and checked once), or None.
-    ``tensor_model_parallel_size``: the TMP domain a plan's degrees divide. ``cuda_graphs``:
-    ``--oases-cuda-graphs``'s mode (``capture``, ``eager``) or None."""
+    profile: str
+    shape: Optional[dict] = None
+    tensor_model_parallel_size: int = 1
+    micro_batch_size: int = 1
+    sequence_parallel: bool = False
+    half_precision: bool = False
+    attention_backend: Optional[str] = None
+
+    @classmethod
+    def from_args(cls, profile, args):
+        """At the layer shape of Megatron's (validated) ``args``."""
+        from .testbed.emulator import shape_of_args
+
+        backend = getattr(args, "attention_backend", None)
+        return cls(
+            profile=profile,
+            shape=shape_of_args(args),
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            micro_batch_size=args.micro_batch_size,
+            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+            half_precision=_half(args),
+            attention_backend=getattr(backend, "name", backend),
+        )
+
+
+@dataclass(frozen=True)
+class OasesConfig:
+    """Every ``--oases-*`` flag (and ``--emulate-link``, ``--log-json``), checked against the
+    model and the batch, plus the Megatron settings the patches read.
+
+    ``schedule``: ``--oases-schedule``, parsed once (:class:`Schedule`). ``plan``: the
+    ``--oases-plan`` file's contents (read and checked once), or None. ``cuda_graphs``:
+    ``--oases-cuda-graphs``'s mode (``capture``, ``eager``) or None. ``trace``: ``--oases-trace``'s
+    path pattern. ``emulate_link``: :class:`EmulatedLink` or None. ``log_json``: the golden-values
+    file. ``start_over``: ``--oases-start-over``. Megatron's: ``tensor_model_parallel_size`` (the
+    TMP domain a plan's degrees divide), ``attention_backend``, ``half_precision``,
+    ``reset_attention_mask``, ``sequence_parallel``, ``recompute_granularity`` and
+    ``recompute_modules``."""
 
     schedule: Schedule = Schedule.OFF
     sub_batches: int = SUB_BATCHES
     split: str = "batch"
     plan: Optional[dict] = None
     plan_path: Optional[str] = None
+    cuda_graphs: Optional[str] = None
+    trace: Optional[str] = None
+    emulate_link: Optional[EmulatedLink] = None
+    log_json: Optional[str] = None
+    start_over: bool = False
     tensor_model_parallel_size: int = 1
     attention_backend: str = "auto"
     half_precision: bool = False
     reset_attention_mask: bool = False
-    cuda_graphs: Optional[str] = None
+    sequence_parallel: bool = False
+    recompute_granularity: Optional[str] = None
+    recompute_modules: tuple = ()
 
     @property
     def overlapped(self):
@@ -56,10 +104,18 @@ class OasesConfig:
         return self.overlapped or self.plan is not None
 
     @classmethod
-    def from_args(cls, args):
-        """Check the parsed (Megatron-validated) ``args`` against the Oases rules
-        (:mod:`.validation`), reading ``--oases-plan`` once; a rejected combination raises
-        :class:`~.errors.OasesConfigError` with one line naming the fix."""
+    def from_args(cls, args, validate_megatron=None):
+        """The one place the ``--oases-*`` flags are read from Megatron's parsed ``args`` and
+        checked (:mod:`.validation`, each rule once), ``--oases-plan`` read once; a rejected
+        combination raises :class:`~.errors.OasesConfigError` with one line naming the fix.
+
+        ``validate_megatron(args)``: Megatron's own checks, run after the rules they would mask
+        with a less helpful message and before the rest (which read what Megatron derives);
+        None where Megatron already ran them (Megatron-LM's ``pretrain_gpt.py``)."""
+        schedule = Schedule(args.oases_schedule)  # argparse checked it against SCHEDULES
+        check_before_megatron(args, schedule)
+        if validate_megatron is not None:
+            validate_megatron(args)
         plan, path = None, getattr(args, "oases_plan", None)
         if path:
             from .formats.plan import load_plan
@@ -71,31 +127,43 @@ class OasesConfig:
             )
         import torch
 
-        check_oases_args(args, plan=plan, cuda_available=torch.cuda.is_available())
+        check_oases_args(args, schedule, plan=plan, cuda_available=torch.cuda.is_available())
         if plan is not None:
-            _warn_plan_differences(path, plan, args)
-        _warn_nothing_to_overlap(args)
+            _warn_plan_differences(path, plan, args, schedule)
+        _warn_nothing_to_overlap(schedule, args)
         backend = getattr(args, "attention_backend", "auto")
+        link = getattr(args, "emulate_link", None)
         return cls(
-            schedule=Schedule(getattr(args, "oases_schedule", "off")),
+            schedule=schedule,
             sub_batches=sub_batches(args),
             split=split_kind(args),
             plan=plan,
             plan_path=path,
+            cuda_graphs=getattr(args, "oases_cuda_graphs", None),
+            trace=getattr(args, "oases_trace", None),
+            emulate_link=EmulatedLink.from_args(link, args) if link else None,
+            log_json=getattr(args, "log_json", None),
+            start_over=bool(getattr(args, "oases_start_over", False)),
             tensor_model_parallel_size=args.tensor_model_parallel_size,
             attention_backend=getattr(backend, "name", backend),
-            half_precision=bool(getattr(args, "fp16", False) or getattr(args, "bf16", False)),
+            half_precision=_half(args),
             reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
-            cuda_graphs=getattr(args, "oases_cuda_graphs", None),
+            sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+            recompute_granularity=getattr(args, "recompute_granularity", None),
+            recompute_modules=tuple(getattr(args, "recompute_modules", None) or ()),
         )
 
 
-def _warn_plan_differences(path, plan, args):
+def _half(args):
+    return bool(getattr(args, "fp16", False) or getattr(args, "bf16", False))
+
+
+def _warn_plan_differences(path, plan, args, schedule):
     """Once per job (rank 0): the plan was made for another run than this command line's."""
     import os
     import sys
 
-    differences = plan_differences(plan, args)
+    differences = plan_differences(plan, args, schedule)
     if not differences or int(os.environ.get("RANK", "0")) != 0:
         return
     theirs = ", ".join(f"{flag} {planned}" for flag, planned, _ in differences)
@@ -109,13 +177,12 @@ def _warn_plan_differences(path, plan, args):
     )
 
 
-def _warn_nothing_to_overlap(args):
+def _warn_nothing_to_overlap(schedule, args):
     """Once per job (rank 0): a split schedule at TP=1 has no tensor-parallel all-reduce to
     overlap; it runs, its sub-batches only make the matmuls smaller (slower)."""
     import os
     import sys
 
-    schedule = getattr(args, "oases_schedule", "off")
     if schedule == "off" or args.tensor_model_parallel_size != 1:
         return
     if int(os.environ.get("RANK", "0")) != 0:

@@ -6,10 +6,10 @@ from .attention import STOCK, apply_core_attention, choose_core_attention
 from .patches import install_patches
 
 
-def install(config, args):
-    """The patches ``config`` and Megatron's ``args`` ask for: after parsing and distributed
-    initialisation, before any model is built. Idempotent."""
-    return install_patches(config, args)
+def install(config):
+    """The patches ``config`` asks for: after parsing and distributed initialisation, before any
+    model is built. Idempotent."""
+    return install_patches(config)
 
 
 def changes_model(config):

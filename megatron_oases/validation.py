@@ -243,9 +243,9 @@ def check_model_shape(args):
         )
 
 
-def check_plan_fits_model(plan, args):
-    """A (format-valid) plan against the model shape and batch: each layer's groups get whole,
-    splittable shares of the micro-batch."""
+def check_plan_fits_model(plan, args, schedule):
+    """A (format-valid) plan against the model shape and batch under ``schedule``: each layer's
+    groups get whole, splittable shares of the micro-batch."""
     if plan.get("split") == "sequence":
         raise OasesConfigError(
             f"the plan is for --oases-split sequence, which runs every layer at T without "
@@ -259,7 +259,7 @@ def check_plan_fits_model(plan, args):
                 f"layer {layer}: degree {d} splits the micro-batch over {T // d} groups, but "
                 f"--micro-batch-size {args.micro_batch_size} is not divisible by {T // d}"
             )
-        if getattr(args, "oases_schedule", "off") != "off":
+        if schedule != "off":
             parts = sub_batches(args)
             check_splittable(
                 args.micro_batch_size * d // T,
@@ -346,9 +346,9 @@ def check_hybrid(mode, args, plan=None):
         )
 
 
-def check_cuda_graphs(args, cuda_available):
-    """``--oases-cuda-graphs``: graphs of the split schedules' main ops, which capture no
-    collective, no RNG state change and no host-side gradient bookkeeping."""
+def check_cuda_graphs(args, schedule, cuda_available):
+    """``--oases-cuda-graphs`` under ``schedule``: graphs of the split schedules' main ops, which
+    capture no collective, no RNG state change and no host-side gradient bookkeeping."""
     graphs = getattr(args, "oases_cuda_graphs", None)
     if not graphs:
         return
@@ -356,7 +356,7 @@ def check_cuda_graphs(args, cuda_available):
         raise OasesConfigError(
             f"--oases-cuda-graphs: unknown mode {graphs!r}; choose from {', '.join(CUDA_GRAPH_MODES)}"
         )
-    if getattr(args, "oases_schedule", "off") == "off":
+    if schedule == "off":
         raise OasesConfigError(
             "--oases-cuda-graphs graphs the overlapped schedules' blocks; add --oases-schedule "
             "oases (or overlap, cross-pass), or drop --oases-cuda-graphs"
@@ -393,60 +393,64 @@ def check_cuda_graphs(args, cuda_available):
         )
 
 
-def check_oases_args(args, before_megatron=False, plan=None, cuda_available=None):
-    """The ``--oases-*`` rules on parsed args. ``before_megatron``: only those Megatron's own
-    checks would mask with a less helpful message. ``plan``: the loaded ``--oases-plan``.
-    ``cuda_available``: whether the run has a CUDA GPU (None: not known, the GPU rules skipped)."""
-    mode = getattr(args, "oases_schedule", "off")
-    check_schedule(mode)
+def check_before_megatron(args, schedule):
+    """The ``--oases-*`` rules that Megatron's own checks would mask with a less helpful message
+    (run before them by :meth:`~.config.OasesConfig.from_args`). ``schedule``: the parsed
+    ``--oases-schedule``."""
     check_transformer_impl(getattr(args, "transformer_impl", "local"))
-    if mode != "off" or getattr(args, "oases_plan", None):
-        what = f"--oases-schedule {mode}" if mode != "off" else "--oases-plan"
-        if getattr(args, "sequence_parallel", False) and getattr(args, "oases_plan", None):
-            raise OasesConfigError(
-                "--oases-plan does not support --sequence-parallel (per-layer degrees would "
-                "re-shard the sequence between layers); drop one of them"
-            )
-        if (getattr(args, "context_parallel_size", 1) or 1) != 1:
-            raise OasesConfigError(f"{what} does not support --context-parallel-size > 1")
-        if getattr(args, "num_experts", None):
-            raise OasesConfigError(f"{what} does not support MoE layers; drop --num-experts")
-        if getattr(args, "virtual_pipeline_model_parallel_size", None):
-            raise OasesConfigError(
-                f"{what} does not support the interleaved pipeline schedule; drop "
-                "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
-            )
-    if before_megatron:
-        return args
-    check_megatron_features(mode, args)
-    check_hybrid(mode, args, plan)
-    check_schedule_recompute(mode, args.recompute_granularity == "full")
-    if (mode != "off" or plan is not None) and (
+    plan_path = getattr(args, "oases_plan", None)
+    if schedule == "off" and not plan_path:
+        return
+    what = f"--oases-schedule {schedule}" if schedule != "off" else "--oases-plan"
+    if getattr(args, "sequence_parallel", False) and plan_path:
+        raise OasesConfigError(
+            "--oases-plan does not support --sequence-parallel (per-layer degrees would "
+            "re-shard the sequence between layers); drop one of them"
+        )
+    if (getattr(args, "context_parallel_size", 1) or 1) != 1:
+        raise OasesConfigError(f"{what} does not support --context-parallel-size > 1")
+    if getattr(args, "num_experts", None):
+        raise OasesConfigError(f"{what} does not support MoE layers; drop --num-experts")
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        raise OasesConfigError(
+            f"{what} does not support the interleaved pipeline schedule; drop "
+            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
+        )
+
+
+def check_oases_args(args, schedule, plan=None, cuda_available=None):
+    """The other ``--oases-*`` rules, on Megatron-validated args. ``schedule``: the parsed
+    ``--oases-schedule``; ``plan``: the loaded ``--oases-plan``; ``cuda_available``: whether the
+    run has a CUDA GPU (None: not known, the GPU rules skipped)."""
+    check_megatron_features(schedule, args)
+    check_hybrid(schedule, args, plan)
+    check_schedule_recompute(schedule, args.recompute_granularity == "full")
+    if (schedule != "off" or plan is not None) and (
         args.recompute_granularity == "full"
         and args.recompute_method == "uniform"
         and (args.recompute_num_layers or 1) != 1
     ):
-        what = f"--oases-schedule {mode}" if mode != "off" else "--oases-plan"
+        what = f"--oases-schedule {schedule}" if schedule != "off" else "--oases-plan"
         raise OasesConfigError(
             f"{what} recomputes one layer per checkpoint; use --recompute-method uniform "
             "--recompute-num-layers 1 (every layer), or --recompute-method block "
             "--recompute-num-layers N (a stage's first N layers)"
         )
-    if mode != "off":
+    if schedule != "off":
         if args.recompute_granularity == "selective":
-            check_selective_recompute(mode, getattr(args, "recompute_modules", None))
+            check_selective_recompute(schedule, getattr(args, "recompute_modules", None))
         if split_kind(args) == "sequence":
             check_sequence_split(args, plan)
         else:
             check_splittable(args.micro_batch_size, parts=sub_batches(args))
     if plan is not None:
-        check_plan_fits_model(plan, args)
+        check_plan_fits_model(plan, args, schedule)
         check_plan_checkpoint_format(plan, args)
-    check_cuda_graphs(args, cuda_available if cuda_available is not None else True)
+    check_cuda_graphs(args, schedule, cuda_available if cuda_available is not None else True)
     return args
 
 
-def plan_differences(plan, args):
+def plan_differences(plan, args, schedule):
     """Where the run the plan was made for (its recorded ``schedule``, ``micro_batch_size``,
     ``global_batch_size``, ``recompute``, ``recompute_num_layers``) differs from this command
     line: ``[(flag, plan's value, this run's value)]``. The degrees still run; the plan's
@@ -455,7 +459,7 @@ def plan_differences(plan, args):
     if getattr(args, "recompute_method", None) == "block":
         recompute_layers = getattr(args, "recompute_num_layers", None)
     ours = {
-        "schedule": ("--oases-schedule", getattr(args, "oases_schedule", "off")),
+        "schedule": ("--oases-schedule", str(schedule)),
         "micro_batch_size": ("--micro-batch-size", getattr(args, "micro_batch_size", None)),
         "global_batch_size": ("--global-batch-size", getattr(args, "global_batch_size", None)),
         "recompute": ("--recompute-granularity", recompute_mode_of(args)),

@@ -81,9 +81,9 @@ def _is_last_rank():
     return dist.get_rank() == dist.get_world_size() - 1
 
 
-def make_patch(args, built=None):
+def make_patch(config, built=None):
     """A patch iff ``--log-json PATH``."""
-    path = getattr(args, "log_json", None)
+    path = config.log_json
     if not path:
         return None
     import torch

@@ -73,9 +73,9 @@ def _stock_pass(tracer):
 
 
 class TracePatch(Patch):
-    def __init__(self, args):
-        self.path = args.oases_trace
-        self.schedule = getattr(args, "oases_schedule", "off")
+    def __init__(self, config):
+        self.path = config.trace
+        self.schedule = str(config.schedule)
         #: Created now so that the schedule patch, built after this one, records into it.
         self.tracer = Tracer(schedule=self.schedule)
         self._bwd_layer = -1
@@ -200,8 +200,8 @@ class TracePatch(Patch):
         self.tracer.events = []
 
 
-def make_patch(args, built=None):
+def make_patch(config, built=None):
     """The ``oases-trace`` patch when ``--oases-trace`` is given, else None."""
-    if not getattr(args, "oases_trace", None):
+    if not config.trace:
         return None
-    return TracePatch(args)
+    return TracePatch(config)

@@ -14,7 +14,8 @@ With a Megatron-LM checkout (tag :data:`MEGATRON_LM_TAG`), its own ``pretrain_gp
   (:data:`megatron_oases.arguments.ALWAYS_DEFAULTS`), and on a machine without CUDA installs the CPU
   platform shims (:func:`megatron_oases.platform.install_cpu_shims`) — Megatron's ``validate_args``,
   which runs right after the provider, already queries the GPU.
-* :func:`install` checks the parsed args with :func:`megatron_oases.arguments.validate_oases_args`
+* :func:`install` checks the parsed args once into the run's settings
+  (:meth:`megatron_oases.config.OasesConfig.from_args`)
   (a rejected combination: one ``pretrain_gpt.py: error: ...`` line per job, exit status 2) and
   hooks Megatron's ``setup_model_and_optimizer``: its first call — distributed state up, no model
   built yet — runs :func:`megatron_oases.prepare.install` (the schedule, trace, link

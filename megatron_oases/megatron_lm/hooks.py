@@ -8,7 +8,8 @@ import os
 import sys
 
 from .. import patches
-from ..arguments import ALWAYS_DEFAULTS, add_oases_args, validate_oases_args
+from ..arguments import ALWAYS_DEFAULTS, add_oases_args
+from ..config import OasesConfig
 from ..errors import OasesConfigError, report_once
 
 #: The Megatron-LM tag ``patches/pretrain_gpt.oases.patch`` is written against.
@@ -113,12 +114,12 @@ def install(args, prog=None):
         from ..compat import check_megatron_core
 
         check_megatron_core()
-        config = validate_oases_args(args)
+        config = OasesConfig.from_args(args)  # Megatron validated args already
         hook = model_setup_hook(args, config)
         check_cpu_settings(args)
         from ..training.preflight import check_before_training
 
-        check_before_training(args)  # data paths and checkpoints, as oases-pretrain-gpt does
+        check_before_training(args, config)  # data paths, checkpoints: as oases-pretrain-gpt
     except OasesConfigError as exc:
         exit_with_error(f"{prog}: error: {exc}")
     _install_cpu_shims()  # already done by extra_args_provider(); a no-op with CUDA
@@ -157,7 +158,7 @@ def model_setup_hook(args, config, training_module=None):
 
     @functools.wraps(original)
     def setup_model_and_optimizer(model_type, model_provider_func=None, *rest, **kwargs):
-        prepare.install(config, args)  # idempotent
+        prepare.install(config)  # idempotent
         if prepare.changes_model(config):
             model_cfg = getattr(kwargs.get("cfg_container"), "model", None)
             if model_cfg is not None:

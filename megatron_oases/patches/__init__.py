@@ -1,16 +1,16 @@
 """The catalogue of patches applied to Megatron from parsed arguments — after parsing, before the
 model is built (the mechanism, :class:`Patch` and the process registry, is :mod:`megatron_oases.patching`).
 
-``install_patches(config, args)`` installs, in this order (each a named, reversible :class:`Patch`;
-a factory returns None when its flag is not given):
+``install_patches(config)`` installs, in this order (each a named, reversible :class:`Patch`;
+every factory takes the checked :class:`~megatron_oases.config.OasesConfig`, ``config``, and
+nothing of Megatron's ``args``, and returns None when its flag is not given):
 
 0. ``torch-norm-sp``: Megatron's torch norms under ``--sequence-parallel`` (local spec, no apex);
    ``norm-recompute-without-te``: ``--recompute-modules layernorm`` without Transformer Engine.
 1. ``emulate-link``: link emulation of every collective (``--emulate-link PROFILE``, testbed).
 2. ``oases-trace``: schedule tracer (``--oases-trace PATH``).
 3. ``golden-values``: per-iteration golden values from Megatron's loop (``--log-json PATH``).
-4. ``oases-schedule``: the overlapped TMP schedule (``--oases-schedule`` ≠ off, or a plan); it
-   takes the checked :class:`~megatron_oases.config.OasesConfig`, the others Megatron's args.
+4. ``oases-schedule``: the overlapped TMP schedule (``--oases-schedule`` ≠ off, or a plan).
 
 Each factory checks that the Megatron symbols it replaces exist and are the ones Megatron calls
 (:func:`megatron_oases.compat.require_symbol`). ``uninstall_all()`` reverts everything.
@@ -19,8 +19,8 @@ Each factory checks that the Megatron symbols it replaces exist and are the ones
 from ..patching import REGISTRY, Patch, PatchRegistry
 
 
-def factories(config):
-    """(name, factory(args, built)) in install order; imported here, not named by strings, so a
+def factories():
+    """(name, factory(config, built)) in install order; imported here, not named by strings, so a
     moved module fails at import instead of turning its flag into a silent no-op."""
     from ..instrument.golden import make_patch as golden_values
     from ..instrument.trace_patch import make_patch as oases_trace
@@ -35,22 +35,22 @@ def factories(config):
         ("emulate-link", emulate_link),
         ("oases-trace", oases_trace),
         ("golden-values", golden_values),
-        ("oases-schedule", lambda args, built: oases_schedule(config, built)),
+        ("oases-schedule", oases_schedule),
     )
 
 
-def install_patches(config, args):
-    """Install the patches ``config`` (the checked Oases settings) and ``args`` (Megatron's)
-    ask for; idempotent. Returns the names installed now."""
+def install_patches(config):
+    """Install the patches ``config`` (the checked Oases settings) asks for; idempotent. Returns
+    the names installed now."""
     from ..compat import check_megatron_core
 
     check_megatron_core()
     names, built = [], {}
-    for name, factory in factories(config):
+    for name, factory in factories():
         if REGISTRY.get(name) is not None:
             built[name] = REGISTRY.get(name)
             continue
-        patch = factory(args, built)  # a factory may use what the ones before it built
+        patch = factory(config, built)  # a factory may use what the ones before it built
         if patch is not None:
             REGISTRY.install(patch)
             built[name] = patch

@@ -25,11 +25,11 @@ def make_init(original):
     return __init__
 
 
-def make_patch(args, built=None):
+def make_patch(config, built=None):
     """The patch for selective recomputation of ``layernorm`` without TE, else None."""
-    if getattr(args, "recompute_granularity", None) != "selective":
+    if config.recompute_granularity != "selective":
         return None
-    if "layernorm" not in (getattr(args, "recompute_modules", None) or ()):
+    if "layernorm" not in config.recompute_modules:
         return None
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer.transformer_layer import TransformerLayer

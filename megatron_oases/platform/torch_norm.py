@@ -33,11 +33,10 @@ def make_norm_new(original):
     return __new__
 
 
-def make_patch(args, built=None):
-    """``torch-norm-sp`` for ``--sequence-parallel`` with the local spec, else None."""
-    if not getattr(args, "sequence_parallel", False):
-        return None
-    if getattr(args, "transformer_impl", "local") != "local":
+def make_patch(config, built=None):
+    """``torch-norm-sp`` for ``--sequence-parallel`` with the local spec (the only one
+    :mod:`megatron_oases.validation` lets through), else None."""
+    if not config.sequence_parallel:
         return None
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 

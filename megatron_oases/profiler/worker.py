@@ -60,10 +60,11 @@ def profile_worker(payload):
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     patch = None
     if payload.get("emulate_link"):
+        from ..config import EmulatedLink, OasesConfig
         from ..patching import REGISTRY
         from ..testbed.emulator import make_patch
 
-        patch = make_patch(argparse.Namespace(emulate_link=payload["emulate_link"]))
+        patch = make_patch(OasesConfig(emulate_link=EmulatedLink(payload["emulate_link"])))
         REGISTRY.install(patch)
     try:
         # every rank creates every group in the same order

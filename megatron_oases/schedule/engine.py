@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from ..validation import SPLIT_SCHEDULES, SUB_BATCHES
+from ..validation import SUB_BATCHES
 from . import backward as programs
 from .blocks import LayerBlocks
 from .comm import EarlyReductions
@@ -101,7 +101,6 @@ class ScheduledLayers:
         output=None,
         split="batch",
     ):
-        assert mode in SPLIT_SCHEDULES, mode
         self.blocks, self.mode, self.microbatch, self.tracer = blocks, mode, microbatch, tracer
         self.parts, self.split_kind = parts, split
         self.embedding, self.output = embedding, output
@@ -237,7 +236,8 @@ def recomputed_layers(config, indices):
 @dataclasses.dataclass(frozen=True)
 class LayerSchedule:
     """How the replaced forwards (:mod:`.patch`) run a stage's layers, fixed at install:
-    ``mode`` (``--oases-schedule``; ``off``: a plan's degree runs in Megatron's own loop),
+    ``mode`` (``--oases-schedule``, the config's :class:`~megatron_oases.config.Schedule`, checked
+    once when parsed; ``off``: a plan's degree runs in Megatron's own loop),
     ``parts`` sub-batches cut as ``split``, ``graphs`` (``--oases-cuda-graphs``'
     :class:`.graphs.BlockGraphs`) and ``tracer`` (``oases-trace``'s), or None."""
 

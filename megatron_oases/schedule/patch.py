@@ -134,7 +134,7 @@ def make_patch(config, built=None):
     # The stage's ends (embedding, output layer + loss) join the programs of a uniform-TP
     # schedule, with or without sequence parallelism (:mod:`.stage`).
     schedule = LayerSchedule(
-        mode=str(config.schedule),
+        mode=config.schedule,
         parts=config.sub_batches,
         split=config.split,
         graphs=BlockGraphs(config.cuda_graphs) if config.cuda_graphs else None,

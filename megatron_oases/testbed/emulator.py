@@ -85,8 +85,13 @@ def shape_of_args(args):
 
 def _core_attention(args, cuda):
     """``fused`` where :func:`megatron_oases.attention.choose_core_attention` picks a fused kernel
-    (SDPA or TE) on that device, else ``unfused`` (Megatron's scores-materialising module)."""
-    backend = getattr(args, "attention_backend", None)
+    (SDPA or TE) on that device for Megatron's ``--attention-backend``, else ``unfused``."""
+    return core_attention_kind(getattr(args, "attention_backend", None), cuda)
+
+
+def core_attention_kind(backend, cuda):
+    """``fused`` or ``unfused`` (Megatron's scores-materialising module) for ``backend`` (an
+    ``AttnBackend`` or its name; None: the device's default) on that device."""
     if backend is None:
         return "fused" if cuda else "unfused"
     from ..attention import STOCK, choose_core_attention
@@ -139,11 +144,12 @@ def host_rates(cuda=False):
     return flops, mem, sources
 
 
-def resolve_dilation(profile, args=None, log=None):
-    """D for ``profile`` at the layer shape of Megatron's ``args``: ``$OASES_EMULATE_DILATION``,
+def resolve_dilation(profile, link=None, log=None):
+    """D for ``profile`` at the layer shape of ``link`` (the run's
+    :class:`~megatron_oases.config.EmulatedLink`): ``$OASES_EMULATE_DILATION``,
     else the roofline :func:`roofline_dilation` with the host's rates (:func:`host_rates`), both
     the rates of one process alone, scaled by :func:`.calibrate.oversubscription_share` when this
-    host runs more ranks × threads than it has CPUs. Without ``args`` (no shape known) the layer is
+    host runs more ranks × threads than it has CPUs. Without a shape (``link`` or its ``shape`` None) the layer is
     GEMMs only, i.e. D = profile ÷ host FLOP/s.
 
     Returns ``(dilation, info)``; ``info["roofline"]`` is the
@@ -160,19 +166,18 @@ def resolve_dilation(profile, args=None, log=None):
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     share = oversubscription_share(ranks, torch.get_num_threads())
     host = DeviceRates(flops * share, mem * share, "host")
-    if args is None:
+    if link is None or link.shape is None:
         dl = dilation(Work(1.0, 0.0), host, DeviceRates.from_profile(profile))
     else:
-        host_bytes = 2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4
         dl = roofline_dilation(
             profile,
-            shape_of_args(args),
-            args.tensor_model_parallel_size,
+            link.shape,
+            link.tensor_model_parallel_size,
             host,
-            host_bytes,
-            samples=args.micro_batch_size,
-            sp=bool(getattr(args, "sequence_parallel", False)),
-            host_attention=_core_attention(args, cuda=cuda),
+            2 if link.half_precision else 4,
+            samples=link.micro_batch_size,
+            sp=link.sequence_parallel,
+            host_attention=core_attention_kind(link.attention_backend, cuda),
         )
     info = {
         "source": sources[0],
@@ -232,13 +237,13 @@ def usage_line(u):
 SPIN_SHARE = 0.1
 
 
-def make_emulator(profile_name, dilation=None, args=None):
+def make_emulator(profile_name, dilation=None, link=None):
     """A :class:`LinkEmulator` for a profile name/path; D from :func:`resolve_dilation` (at the
-    shape of Megatron's ``args``) if not given."""
+    shape of ``link``, an :class:`~megatron_oases.config.EmulatedLink`) if not given."""
     profile = load_cluster(profile_name)
     info = {"source": "argument", "host_flops": None}
     if dilation is None:
-        dilation, info = resolve_dilation(profile, args)
+        dilation, info = resolve_dilation(profile, link)
     emu = LinkEmulator(profile, dilation)
     emu.info = info
     return emu
@@ -250,12 +255,13 @@ def _cpus():
     return host_cpus()
 
 
-def make_patch(args, built=None):
-    """Factory for :func:`megatron_oases.patches.install_patches`: a patch iff ``--emulate-link``."""
-    name = getattr(args, "emulate_link", None)
-    if not name:
+def make_patch(config, built=None):
+    """Factory for :func:`megatron_oases.patches.install_patches`: a patch iff ``--emulate-link``
+    (``config.emulate_link``)."""
+    link = config.emulate_link
+    if link is None:
         return None
-    emu = make_emulator(name, args=args)
+    emu = make_emulator(link.profile, link=link)
     if not dist.is_initialized() or dist.get_rank() == 0:
         info = emu.info
         host, mem = info.get("host_flops"), info.get("host_memory_bytes_per_s")

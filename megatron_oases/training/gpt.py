@@ -33,13 +33,14 @@ def model_provider(
     pg_collection=None,
     *,
     args,
-    oases,
+    oases_config,
 ):
     """One pipeline stage of the GPT model (a ``HybridModel`` with ``--hybrid-layer-pattern``, as
     Megatron-LM's ``pretrain_hybrid.py`` builds): Megatron's builder, then the per-layer plan if any.
-    ``args``/``oases``: the parsed Megatron args and :class:`~megatron_oases.config.OasesConfig`,
-    bound by :func:`bind_model_provider` (``config`` is Megatron's own model config)."""
-    prepare.install(oases, args)  # idempotent: after parsing and distributed init, before a model
+    ``args``/``oases_config``: the parsed Megatron args and
+    :class:`~megatron_oases.config.OasesConfig`, bound by :func:`bind_model_provider` (``config``
+    is Megatron's own model config)."""
+    prepare.install(oases_config)  # idempotent: after parsing and distributed init, before a model
     if pg_collection is None:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -48,12 +49,12 @@ def model_provider(
     if getattr(args, "hybrid_layer_pattern", None):  # Megatron's HybridModel (pretrain_hybrid.py)
         from .hybrid import build_hybrid_model as build
     model = build(args, pg_collection, pre_process, post_process, vp_stage, config)
-    return prepare.prepare_model(model, oases)
+    return prepare.prepare_model(model, oases_config)
 
 
-def bind_model_provider(args, oases):
+def bind_model_provider(args, oases_config):
     """:func:`model_provider` with the run's parsed settings, as Megatron's ``pretrain()`` calls it."""
-    return partial(model_provider, args=args, oases=oases)
+    return partial(model_provider, args=args, oases_config=oases_config)
 
 
 def get_batch(data_iterator, vp_stage=None):

@@ -12,12 +12,13 @@ from .checkpoint_check import prepare_checkpointing
 from .data_check import check_data_paths
 
 
-def check_output_paths(args):
+def check_output_paths(config):
     """``--oases-trace`` (written at the end of the run) and ``--log-json`` (after each
-    iteration) are checked like an ``--out``: a path that cannot be written is one line now, not
-    a lost trace after the whole run or a stop after iteration 1. The trace's rank-0 file stands
-    for every rank's (they share its directory)."""
-    trace = getattr(args, "oases_trace", None)
+    iteration), from the run's :class:`~megatron_oases.config.OasesConfig`, are checked like an
+    ``--out``: a path that cannot be written is one line now, not a lost trace after the whole
+    run or a stop after iteration 1. The trace's rank-0 file stands for every rank's (they share
+    its directory)."""
+    trace = config.trace
     if trace:
         from ..instrument.trace import trace_path
 
@@ -29,14 +30,15 @@ def check_output_paths(args):
                 "--oases-trace trace.rank{rank}.json"
             ) from None
         check_output_file(first, flag="--oases-trace", example="trace.json")
-    if getattr(args, "log_json", None):
-        check_output_file(args.log_json, flag="--log-json", example="golden.json")
+    if config.log_json:
+        check_output_file(config.log_json, flag="--log-json", example="golden.json")
 
 
-def check_before_training(args):
+def check_before_training(args, config):
     """Refuse what would fail (or destroy checkpoints) later; install the safe-save patches and
-    the console's loss fix (:mod:`.console_log`)."""
-    check_output_paths(args)
+    the console's loss fix (:mod:`.console_log`). ``args``: Megatron's; ``config``: the run's
+    :class:`~megatron_oases.config.OasesConfig`."""
+    check_output_paths(config)
     check_data_paths(args)
     prepare_checkpointing(args)
     console_log.install(args)

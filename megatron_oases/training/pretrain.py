@@ -32,7 +32,7 @@ def pretrain_gpt(args, config):
     from . import gpt
     from .preflight import check_before_training
 
-    check_before_training(args)
+    check_before_training(args, config)
     pretrain(
         **pretrain_kwargs(
             pretrain_cfg_container_from_args(args),

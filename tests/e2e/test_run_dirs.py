@@ -123,7 +123,6 @@ def test_plan_settings_that_differ_from_the_flags_are_named():
     from megatron_oases.validation import plan_differences
 
     args = argparse.Namespace(
-        oases_schedule="overlap",
         micro_batch_size=2,
         global_batch_size=8,
         recompute_granularity="full",
@@ -132,15 +131,17 @@ def test_plan_settings_that_differ_from_the_flags_are_named():
     )
     plan = {"schedule": "oases", "micro_batch_size": 4, "global_batch_size": 8}
     plan.update(recompute="full", recompute_num_layers=None)
-    assert plan_differences(plan, args) == [
+    assert plan_differences(plan, args, "overlap") == [
         ("--oases-schedule", "oases", "overlap"),
         ("--micro-batch-size", 4, 2),
     ]
-    assert plan_differences({"degrees": [2, 2]}, args) == []  # a hand-written plan: nothing said
-    assert plan_differences({"recompute": True}, args) == []  # older plans: True is full
+    assert (
+        plan_differences({"degrees": [2, 2]}, args, "overlap") == []
+    )  # a hand-written plan: nothing said
+    assert plan_differences({"recompute": True}, args, "overlap") == []  # older plans: True is full
     selective = argparse.Namespace(**dict(vars(args), recompute_granularity="selective"))
     selective.recompute_modules = ["core_attn"]
-    assert plan_differences({"recompute": "full"}, selective) == [
+    assert plan_differences({"recompute": "full"}, selective, "overlap") == [
         ("--recompute-granularity", "full", "selective")
     ]
 

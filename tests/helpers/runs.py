@@ -15,7 +15,7 @@ import shlex
 
 import torch
 
-from megatron_oases.arguments import parse_megatron_args, with_defaults
+from megatron_oases.arguments import parse_args_and_config, parse_megatron_args, with_defaults
 from megatron_oases.hetero.shards import full_tensor, global_param_names
 from megatron_oases.patching import Patch
 from megatron_oases.training.pretrain import run_in_process
@@ -26,6 +26,14 @@ def parse(argv, world_size=None, demo=True):
     if isinstance(argv, str):
         argv = shlex.split(argv)
     return parse_megatron_args(with_defaults(argv, demo=demo), prog="test", world_size=world_size)
+
+
+def parse_config(argv, world_size=None, demo=True):
+    """The checked :class:`~megatron_oases.config.OasesConfig` for ``argv`` (no global state)."""
+    if isinstance(argv, str):
+        argv = shlex.split(argv)
+    argv = with_defaults(argv, demo=demo)
+    return parse_args_and_config(argv, prog="test", world_size=world_size)[1]
 
 
 def _capture_patch(record, grads):

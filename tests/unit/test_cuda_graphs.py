@@ -142,16 +142,17 @@ def _args(**kw):
 )
 def test_what_a_capture_cannot_hold_is_refused_in_one_line(change, cuda, fix):
     with pytest.raises(OasesConfigError, match=fix) as err:
-        check_cuda_graphs(_args(**change), cuda)
+        args = _args(**change)
+        check_cuda_graphs(args, args.oases_schedule, cuda)
     assert "\n" not in str(err.value)
 
 
 def test_eager_mode_runs_without_a_gpu_and_keeps_dropout():
-    check_cuda_graphs(_args(oases_cuda_graphs="eager", attention_dropout=0.1), False)
+    check_cuda_graphs(_args(oases_cuda_graphs="eager", attention_dropout=0.1), "oases", False)
     check_cuda_graphs(
-        _args(recompute_granularity="selective", recompute_modules=["layernorm"]), True
+        _args(recompute_granularity="selective", recompute_modules=["layernorm"]), "oases", True
     )
-    check_cuda_graphs(_args(oases_cuda_graphs=None, oases_schedule="off"), False)
+    check_cuda_graphs(_args(oases_cuda_graphs=None), "off", False)
 
 
 def test_graphed_compare_variants_are_refused_without_a_gpu(monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers.emulation import DILATION as D
 
+from megatron_oases.config import EmulatedLink, OasesConfig
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.testbed import calibrate
 from megatron_oases.testbed.clusters import load_cluster
@@ -50,10 +51,10 @@ def test_one_channel_per_group_serializes():
 
 def test_unknown_profile_lists_available_ones():
     with pytest.raises(OasesConfigError) as exc:
-        make_patch(argparse.Namespace(emulate_link="dgx-9000"))
+        make_patch(OasesConfig(emulate_link=EmulatedLink("dgx-9000")))
     msg = str(exc.value)
     assert "dgx-9000" in msg and "rtx3090-pcie" in msg and "h100-nvlink" in msg
-    assert make_patch(argparse.Namespace(emulate_link=None)) is None
+    assert make_patch(OasesConfig()) is None
 
 
 def test_calibration_is_cached_per_host_and_thread_count(tmp_path, monkeypatch):
@@ -107,7 +108,7 @@ def _megatron_args(**kw):
         fp16=False,
     )
     a.update(kw)
-    return argparse.Namespace(**a)
+    return EmulatedLink.from_args("rtx3090-pcie", argparse.Namespace(**a))
 
 
 def test_dilation_is_per_shape_roofline(monkeypatch):

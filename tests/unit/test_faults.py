@@ -384,7 +384,7 @@ def test_corrupt_data_is_refused_by_the_preflight(tmp_path, damage):
 def test_trace_and_log_json_paths_are_checked_like_out(tmp_path, flag):
     """A bad ``--oases-trace`` trained to the end and then lost the trace on every rank; a bad
     ``--log-json`` stopped the run after iteration 1. Both are one line before training now."""
-    from helpers.runs import parse
+    from helpers.runs import parse_config
 
     from megatron_oases.errors import OasesConfigError
     from megatron_oases.training.preflight import check_output_paths
@@ -393,18 +393,21 @@ def test_trace_and_log_json_paths_are_checked_like_out(tmp_path, flag):
     blocker.write_text("not a directory")
     bad = blocker / "out.json"
     with pytest.raises(OasesConfigError) as err:
-        check_output_paths(parse(f"{flag} {bad}", world_size=1))
+        check_output_paths(parse_config(f"{flag} {bad}", world_size=1))
     first = f"{blocker}/out.rank0.json" if flag == "--oases-trace" else bad
     assert str(err.value) == (
         f"{flag} {first}: {blocker} is a file, not a directory; choose another path"
     )
     if flag == "--log-json":
         with pytest.raises(OasesConfigError, match=f"{flag} {tmp_path} is a directory; name the"):
-            check_output_paths(parse(f"{flag} {tmp_path}", world_size=1))
-    check_output_paths(parse(f"{flag} {tmp_path / 'new' / 'out.json'}", world_size=1))  # made later
+            check_output_paths(parse_config(f"{flag} {tmp_path}", world_size=1))
+    later = tmp_path / "new" / "out.json"  # its directory is made later
+    check_output_paths(parse_config(f"{flag} {later}", world_size=1))
     if flag == "--oases-trace":
         with pytest.raises(OasesConfigError, match=r"only \{rank\} may stand in braces"):
-            check_output_paths(parse(f"{flag} {tmp_path}/t.{{rank}}.{{step}}.json", world_size=1))
+            check_output_paths(
+                parse_config(f"{flag} {tmp_path}/t.{{rank}}.{{step}}.json", world_size=1)
+            )
 
 
 def test_torch_format_and_missing_index_are_told_apart_before_torch_loads(tmp_path):

@@ -8,12 +8,12 @@ import pytest
 from helpers.variants import MODELS, h2048_profile
 
 from megatron_oases.cli import main as oases
+from megatron_oases.config import OasesConfig
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.formats.plan import validate_plan
 from megatron_oases.planner.build import build_problem
 from megatron_oases.planner.choose import alternatives_table, choose_plan
 from megatron_oases.planner.time_model import evaluate
-from megatron_oases.validation import check_oases_args
 
 GBS = 128  # h2048: DP 8, T 4: 16 samples per TMP domain
 
@@ -102,7 +102,7 @@ def test_a_micro_batch_of_one_sample_is_split_by_sequence_only(h2048):
     flags = f"{plan['launch_flags']} --tensor-model-parallel-size 2 --micro-batch-size 1"
     args = parse(flags + " --global-batch-size 2", world_size=2)
     assert args.oases_split == "sequence" and args.oases_schedule == plan["schedule"]
-    check_oases_args(args)
+    assert OasesConfig.from_args(args).split == "sequence"  # every rule passes
 
 
 def test_chunk_memory_at_one_sample_by_hand(h2048):

@@ -84,8 +84,8 @@ def _built_patches(args):
     config = OasesConfig.from_args(args)
     built = {
         "oases-schedule": schedule.make_patch(config),
-        "golden-values": golden.make_patch(args),
-        "oases-trace": trace.make_patch(args),
+        "golden-values": golden.make_patch(config),
+        "oases-trace": trace.make_patch(config),
         megatron_lm.HOOK_PATCH: megatron_lm.model_setup_hook(args, config),
     }
     assert all(p is not None for p in built.values()), built
@@ -181,10 +181,10 @@ def test_norm_recompute_without_te_fixes_only_the_fp8_flag():
 
     plain = GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
     selective = parse(plain + "--recompute-granularity selective", world_size=2)
-    assert norm_recompute.make_patch(selective) is None
+    assert norm_recompute.make_patch(OasesConfig.from_args(selective)) is None
     flags = "--recompute-granularity selective --recompute-modules core_attn layernorm"
     args = parse(plain + flags, world_size=2)
-    patch = norm_recompute.make_patch(args)
+    patch = norm_recompute.make_patch(OasesConfig.from_args(args))
     if random.HAVE_TE or "fp8 is not None" not in inspect.getsource(
         CheckpointWithoutOutput.__init__
     ):
