@@ -51,6 +51,37 @@ def _is_int(x):
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def degree_fault(d, T=None, domain=None):
+    """The one degree rule: a TMP degree is a positive power of two that divides the TMP domain
+    ``T`` (unchecked where ``T`` is None). Returns what breaks it, as the words that follow the
+    degree (``"3 is not a power of two"``), or None. ``domain`` names ``T`` in the caller's words.
+    """
+    if not _is_int(d) or d < 1:
+        return f"{d!r} is not a positive integer"
+    if d & (d - 1):
+        return f"{d} is not a power of two"
+    if T is not None and T % d:
+        where = domain or f"the TMP domain T={T}"
+        return f"{d} {'exceeds' if d > T else 'does not divide'} {where}"
+    return None
+
+
+def parse_degrees(text, T=None):
+    """``--degrees 1,2,4`` → ``[1, 2, 4]`` (None stays None), each checked by
+    :func:`degree_fault`."""
+    if text is None:
+        return None
+    try:
+        out = sorted({int(x) for x in str(text).split(",") if x.strip()})
+    except ValueError:
+        raise OasesConfigError(f"bad --degrees {text!r}; use a comma list such as 1,2,4") from None
+    for d in out:
+        fault = degree_fault(d, T)
+        if fault:
+            raise OasesConfigError(f"--degrees: {fault}")
+    return out
+
+
 def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source="plan"):
     """Check a plan dict; return it. Every problem is one :class:`OasesConfigError` line."""
     if not isinstance(plan, dict):
@@ -78,14 +109,9 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
     if num_layers is not None and len(degrees) != int(num_layers):
         _fail(source, f"degrees has {len(degrees)} entries but the model has {num_layers} layers")
     for i, d in enumerate(degrees):
-        if not _is_int(d) or d < 1:
-            _fail(source, f"layer {i}: degree {d!r} is not a positive integer")
-        if d & (d - 1):
-            _fail(source, f"layer {i}: degree {d} is not a power of two")
-        if d > T:
-            _fail(source, f"layer {i}: degree {d} exceeds tensor_model_parallel_size {T}")
-        if T % d:
-            _fail(source, f"layer {i}: degree {d} does not divide tensor_model_parallel_size {T}")
+        fault = degree_fault(d, T, domain=f"tensor_model_parallel_size {T}")
+        if fault:
+            _fail(source, f"layer {i}: degree {fault}")
     schedule = plan.get("schedule")
     if schedule is not None:
         check_schedule(schedule, source=f"{source}: schedule")

@@ -13,12 +13,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ..errors import OasesConfigError
+from ..formats.plan import degree_fault
 
 
 class HeteroGroups:
     def __init__(self, T, degrees):
         self.T = T
-        if any(d < 1 or T % d or d & (d - 1) for d in degrees):
+        if any(degree_fault(d, T) for d in degrees):
             raise OasesConfigError(f"TMP degrees must be powers of two dividing {T}: {degrees}")
         self.rank = dist.get_rank()
         world = dist.get_world_size()

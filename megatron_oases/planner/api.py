@@ -59,19 +59,6 @@ def parse_pins(specs):
     return pins
 
 
-def parse_degrees(text):
-    if text is None:
-        return None
-    try:
-        out = sorted({int(x) for x in str(text).split(",") if x.strip()})
-    except ValueError:
-        raise OasesConfigError(f"bad --degrees {text!r}; use a comma list such as 1,2,4") from None
-    for d in out:
-        if d < 1 or d & (d - 1):
-            raise OasesConfigError(f"--degrees: {d} is not a power of two")
-    return out
-
-
 def _infeasible(problem):
     need = min_memory(problem)
     margin = problem.margin

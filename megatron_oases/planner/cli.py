@@ -587,8 +587,8 @@ def main(argv):
         raise OasesConfigError("--granule-mb must be positive")
     if args.host_us_per_call is not None and args.host_us_per_call < 0:
         raise OasesConfigError("--host-us-per-call must be >= 0 (0: no host term)")
-    from ..formats.plan import save_plan
-    from .api import PlannerVerificationError, make_plan, parse_degrees, parse_pins
+    from ..formats.plan import parse_degrees, save_plan
+    from .api import PlannerVerificationError, make_plan, parse_pins
     from .choose import alternatives_table, choose_plan
     from .explain import explanation_table, summary
 

@@ -126,7 +126,7 @@ def main(argv):
     if args.cache_dir and not args.analytic:
         check_output_dir(args.cache_dir, flag="--cache-dir")
     from ..formats.profile import save_profile
-    from ..planner.api import parse_degrees
+    from ..formats.plan import parse_degrees
     from .model_config import model_args, read_model_file
 
     flat = read_model_file(args.model)
@@ -141,12 +141,7 @@ def main(argv):
     if args.sequence_parallel:
         flat["sequence_parallel"] = True
     margs = model_args(flat)
-    degrees = parse_degrees(args.degrees)
-    T = margs.tensor_model_parallel_size
-    if degrees:
-        for d in degrees:
-            if d > T or T % d:
-                raise OasesConfigError(f"--degrees: {d} does not divide the TMP domain T={T}")
+    degrees = parse_degrees(args.degrees, margs.tensor_model_parallel_size)
 
     if args.analytic:
         if not args.cluster:

@@ -106,7 +106,7 @@ def test_profile_cli_errors(tmp_path, capsys):
         )
         == 2
     )
-    assert "does not divide the TMP domain" in capsys.readouterr().err
+    assert "--degrees: 8 exceeds the TMP domain T=" in capsys.readouterr().err
 
 
 def test_project_model_configs_are_read():

@@ -1,0 +1,87 @@
+"""docs/layout.md's table is the layering: each row imports only its own row and rows below it.
+
+Every module of the package must sit on a row (a file or a folder named in the first column),
+and no import, lazy ones inside functions included, may name a module of a row above its own."""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "megatron_oases"
+
+
+def layout_rows():
+    """The table's rows, top first, as lists of paths (``megatron_oases/...``)."""
+    rows = []
+    for line in (ROOT / "docs" / "layout.md").read_text().splitlines():
+        if not line.startswith("| `megatron_oases/"):
+            continue
+        names = re.findall(r"`([^`]+)`", line.split("|")[1])
+        base = names[0].rsplit("/", 1)[0] + "/"
+        rows.append([n if n.startswith("megatron_oases/") else base + n for n in names])
+    return rows
+
+
+def row_of(rel, rows):
+    """The row of a module path: the longest file or folder entry that holds it."""
+    best, best_len = None, -1
+    for i, row in enumerate(rows):
+        for entry in row:
+            if (rel == entry or (entry.endswith("/") and rel.startswith(entry))) and len(
+                entry
+            ) > best_len:
+                best, best_len = i, len(entry)
+    return best
+
+
+def resolve(module_file, node):
+    """The package files an import names (relative or ``megatron_oases.``), as root paths."""
+    if isinstance(node, ast.Import):
+        bases = [a.name for a in node.names if a.name.startswith("megatron_oases")]
+        subs = [[]] * len(bases)
+    else:
+        if node.level:
+            pkg = module_file.parent.relative_to(ROOT).parts
+            pkg = pkg[: len(pkg) - (node.level - 1)]
+            base = ".".join(pkg + tuple((node.module or "").split(".") if node.module else ()))
+        elif (node.module or "").startswith("megatron_oases"):
+            base = node.module
+        else:
+            return []
+        bases, subs = [base], [[a.name for a in node.names]]
+    out = []
+    for base, names in zip(bases, subs):
+        path = ROOT.joinpath(*base.split("."))
+        targets = [path.with_suffix(".py"), path / "__init__.py"]
+        targets += [path / f"{n}.py" for n in names] + [path / n / "__init__.py" for n in names]
+        out += [t.relative_to(ROOT).as_posix() for t in targets if t.is_file()]
+    return out
+
+
+def test_every_module_sits_on_a_layout_row():
+    rows = layout_rows()
+    assert rows, "docs/layout.md has no table rows naming megatron_oases/ paths"
+    missing = [
+        p.relative_to(ROOT).as_posix()
+        for p in sorted(PKG.rglob("*.py"))
+        if p != PKG / "__init__.py" and row_of(p.relative_to(ROOT).as_posix(), rows) is None
+    ]
+    assert not missing, f"add these to docs/layout.md's table: {missing}"
+
+
+def test_no_import_runs_up_the_layout():
+    rows = layout_rows()
+    upward = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        mine = row_of(rel, rows)
+        if mine is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in resolve(path, node):
+                    theirs = row_of(target, rows)
+                    if theirs is not None and theirs < mine:
+                        upward.append(f"{rel}:{node.lineno} -> {target}")
+    assert not upward, "imports from a row above (docs/layout.md):\n" + "\n".join(upward)
