@@ -17,10 +17,9 @@ import sys
 from ..errors import OasesConfigError
 from ..outputs import check_output_file, make_parent
 from ..recompute_settings import RECOMPUTE_MODES
-from ..validation import SCHEDULES, SPLIT_SCHEDULES, SPLITS
-from .build import build_problem, recompute_label, recompute_mode
+from ..validation import SCHEDULES, SPLITS
+from .build import recompute_label
 from .ilp import DEFAULT_TIME_LIMIT_S
-from .prediction import predict
 from .problem import DEFAULT_MARGIN
 
 
@@ -236,53 +235,37 @@ def build_parser():
 
 
 def _evaluate(args):
+    """``--evaluate PLAN``: print :func:`.evaluate.evaluate_plan`'s prediction."""
     from ..formats.plan import load_plan
     from ..formats.profile import load_profile
-    from .explain import compress_degrees, explanation_table
+    from .evaluate import EvaluateFlags, evaluate_plan
+    from .explain import compress_degrees, explanation_table, host_line
 
-    profile = load_profile(args.profile)
-    plan = load_plan(args.evaluate)
-    run = _evaluated_run(args, plan, profile)
-    gbs, schedule, recompute = run["global_batch_size"], run["schedule"], run["recompute"]
-    common = dict(
-        schedule=schedule,
-        micro_batch_size=run["micro_batch_size"],
-        degrees=sorted(set(plan["degrees"])),
-        recompute=recompute,
-        recompute_layers=run["recompute_layers"],
-        memory_gb=args.memory or plan.get("memory_gb") or profile.data.get("memory_gb"),
+    flags = EvaluateFlags(
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        schedule=args.schedule,
+        recompute=_recompute_arg(args),
+        no_recompute=args.no_recompute,
+        recompute_num_layers=args.recompute_num_layers,
+        split=args.split,
+        sequence_parallel=args.sequence_parallel,
+        distributed_optimizer=args.distributed_optimizer,
+        allow_unsplit=args.allow_unsplit,
+        grad_sync=args.grad_sync,
+        memory_gb=args.memory,
         margin=args.margin,
-        num_layers=len(plan["degrees"]),
-        grad_sync=run["grad_sync"],
-        sequence_parallel=run["sequence_parallel"],
-        split=run["split"],
-        allow_unsplit=run["allow_unsplit"],
-        distributed_optimizer=run["distributed_optimizer"],
+        host_us_per_call=args.host_us_per_call,
     )
-    problem = build_problem(profile, global_batch_size=gbs, **common)  # pipeline stage 0
-    ks = problem.index(plan["degrees"][: problem.num_layers])
-    del common["schedule"], common["micro_batch_size"], common["degrees"], common["num_layers"]
-    res = predict(
-        profile,
-        plan["degrees"],
-        schedule,
-        global_batch=gbs,
-        micro_batch=run["micro_batch_size"],
-        **common,
-    )
-    from .api import host_term
-    from .explain import host_line
-
-    host = host_term(profile, problem, schedule, common["split"], args.host_us_per_call)
-    device_s = res["iteration_time_s"]
-    iteration_s = max(device_s, host["issue_s"]) if host else device_s
-    if host:
-        host["host_bound"] = host["issue_s"] > device_s
-    sp = ", sequence parallel" if common["sequence_parallel"] else ""
-    sp += ", sequence chunks" if common["split"] == "sequence" else ""
+    plan = load_plan(args.evaluate)
+    out = evaluate_plan(plan, load_profile(args.profile), flags, args.evaluate, args.profile)
+    run, problem, res, host = out["run"], out["problem"], out["prediction"], out["host"]
+    device_s, iteration_s = out["device_time_s"], out["iteration_time_s"]
+    sp = ", sequence parallel" if run["sequence_parallel"] else ""
+    sp += ", sequence chunks" if run["split"] == "sequence" else ""
     print(
-        f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {schedule}, "
-        f"{recompute_label(recompute, common['recompute_layers'])} recompute{sp})"
+        f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {run['schedule']}, "
+        f"{recompute_label(run['recompute'], run['recompute_layers'])} recompute{sp})"
     )
     print(
         f"predicted iteration {iteration_s * 1e3:.2f} ms (device {device_s * 1e3:.2f}: forward "
@@ -290,173 +273,19 @@ def _evaluate(args):
         f"{res['edges_s'] * 1e3:.2f}); peak memory {res['peak_memory_bytes'] / 1e9:.2f} GB per rank"
     )
     print(host_line(dict(host=host, device_time_s=device_s, iteration_time_s=iteration_s)))
-    if res["peak_memory_bytes"] * (1 + problem.margin) > problem.memory_bytes:
+    if not out["fits"]:
         print(
             f"warning: needs more than {problem.memory_bytes / 1e9:g} GB with the "
             f"{problem.margin:.0%} margin",
             file=sys.stderr,
         )
     if not args.quiet:
-        print(explanation_table(problem, ks, res, max_rows=args.max_rows or None))
+        print(explanation_table(problem, out["ks"], res, max_rows=args.max_rows or None))
     if args.json:
-        out = {k: v for k, v in res.items() if k != "per_layer"}
-        out.update(iteration_time_s=iteration_s, device_time_s=device_s, host=host)
-        print(json.dumps(out, indent=1))
+        js = {k: v for k, v in res.items() if k != "per_layer"}
+        js.update(iteration_time_s=iteration_s, device_time_s=device_s, host=host)
+        print(json.dumps(js, indent=1))
     return 0
-
-
-def _evaluated_run(args, plan, profile):
-    """The run that ``--evaluate`` predicts: the plan's settings, the flags' where the plan
-    records none. Where the plan, the profile and the flags describe different models or runs, one
-    line naming both values and the fix (a prediction of another run is a silent wrong answer);
-    and where the plan's own batch or degrees do not fit the profile, a line naming the plan
-    (the planner's messages name the flags of a solve, which the user did not pass)."""
-    path, prof = args.evaluate, args.profile
-    made = plan.get("profile")
-    fix = (
-        f"evaluate it with the profile it was made from ({made})"
-        if made and made != prof
-        else "evaluate it with a profile of the model and parallel sizes it was made for"
-    ) + f", or make a plan for this profile with `oases plan --profile {prof} ...`"
-    degrees, T = plan["degrees"], profile.tp
-    if len(degrees) != profile.num_layers:
-        raise OasesConfigError(
-            f"plan {path} has {len(degrees)} layer degrees but profile {prof} is of a "
-            f"{profile.num_layers}-layer model; {fix}"
-        )
-    pp = int(profile.data.get("pipeline_model_parallel_size", 1))
-    for key, ours, what in (
-        ("tensor_model_parallel_size", T, "TMP domain T"),
-        ("data_parallel_size", profile.dp, "data-parallel size"),
-        ("pipeline_model_parallel_size", pp, "pipeline-parallel size"),
-    ):
-        if plan.get(key) is not None and plan[key] != ours:
-            raise OasesConfigError(
-                f"plan {path} is for a {what} of {plan[key]} but profile {prof} has {ours}; {fix}"
-            )
-    recompute_flag = _recompute_arg(args)
-    given = (  # (plan key, the flag's value in the plan's terms or None: not given, the flag)
-        (
-            "global_batch_size",
-            args.global_batch_size,
-            f"--global-batch-size {args.global_batch_size}",
-        ),
-        ("micro_batch_size", args.micro_batch_size, f"--micro-batch-size {args.micro_batch_size}"),
-        ("schedule", args.schedule, f"--schedule {args.schedule}"),
-        (
-            "recompute",
-            recompute_flag,
-            "--no-recompute" if args.no_recompute else f"--recompute {args.recompute}",
-        ),
-        (
-            "recompute_num_layers",
-            args.recompute_num_layers,
-            f"--recompute-num-layers {args.recompute_num_layers}",
-        ),
-        ("split", args.split, f"--split {args.split}"),
-        ("sequence_parallel", args.sequence_parallel or None, "--sequence-parallel"),
-        ("distributed_optimizer", args.distributed_optimizer or None, "--distributed-optimizer"),
-    )
-    for key, value, flag in given:
-        # a null recompute_num_layers is a setting (every layer); other nulls: not recorded
-        recorded = key in plan if key == "recompute_num_layers" else plan.get(key) is not None
-        if value is None or not recorded:
-            continue
-        theirs = recompute_mode(plan[key], str(path)) if key == "recompute" else plan[key]
-        if theirs != value:
-            raise OasesConfigError(
-                f"{flag} contradicts plan {path}, made for {key} {json.dumps(plan[key])}; drop "
-                f"the flag to evaluate the plan as made, or re-plan with {flag}"
-            )
-    gbs, gbs_src = args.global_batch_size, "--global-batch-size"
-    if gbs is None:
-        gbs, gbs_src = plan.get("global_batch_size"), f"plan {path}'s global_batch_size"
-    if gbs is None:
-        raise OasesConfigError("pass --global-batch-size (the plan does not record one)")
-    m, m_src = args.micro_batch_size, "--micro-batch-size"
-    if m is None and plan.get("micro_batch_size") is not None:
-        m, m_src = plan["micro_batch_size"], f"plan {path}'s micro_batch_size"
-    schedule = plan.get("schedule") or args.schedule or "oases"
-    if schedule == "auto":
-        raise OasesConfigError(
-            f"--evaluate predicts one schedule and plan {path} records none; pass --schedule "
-            "off, overlap, cross-pass or oases"
-        )
-    recompute = recompute_mode(plan.get("recompute", recompute_flag), f"{path}")
-    layers_src = "--recompute-num-layers"
-    layers = args.recompute_num_layers
-    if "recompute_num_layers" in plan:
-        layers, layers_src = plan["recompute_num_layers"], f"plan {path}'s recompute_num_layers"
-    split = plan.get("split") or args.split or "batch"
-    sequence_parallel = plan.get("sequence_parallel", args.sequence_parallel)
-    allow_unsplit = bool(plan.get("allow_unsplit")) or args.allow_unsplit
-    D = profile.dp
-    if gbs_src != "--global-batch-size" and gbs % D:
-        raise OasesConfigError(
-            f"global batch {gbs} ({gbs_src}) is not a multiple of the data-parallel size {D} of "
-            f"profile {prof}; {fix}"
-        )
-    per_domain = gbs // D if gbs > 0 else 0
-    if m_src != "--micro-batch-size" and per_domain and per_domain % m:
-        raise OasesConfigError(
-            f"micro-batch {m} ({m_src}) does not divide the {per_domain} samples per TMP domain "
-            f"(global batch {gbs} from {gbs_src} / data-parallel size {D} of profile {prof}); "
-            f"{fix}"
-        )
-    if layers is not None and layers_src != "--recompute-num-layers":
-        if recompute != "full" or not 1 <= layers <= len(degrees) // pp:
-            raise OasesConfigError(
-                f"{layers_src} {layers} needs full recompute of 1 to {len(degrees) // pp} layers "
-                f"per pipeline stage (the plan records recompute {recompute!r}); edit the plan"
-            )
-    if split == "sequence" and schedule not in SPLIT_SCHEDULES:
-        raise OasesConfigError(
-            f"plan {path} splits micro-batches into sequence chunks, which schedule {schedule} "
-            "does not; edit its schedule (overlap, cross-pass or oases) or its split"
-        )
-    if (split == "sequence" or sequence_parallel) and set(degrees) != {T}:
-        what = "sequence chunks" if split == "sequence" else "sequence parallelism"
-        raise OasesConfigError(
-            f"plan {path} runs {what}, which the runtime runs with every layer at T={T}, but has "
-            f"degrees {sorted(set(degrees))}; set every degree to {T} or re-plan"
-        )
-    micro = m or per_domain
-    if micro and per_domain % micro == 0:
-        need = 2 if schedule in SPLIT_SCHEDULES and split != "sequence" and not allow_unsplit else 1
-        src = m_src if m else f"global batch {gbs} / data-parallel size {D}, the default"
-        for i, d in enumerate(degrees):
-            n = micro * d / T
-            if n != int(n) or n < need:
-                why = ""
-                if n == 1 and need == 2:
-                    why = (
-                        f" (schedule {schedule} splits it into two sub-batches; the plan does not "
-                        "allow unsplit layers)"
-                    )
-                raise OasesConfigError(
-                    f"plan {path}: layer {i} at degree {d} gets {n:g} samples per group of the "
-                    f"micro-batch of {micro} ({src}) over T={T}{why}; edit the plan's degrees"
-                    + (
-                        " or pass another --micro-batch-size"
-                        if m_src == "--micro-batch-size" and m
-                        else " or micro_batch_size"
-                    )
-                    + ", or re-plan"
-                )
-    predicted = plan.get("predicted")
-    grad_sync = isinstance(predicted, dict) and bool(predicted.get("grad_sync_included"))
-    return dict(
-        global_batch_size=gbs,
-        micro_batch_size=m,
-        schedule=schedule,
-        recompute=recompute,
-        recompute_layers=layers,
-        split=split,
-        sequence_parallel=sequence_parallel,
-        allow_unsplit=allow_unsplit,
-        distributed_optimizer=bool(plan.get("distributed_optimizer", args.distributed_optimizer)),
-        grad_sync=args.grad_sync or grad_sync,
-    )
 
 
 def _recompute_arg(args):
