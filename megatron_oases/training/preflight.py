@@ -40,6 +40,6 @@ def check_before_training(args, config):
     :class:`~megatron_oases.config.OasesConfig`."""
     check_output_paths(config)
     check_data_paths(args)
-    prepare_checkpointing(args)
+    prepare_checkpointing(args, config.start_over)
     console_log.install(args)
     dataset_helpers.install()

@@ -27,13 +27,13 @@ def same_dir(a, b):
     return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_not_overwriting(args):
+def check_not_overwriting(args, start_over):
     """Refuse a run that would write over the checkpoints ``--save`` holds without resuming from
-    them (``--load`` elsewhere or none), unless ``--oases-start-over``."""
+    them (``--load`` elsewhere or none), unless ``start_over`` (``--oases-start-over``)."""
     save = getattr(args, "save", None)
     if not save or not os.path.isfile(os.path.join(save, TRACKER)):
         return
-    if same_dir(getattr(args, "load", None), save) or getattr(args, "oases_start_over", False):
+    if same_dir(getattr(args, "load", None), save) or start_over:
         return
     try:
         with open(os.path.join(save, TRACKER)) as f:
@@ -99,13 +99,14 @@ def is_job_rank_0():
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def claim_save_dir(args):
-    """Before training: refuse what would overwrite another run's checkpoints, then (rank 0) hold
-    the directory's lock until the job's patches are uninstalled."""
+def claim_save_dir(args, start_over):
+    """Before training: refuse what would overwrite another run's checkpoints (unless
+    ``start_over``), then (rank 0) hold the directory's lock until the job's patches are
+    uninstalled."""
     save = getattr(args, "save", None)
     if not save:
         return None
-    check_not_overwriting(args)
+    check_not_overwriting(args, start_over)
     if not is_job_rank_0() or REGISTRY.get(PATCH_NAME) is not None:
         return None
     held = lock_save_dir(save)

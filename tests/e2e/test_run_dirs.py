@@ -65,13 +65,13 @@ def test_start_over_and_resume_may_write_into_a_used_save_directory(tmp_path):
     save = tmp_path / "ckpt"
     save.mkdir()
     (save / "latest_checkpointed_iteration.txt").write_text("5")
-    args = dict(save=str(save), load=None, oases_start_over=False)
+    args = dict(save=str(save), load=None)
     with pytest.raises(OasesConfigError, match="holds checkpoints up to iteration 5"):
-        check_not_overwriting(argparse.Namespace(**args))
+        check_not_overwriting(argparse.Namespace(**args), start_over=False)
     with pytest.raises(OasesConfigError):  # fine-tuning from elsewhere into it: refused too
-        check_not_overwriting(argparse.Namespace(**dict(args, load=str(tmp_path))))
-    check_not_overwriting(argparse.Namespace(**dict(args, load=str(save) + "/")))  # resume
-    check_not_overwriting(argparse.Namespace(**dict(args, oases_start_over=True)))
+        check_not_overwriting(argparse.Namespace(**dict(args, load=str(tmp_path))), False)
+    check_not_overwriting(argparse.Namespace(**dict(args, load=str(save) + "/")), False)  # resume
+    check_not_overwriting(argparse.Namespace(**args), start_over=True)
 
 
 def test_the_save_lock_is_held_by_one_open_file_at_a_time(tmp_path):
