@@ -47,7 +47,7 @@ def main(argv=None):
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     from megatron_oases.planner.choose import setting_name
-    from megatron_oases.planner.search import model_for_search, search
+    from megatron_oases.planner.cluster.search import model_for_search, search
     from megatron_oases.training import quiet
 
     quiet.install(cuda=False)

@@ -88,8 +88,8 @@ def write_report(out, out_dir):
 def main(argv=None):
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    from megatron_oases.planner.search import model_for_search, search
-    from megatron_oases.planner.verify import spearman, verify, verify_table
+    from megatron_oases.planner.cluster.search import model_for_search, search
+    from megatron_oases.planner.cluster.verify import spearman, verify, verify_table
     from megatron_oases.profiler.model_config import read_model_file
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -104,7 +104,7 @@ def main(argv=None):
             write_report(json.load(f), args.out)
         print(f"wrote {args.out}/verify_search.md")
         return 0
-    from megatron_oases.planner import search as search_mod
+    from megatron_oases.planner.cluster import search as search_mod
 
     search_mod._optimizers = lambda layout: (False,)  # no distributed optimizer (docstring)
     flat = {**read_model_file(MODEL), **SHAPE}
@@ -119,7 +119,7 @@ def main(argv=None):
         and c["recompute"] == thumb["recompute"]
         for c in cands
     ):
-        from megatron_oases.planner.search import Layout, _flags
+        from megatron_oases.planner.cluster.search import Layout, _flags
 
         extra = dict(thumb, level=0, rule_of_thumb=True)
         extra["launch_flags"] = _flags(Layout(**thumb["layout"]), thumb, {"global_batch_size": GBS})

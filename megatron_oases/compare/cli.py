@@ -272,7 +272,7 @@ def main(argv):
     if profile is not None:
         from ..viz.analysis import emulated_comm_model
 
-        emulation = _emulation_info(profile, threads, env, processes, base)
+        emulation = emulation_info(profile, threads, env, processes, base)
         comm_model = emulated_comm_model(emulation)
     first = base
     tokens = first.global_batch_size * first.seq_length
@@ -504,7 +504,7 @@ def threads_per_rank(given, nproc, cpus):
     return given or max(1, cpus // nproc)
 
 
-def _emulation_info(profile, threads, env, nproc, args):
+def emulation_info(profile, threads, env, nproc, args):
     """Fix D once for all variants (every variant gets the identical D): the roofline dilation of
     one layer of ``args``' shape (:func:`megatron_oases.testbed.emulator.roofline_dilation`) from
     the host's rates of one rank alone, scaled down when ``nproc`` processes × ``threads``

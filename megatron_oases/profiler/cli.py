@@ -104,21 +104,6 @@ def build_parser():
     return p
 
 
-def _overrides(items):
-    import yaml
-
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise OasesConfigError(f"bad --set {item!r}; use KEY=VALUE")
-        k, v = item.split("=", 1)
-        try:
-            out[k.strip().replace("-", "_")] = yaml.safe_load(v)
-        except yaml.YAMLError:
-            raise OasesConfigError(f"bad --set {item!r}: {v!r} is not a YAML value") from None
-    return out
-
-
 def main(argv):
     args = build_parser().parse_args(argv)
     # before any profiling: a measured profile must not be lost to a path it cannot be written to
@@ -127,10 +112,10 @@ def main(argv):
         check_output_dir(args.cache_dir, flag="--cache-dir")
     from ..formats.profile import save_profile
     from ..formats.plan import parse_degrees
-    from .model_config import model_args, read_model_file
+    from .model_config import model_args, read_model_file, set_overrides
 
     flat = read_model_file(args.model)
-    flat.update(_overrides(args.set))
+    flat.update(set_overrides(args.set))
     if args.tensor_model_parallel_size:
         flat["tensor_model_parallel_size"] = args.tensor_model_parallel_size
     if args.data_parallel_size:

@@ -264,3 +264,19 @@ def model_args(flat, overrides=None):
 
 def shape_of(args):
     return {f: getattr(args, f) for f in SHAPE_FIELDS}
+
+
+def set_overrides(items):
+    """``--set KEY=VALUE ...`` → ``{key: YAML value}`` (dashes in keys become underscores)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise OasesConfigError(f"bad --set {item!r}; use KEY=VALUE")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip().replace("-", "_")] = yaml.safe_load(v)
+        except yaml.YAMLError:
+            raise OasesConfigError(f"bad --set {item!r}: {v!r} is not a YAML value") from None
+    return out

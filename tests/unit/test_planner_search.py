@@ -1,4 +1,4 @@
-"""``oases plan --gpus N``: the DP x TP x PP search (:mod:`megatron_oases.planner.search`)."""
+"""``oases plan --gpus N``: the DP x TP x PP search (:mod:`megatron_oases.planner.cluster.search`)."""
 
 import json
 import subprocess
@@ -6,7 +6,13 @@ import sys
 
 import pytest
 
-from megatron_oases.planner.search import Layout, layouts, model_for_search, search, why_first
+from megatron_oases.planner.cluster.search import (
+    Layout,
+    layouts,
+    model_for_search,
+    search,
+    why_first,
+)
 from megatron_oases.profiler.model_config import read_model_file
 
 
@@ -99,7 +105,7 @@ def test_bad_search_flags_are_one_line(extra, message, capsys):
 
 
 def test_spearman_ranks_with_ties():
-    from megatron_oases.planner.verify import spearman
+    from megatron_oases.planner.cluster.verify import spearman
 
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -108,7 +114,7 @@ def test_spearman_ranks_with_ties():
 
 
 def test_stage_splits_are_the_ones_megatron_takes():
-    from megatron_oases.planner.stage_split import split_flags, stage_splits
+    from megatron_oases.planner.cluster.stage_split import split_flags, stage_splits
 
     assert stage_splits(4, 2) == [(1, 0, 3), (2, 0, 2), (3, 0, 1)]
     for first, middle, last in stage_splits(10, 4):
@@ -144,7 +150,7 @@ def test_pipeline_sends_are_costed_on_the_link_between_stages(gpt7b):
     analytic profile fits that send on the link between rank 0 and rank TP x DP."""
     from megatron_oases.formats.profile import Profile
     from megatron_oases.planner.api import make_plan
-    from megatron_oases.planner.search import _profile
+    from megatron_oases.planner.cluster.search import _profile
 
     within = _profile(gpt7b, Layout(2, 2, 1, 1), "rtx3090-pcie")  # stages on one node
     across = _profile(gpt7b, Layout(4, 2, 1, 1), "rtx3090-pcie")  # 4 GPUs per node: across

@@ -1,5 +1,6 @@
 """The cluster search covers what a Megatron user has (the distributed optimizer, TP = 1 layouts)
-and names the best stock layout beside the best Oases one (:mod:`megatron_oases.planner.search`)."""
+and names the best stock layout beside the best Oases one (:mod:`megatron_oases.planner.cluster.search`).
+"""
 
 import json
 
@@ -7,9 +8,9 @@ import pytest
 
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.formats.profile import Profile
-from megatron_oases.planner import search as search_mod
+from megatron_oases.planner.cluster import search as search_mod
 from megatron_oases.planner.api import make_plan
-from megatron_oases.planner.search import is_oases, model_for_search, search, verdict
+from megatron_oases.planner.cluster.search import is_oases, model_for_search, search, verdict
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.profiler.model_config import read_model_file
 

@@ -15,10 +15,10 @@ The stage-to-stage sends are in every stage's time (the chain model's ``pipeline
 
 import functools
 
-from ..errors import OasesConfigError
-from .api import host_term
-from .build import build_problem
-from .time_model import evaluate
+from ...errors import OasesConfigError
+from ..api import host_term
+from ..build import build_problem
+from ..time_model import evaluate
 
 
 def stage_splits(total_layers, pp, spread=None):

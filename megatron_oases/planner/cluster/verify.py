@@ -13,7 +13,7 @@ a measurement on GPUs.
 
 import os
 
-from ..errors import OasesConfigError
+from ...errors import OasesConfigError
 
 
 def spearman(xs, ys):
@@ -49,12 +49,12 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
     """Run ``result``'s first ``k`` candidates (:func:`.search.search`); returns
     ``{'rows': [...], 'spearman', 'dilation', 'best_measured', 'chosen_gap'}`` and adds
     ``measured_s`` to each run candidate."""
-    from ..compare.cli import _emulation_info
-    from ..compare.runner import run_variant
-    from ..compare.variants import Variant
-    from ..formats.plan import save_plan
-    from ..profiler.model_config import model_argv
-    from ..testbed.clusters import load_cluster
+    from ...compare.cli import emulation_info
+    from ...compare.runner import run_variant
+    from ...compare.variants import Variant
+    from ...formats.plan import save_plan
+    from ...profiler.model_config import model_argv
+    from ...testbed.clusters import load_cluster
 
     if k < 1:
         raise OasesConfigError("--verify-top must be ≥ 1")
@@ -84,7 +84,7 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
         lay = cand["layout"]
         cargs.tensor_model_parallel_size, cargs.micro_batch_size = lay["tp"], lay["micro_batch"]
         env = {}
-        emulation = _emulation_info(profile, 1, env, gpus, cargs)
+        emulation = emulation_info(profile, 1, env, gpus, cargs)
         progress(f"verify {i}/{k}: {cand['name']} {cand['schedule']} on {gpus} emulated ranks")
         run = run_variant(
             variant,

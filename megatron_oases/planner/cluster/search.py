@@ -24,9 +24,9 @@ import copy
 import dataclasses
 import time
 
-from ..errors import OasesConfigError
-from .api import make_plan
-from .choose import SETTINGS, choose_plan, setting_name
+from ...errors import OasesConfigError
+from ..api import make_plan
+from ..choose import SETTINGS, choose_plan, setting_name
 from .stage_split import best_split
 
 #: Level one's settings: (schedule, recompute).
@@ -64,7 +64,7 @@ class Layout:
 def model_for_search(flat, global_batch_size, overrides=None):
     """Megatron's args of a model file's model, validated as one rank (TP = PP = DP = micro-batch
     = 1): the file's own parallel sizes are a layout the search replaces, not a constraint."""
-    from ..profiler.model_config import model_args
+    from ...profiler.model_config import model_args
 
     single = dict(
         tensor_model_parallel_size=1,
@@ -78,7 +78,7 @@ def model_for_search(flat, global_batch_size, overrides=None):
 
 def layouts(args, gpus, global_batch_size, gpus_per_node):
     """Every :class:`Layout` of ``gpus`` GPUs Megatron can run for ``args``' model."""
-    from ..profiler.analytic import candidate_degrees
+    from ...profiler.analytic import candidate_degrees
 
     tps = [t for t in candidate_degrees(args, min(gpus, gpus_per_node)) if gpus % t == 0]
     out = []
@@ -102,8 +102,8 @@ def layouts(args, gpus, global_batch_size, gpus_per_node):
 
 
 def _profile(args, layout, cluster):
-    from ..formats.profile import Profile
-    from ..profiler.analytic import analytic_profile
+    from ...formats.profile import Profile
+    from ...profiler.analytic import analytic_profile
 
     args = copy.copy(args)
     args.tensor_model_parallel_size = layout.tp
@@ -147,7 +147,7 @@ def _row(layout, plan):
 def _flags(layout, setting, common):
     """A candidate's launch line: the layout's flags and its setting's (``setting``: a plan or a
     ranking row)."""
-    from .choose import launch_flags
+    from ..choose import launch_flags
 
     own = launch_flags(
         setting["schedule"],
@@ -294,7 +294,7 @@ def search(
     name). Returns ``{'candidates', 'winner_plan', 'rule_of_thumb', 'search_s', ...}``: the
     candidates fastest first (the ``top`` planned in full first, ``level`` 2), the winner's plan
     with ``launch_flags`` that include the layout."""
-    from ..testbed.clusters import load_cluster
+    from ...testbed.clusters import load_cluster
 
     t0 = time.perf_counter()
     spec = load_cluster(cluster)

@@ -1,0 +1,95 @@
+"""``oases plan --gpus N``: the cluster search's part of the command line (:mod:`.search`,
+:mod:`.verify`)."""
+
+import json
+import sys
+
+from ...errors import OasesConfigError
+from ...outputs import check_output_file, make_parent
+
+
+def search_main(args):
+    """``--gpus N``: the cluster-wide search (:mod:`.search`)."""
+    from ...formats.plan import save_plan
+    from ...profiler.model_config import read_model_file, set_overrides
+    from .search import model_for_search, search, table, verdict, why_first
+
+    given = [f for f, v in (("--profile", args.profile), ("--evaluate", args.evaluate)) if v]
+    if given:
+        raise OasesConfigError(
+            f"--gpus searches from --model and --cluster; drop {' and '.join(given)}"
+        )
+    missing = [f for f, v in (("--cluster", args.cluster), ("--model", args.model)) if not v]
+    if missing:
+        raise OasesConfigError(f"--gpus needs {' and '.join(missing)} (e.g. --cluster "
+                               "rtx3090-pcie --model gpt-6.7b)")  # fmt: skip
+    if args.gpus < 1 or args.top < 1 or (args.verify_top is not None and args.verify_top < 1):
+        raise OasesConfigError("--gpus, --top and --verify-top must be ≥ 1")
+    if args.global_batch_size is None:
+        raise OasesConfigError("--global-batch-size is required")
+    if args.out:
+        check_output_file(args.out, example="plan.json")
+    fixed = [f for f, v in (("--schedule", args.schedule), ("--degrees", args.degrees),
+                            ("--micro-batch-size", args.micro_batch_size)) if v]  # fmt: skip
+    if fixed:
+        raise OasesConfigError(f"--gpus chooses {', '.join(fixed)} itself; drop them")
+    from ...testbed.clusters import load_cluster
+
+    load_cluster(args.cluster)  # a bad name: one line before the model is validated
+    flat = {**read_model_file(args.model), **set_overrides(args.set)}  # the model --verify-top runs
+    margs = model_for_search(flat, args.global_batch_size)
+    result = search(
+        margs,
+        args.cluster,
+        args.gpus,
+        args.global_batch_size,
+        memory_gb=args.memory,
+        top=args.top,
+        host_us_per_call=args.host_us_per_call,
+        progress=lambda line: print(f"oases plan: {line}", file=sys.stderr, flush=True),
+    )
+    print(
+        f"{result['layouts_searched']} layouts of {args.gpus} GPUs on {args.cluster} searched in "
+        f"{result['search_s']:.1f} s (the {args.top} fastest planned in full: level 2)"
+    )
+    print("\n".join(table(result, rows=args.max_rows or len(result["candidates"]))))
+    print(f"\nwhy: {why_first(result)}")
+    print("\n".join(verdict(result)))
+    plan = result["winner_plan"]
+    per_layer = len(set(plan["degrees"])) > 1  # the runtime reads the degrees from the plan file
+    hint = f" --oases-plan {args.out or 'PLAN_JSON (write it with --out)'}" if per_layer else ""
+    print(f"run with: {plan['launch_flags']}{hint}")
+    if args.verify_top:
+        import os
+        import tempfile
+
+        from .verify import verify, verify_table
+
+        where = (
+            os.path.splitext(args.out)[0] + "-verify"
+            if args.out
+            else tempfile.mkdtemp(prefix="oases-verify-")
+        )
+        print(f"\nverifying the {args.verify_top} fastest under the emulator (runs in {where})")
+        checked = verify(
+            result,
+            flat,
+            where,
+            args.verify_top,
+            progress=lambda line: print(f"oases plan: {line}", file=sys.stderr, flush=True),
+        )
+        print("\n".join(verify_table(checked)))
+        result["verified"] = checked
+    if args.out:
+        plan["search"] = {k: result[k] for k in ("gpus", "cluster", "memory_gb", "candidates")}
+        if "verified" in result:
+            plan["search"]["verified"] = result["verified"]
+        plan["search"]["rule_of_thumb"] = result["rule_of_thumb"]
+        for key in ("best_stock", "best_oases", "stock_over_oases"):  # formats/plan.py
+            plan[key] = result[key]
+        make_parent(args.out)
+        save_plan(plan, args.out)
+        print(f"wrote {args.out}")
+    if args.json:
+        print(json.dumps(result, indent=1, default=str))
+    return 0
