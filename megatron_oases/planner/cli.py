@@ -19,6 +19,7 @@ from ..outputs import check_output_file, make_parent
 from ..recompute_settings import RECOMPUTE_MODES
 from ..validation import SCHEDULES, SPLITS
 from .build import recompute_label
+from .cluster.cli import add_search_flags
 from .ilp import DEFAULT_TIME_LIMIT_S
 from .problem import DEFAULT_MARGIN
 
@@ -32,54 +33,7 @@ def build_parser():
     p.add_argument(
         "--profile", default=None, help="profile.json from `oases profile` (not with --gpus)"
     )
-    search = p.add_argument_group(
-        "the cluster search (--gpus): DP x TP x PP, micro-batch and setting, from a model and a "
-        "cluster profile instead of --profile"
-    )
-    search.add_argument(
-        "--gpus",
-        type=int,
-        default=None,
-        metavar="N",
-        help="search every TP x PP x DP layout of N GPUs and micro-batch size, each with every "
-        "schedule and recompute setting; prints the ranked candidates and the winner's launch "
-        "line (--out writes its plan)",
-    )
-    search.add_argument(
-        "--cluster",
-        default=None,
-        help="with --gpus: a packaged cluster profile (a100-nvlink, h100-nvlink, rtx3090-nvlink, "
-        "rtx3090-pcie, rtx4090-pcie) or a YAML path",
-    )
-    search.add_argument(
-        "--model",
-        default=None,
-        metavar="PATH[:NAME]",
-        help="with --gpus: model YAML or a packaged model (e.g. gpt-6.7b, h2048-l24)",
-    )
-    search.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="with --gpus: override a model setting, e.g. --set num_layers=48",
-    )
-    search.add_argument(
-        "--verify-top",
-        type=int,
-        default=None,
-        metavar="K",
-        help="with --gpus: run the K fastest candidates on this host under the emulator "
-        "(--emulate-link CLUSTER, N ranks, mock data) and print predicted against measured "
-        "and their rank correlation; the runs' logs go next to --out (PLAN-verify/) or to a "
-        "temporary directory. An emulation, not GPUs",
-    )
-    search.add_argument(
-        "--top",
-        type=int,
-        default=5,
-        help="with --gpus: how many of the fastest layouts are planned in full (default 5)",
-    )
+    add_search_flags(p)
     p.add_argument(
         "--global-batch-size", type=int, help="global batch (required unless --evaluate)"
     )
