@@ -270,23 +270,17 @@ class Profile:
         """Data-parallel gradient sync of one layer at ``degree`` (None: not in profile): the
         all-reduce of its gradients, or with ``distributed_optimizer`` (ZeRO-1) the reduce-scatter
         of its gradients plus the all-gather of its updated parameters over the same replicas."""
-        gs = self.data.get("grad_sync")
-        if not gs:
-            return None
-        key = str(degree)
-        if distributed_optimizer:
-            fit = gs.get("reduce_scatter", {}).get(key)
-            if fit is None:
-                return None
-            alpha, beta = float(fit["alpha_s"]), float(fit["beta_s_per_byte"])
-            grads = float(gs["bytes_per_layer"][key])
-            params = float(gs["param_bytes_per_layer"][key])
-            return 2 * alpha + beta * (grads + params)
-        fit = gs["all_reduce"].get(key)
-        if fit is None:
+        gs, key = self.data.get("grad_sync"), str(degree)
+        fit = gs and gs.get("reduce_scatter" if distributed_optimizer else "all_reduce", {}).get(
+            key
+        )
+        if not fit:
             return None
         nbytes = float(gs["bytes_per_layer"][key])
-        return float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
+        if distributed_optimizer:  # two collectives: the gradients out, the parameters back
+            nbytes += float(gs["param_bytes_per_layer"][key])
+        hops = 2 if distributed_optimizer else 1
+        return hops * float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
 
     def layer_memory(self, kind, degree, samples):
         """Bytes of one layer at ``degree`` for ``samples`` samples per group: ``kind`` is
