@@ -11,7 +11,7 @@ import pytest
 from helpers.paths import REPO
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(920)
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
     out = tmp_path / "gpu"
     env = dict(os.environ, PYTHON=sys.executable)
@@ -23,12 +23,14 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
             "bash",
             os.path.join(REPO, "benchmarks", "gpu", "check.sh"),
             "--dry-run",
+            "--budget-s",
+            "880",
             "--out",
             str(out),
         ],
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=900,
         env=env,
     )
     elapsed = time.monotonic() - t0
@@ -85,7 +87,7 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert "dry run on the CPU" in md and "## Parity against stock" in md and "## Host floor" in md
     assert "## CUDA graphs" in md
     # the budget for the dry run
-    assert elapsed < 180, f"dry run took {elapsed:.0f} s"
+    assert elapsed < 300, f"dry run took {elapsed:.0f} s"
 
 
 @pytest.mark.timeout(900)
