@@ -168,12 +168,24 @@ def run_distributed(fn, world_size, *args, timeout=300, one_rank=False):
                 errors.append((rank, payload))
                 break  # one rank failed: the others may hang on a collective
     finally:
-        for p in procs:
+        signalled = []  # ranks a signal ended before we killed anything (segfault, OOM killer)
+        for r, p in enumerate(procs):
             p.join(timeout=1 if errors else 10)
             if p.is_alive():
                 p.kill()
+            elif (p.exitcode or 0) < 0:
+                signalled.append(r)
     if errors:
         rank, tb = errors[0]
+        # a rank killed by a signal reports nothing, and its peers then fail on the lost
+        # connection, sometimes first: name the root cause, then what the peer saw
+        others = [r for r in signalled if r != rank and r not in results]
+        if others and "died with exit code" not in tb:
+            r = others[0]
+            raise RuntimeError(
+                f"rank {r} failed:\nthe process died with exit code {procs[r].exitcode} "
+                f"(then rank {rank} failed:\n{tb})"
+            )
         raise RuntimeError(f"rank {rank} failed:\n{tb}")
     return [results[r] for r in range(ranks)]
 
