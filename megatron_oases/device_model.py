@@ -79,7 +79,8 @@ class Work:
         return Work(self.gemm_flops * factor, self.memory_bytes * factor)
 
 
-def _dims(shape):
+def layer_dims(shape):
+    """(hidden, heads, query groups, kv channels, FFN, fc1 width) of a layer ``shape``."""
     h = shape["hidden_size"]
     a = shape["num_attention_heads"]
     g = shape.get("num_query_groups") or a
@@ -91,7 +92,7 @@ def _dims(shape):
 
 def block_gemm_flops(shape, block, degree):
     """Forward GEMM FLOPs of one block per rank per sample (attention matmuls: the full s×s)."""
-    h, a, g, kv, ffn, fc1 = _dims(shape)
+    h, a, g, kv, ffn, fc1 = layer_dims(shape)
     if block == "attention":
         f = attention_flops_forward(shape, degree)
         return f["qkv"] + f["core"] + f["proj"]
@@ -107,7 +108,7 @@ def _fused_attention(shape):
 def block_memory_bytes(shape, block, degree, dtype_bytes, sequence_parallel=False):
     """Memory-bound bytes of one block's forward per rank per sample (the count in the module
     docstring)."""
-    h, a, g, kv, ffn, fc1 = _dims(shape)
+    h, a, g, kv, ffn, fc1 = layer_dims(shape)
     s, p, d = shape["seq_length"], dtype_bytes, degree
     r = s / d if sequence_parallel else s
     bias = 0 if shape.get("disable_bias_linear") else 1
@@ -149,7 +150,7 @@ def grad_accumulation_bytes(shape, degree, dtype_bytes, main_grad_bytes=4):
     """Bytes of one micro-batch's weight-gradient accumulation into fp32 ``main_grad`` without
     Megatron's fused accumulation (a cast of the gradient, then the add): per layer per rank.
     Not part of :func:`layer_work` (it does not scale with tokens); given for the comparison."""
-    h, a, g, kv, ffn, fc1 = _dims(shape)
+    h, a, g, kv, ffn, fc1 = layer_dims(shape)
     bias = 0 if shape.get("disable_bias_linear") else 1
     split = h * kv * (a + 2 * g) + kv * a * h + h * fc1 + ffn * h
     split += bias * (kv * (a + 2 * g) + fc1)

@@ -16,36 +16,16 @@ replicated tensors hold ``s/d`` of the sequence, so they are divided by ``d`` to
 eq. for SP+TP: ``sbh·(34/t + 5as/(ht))`` in fp16).
 """
 
-from ..formats.profile import attention_flops_forward, core_attention_activation_bytes
+from ..device_model import block_gemm_flops as block_flops_forward  # noqa: F401  (one count)
+from ..device_model import layer_dims
+from ..formats.profile import core_attention_activation_bytes
 
 BLOCKS = ("attention", "mlp")
 
 
-def _dims(shape):
-    h = shape["hidden_size"]
-    a = shape["num_attention_heads"]
-    g = shape.get("num_query_groups") or a
-    kv = shape.get("kv_channels") or h // a
-    ffn = shape["ffn_hidden_size"]
-    fc1 = ffn * (2 if shape.get("swiglu") else 1)
-    return h, a, g, kv, ffn, fc1
-
-
-def block_flops_forward(shape, block, degree):
-    """Forward FLOPs of one block per rank per sample (GEMMs and attention matmuls, full s×s)."""
-    h, a, g, kv, ffn, fc1 = _dims(shape)
-    s = shape["seq_length"]
-    if block == "attention":
-        f = attention_flops_forward(shape, degree)  # core: the local spec computes the full square
-        return f["qkv"] + f["core"] + f["proj"]
-    if block == "mlp":
-        return (2 * s * h * fc1 + 2 * s * ffn * h) / degree
-    raise ValueError(block)
-
-
 def block_params(shape, block, degree):
     """(parameters per rank) of one block at TMP degree ``degree``."""
-    h, a, g, kv, ffn, fc1 = _dims(shape)
+    h, a, g, kv, ffn, fc1 = layer_dims(shape)
     bias = not shape.get("disable_bias_linear")
     norm = 2 * h if shape.get("normalization", "LayerNorm") == "LayerNorm" else h
     if block == "attention":
@@ -79,7 +59,7 @@ def fixed_params(shape, tp):
 def block_activation_bytes(shape, block, degree, dtype_bytes, sequence_parallel=False):
     """Bytes a block's forward saves for backward (no recompute), per rank per sample; under
     ``sequence_parallel`` the sequence-long tensors outside the column→row span are ``s/d``."""
-    h, a, g, kv, ffn, fc1 = _dims(shape)
+    h, a, g, kv, ffn, fc1 = layer_dims(shape)
     s, p = shape["seq_length"], dtype_bytes
     drop_mask = 1 if shape.get("hidden_dropout", 0.0) > 0 else 0
     if block == "attention":
@@ -107,7 +87,7 @@ def backward_transient_bytes(shape, degree, dtype_bytes, sequence_parallel=False
     hidden-sized gradients. Under SP two of those are full-length (the all-gathered output gradient,
     the column dgrad before its reduce-scatter), two are ``s/d`` (the residual stream), and the
     column input is all-gathered again for the weight gradient (one full hidden tensor)."""
-    h, a, g, kv, ffn, fc1 = _dims(shape)
+    h, a, g, kv, ffn, fc1 = layer_dims(shape)
     s, p = shape["seq_length"], dtype_bytes
     hidden = 4 * p * s * h
     if sequence_parallel:
