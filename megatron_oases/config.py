@@ -1,6 +1,6 @@
 """The Oases settings of one run, parsed and checked once (:meth:`OasesConfig.from_args`), then
 passed down as an argument, named ``config``: to the patches (:mod:`.patches`, every factory takes
-it and nothing else), the per-layer runtime (:mod:`.hetero.runtime`) and the attention swap
+it and nothing else), the per-layer runtime (:mod:`.layer_degrees.runtime`) and the attention swap
 (:mod:`.attention`), through one door (:mod:`.prepare`) that both entry points
 (``oases-pretrain-gpt``, Megatron-LM's patched ``pretrain_gpt.py``) share. The Megatron settings a
 patch reads are copied in here, typed, so that no patch reads Megatron's ``args``."""

@@ -21,7 +21,7 @@ def prepare_model(model, config):
     """One built model stage: the per-layer plan, then ``--attention-backend``'s core
     attention (after the plan, which rebuilds layers)."""
     if config.plan is not None:
-        from .hetero.runtime import attach_plan
+        from .layer_degrees.runtime import attach_plan
 
         attach_plan(model, config)
     apply_core_attention(model, config)

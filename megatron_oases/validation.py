@@ -271,7 +271,7 @@ def check_plan_fits_model(plan, args, schedule):
 
 def check_plan_checkpoint_format(plan, args):
     """Only torch_dist's save rewrites a per-layer plan's shards into the stock layout
-    (``megatron_oases/hetero/checkpoint.py``); ``--ckpt-format torch`` would save each layer at
+    (``megatron_oases/layer_degrees/checkpoint.py``); ``--ckpt-format torch`` would save each layer at
     its own degree, a checkpoint no other layout can load (a uniform plan is the stock layout)."""
     if getattr(args, "ckpt_format", "torch_dist") != "torch":
         return

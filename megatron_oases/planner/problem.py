@@ -66,7 +66,7 @@ class ChainProblem:
     grad_sync: np.ndarray = None  # (L, K) seconds per iteration: DP gradient all-reduce per layer
     include_grad_sync: bool = False
     # (L, K) seconds per iteration: the per-layer TMP runtime sums a degree-d layer's gradients
-    # over its T/d replicas inside the TMP domain (megatron_oases.hetero.model.sync_replica_grads);
+    # over its T/d replicas inside the TMP domain (layer_degrees.model.sync_replica_grads);
     # always paid, and part of grad_sync when that is included.
     replica_sync: np.ndarray = None
     meta: dict = field(default_factory=dict)

@@ -87,7 +87,7 @@ class ScheduledLayers:
     ``recomputed_layers``: how many leading layers Megatron's full recompute checkpoints
     (:func:`recomputed_layers`; 0: every block keeps its graph). ``parts``: sub-batches;
     ``split``: how they are cut (``--oases-split``). ``embedding`` / ``output``: the stage's ends
-    run in the programs (:mod:`.stage`), or None. ``tracer``: records each op (optional)."""
+    run in the programs (:mod:`.stage_ends`), or None. ``tracer``: records each op (optional)."""
 
     def __init__(
         self,
@@ -268,7 +268,7 @@ def schedule_layers(
     """A stage's ``layers`` (``indices``: their positions in the stage, default all of them) on
     ``hidden`` under ``schedule`` (a :class:`LayerSchedule`): one autograd node, the one entry of
     the replaced forwards. ``config``: Megatron's TransformerConfig, whose full recompute decides
-    what forward keeps. ``embedding`` / ``output``: the stage's ends (:mod:`.stage`), or None."""
+    what forward keeps. ``embedding`` / ``output``: the stage ends (:mod:`.stage_ends`) or None."""
     indices = range(len(layers)) if indices is None else indices
     run = ScheduledLayers(
         LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias, schedule.graphs),

@@ -13,7 +13,7 @@ def forward_program(ops, sb, last_sub_batch, layer_checkpoint, embedding=None, o
     """Sub-batch ``sb``'s forward ops. ``last_sub_batch``: its collective ends the pass, so its
     last block runs in tail pieces. ``layer_checkpoint``: recomputed layers keep only their input
     (Megatron's full recompute) rather than each block's (fine-grained). ``embedding`` /
-    ``output``: the stage's ends (:mod:`.stage`), or None."""
+    ``output``: the stage's ends (:mod:`.stage_ends`), or None."""
     J = ops.blocks.num_blocks
     program = []
     if embedding is not None:

@@ -5,7 +5,7 @@ Each ``*`` (attention) or ``-`` (MLP) layer of ``--hybrid-layer-pattern`` is one
 :mod:`.blocks`, so a ``*-*-`` stack is scheduled exactly as the GPT layers it migrates from.
 What stays stock: evaluation and inference, the PP input tensor, the final norm, and the stage's
 ends (the embedding and the output layer + loss run outside the programs: their overlap is wired
-into ``GPTModel`` only, :mod:`.stage`). Unlike ``TransformerBlock``, ``HybridStack`` runs its
+into ``GPTModel`` only, :mod:`.stage_ends`). Unlike ``TransformerBlock``, ``HybridStack`` runs its
 layers outside the model-parallel RNG fork under sequence parallelism, and so does this.
 """
 
@@ -13,7 +13,7 @@ import torch
 from megatron.core.utils import make_viewless_tensor
 
 from ..errors import OasesConfigError
-from ..hetero.runtime import stage_of
+from ..layer_degrees.runtime import stage_of
 from .engine import schedule_layers
 
 

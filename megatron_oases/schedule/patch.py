@@ -9,7 +9,7 @@ run (:func:`megatron_oases.compat.require_symbol` / ``require_call``). All are r
   :func:`.engine.schedule_layers` nodes, one per run of equal-degree layers with a plan;
 - ``HybridStack.forward`` → :mod:`.hybrid_stack`: a ``HybridModel`` stage's layers, one node;
 - a schedule without a plan: ``GPTModel.forward``, ``GPTModel._postprocess`` and
-  ``tensor_parallel.scatter_to_sequence_parallel_region`` → :mod:`.stage` (and :mod:`.deferral`
+  ``tensor_parallel.scatter_to_sequence_parallel_region`` → :mod:`.stage_ends` (and :mod:`.deferral`
   for the scatter): the embedding and the output layer + loss as ops of the programs;
 - ``tensor_parallel.layers.reduce_from_tensor_model_parallel_region`` and
   ``reduce_scatter_to_sequence_parallel_region``, ``ColumnParallelLinear.forward``,
@@ -18,7 +18,7 @@ run (:func:`megatron_oases.compat.require_symbol` / ``require_call``). All are r
   each field of the state they share);
 - a plan: checkpoint save/load, ``finalize_model_grads`` (before 0.19) and
   ``param_is_not_tensor_parallel_duplicate`` (with its copy in ``optimizer.clip_grads``) →
-  :mod:`megatron_oases.hetero`: checkpoints in the stock layout, the replica sync, grad-norm
+  :mod:`megatron_oases.layer_degrees`: checkpoints in the stock layout, the replica sync, grad-norm
   clipping counting each replica once.
 
 Outside the engine (eval, inference, a call that does not qualify) every replacement runs
@@ -29,9 +29,9 @@ from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from ..compat import finalize_model_grads_replacements, require_call, require_symbol
-from ..hetero.model import make_param_is_not_tp_duplicate
+from ..layer_degrees.model import make_param_is_not_tp_duplicate
 from ..patching import Patch
-from . import stage
+from . import stage_ends
 from .deferral import make_all_reduce, make_column_forward, make_deferred_reduction, make_scatter
 from .engine import LayerSchedule
 from .graphs import BlockGraphs
@@ -77,8 +77,8 @@ def _stage_end_replacements():
         LanguageModelEmbedding.forward, "tensor_parallel.scatter_to_sequence_parallel_region("
     )
     return [
-        (GPTModel, "forward", stage.model_forward(GPTModel.forward, embedding)),
-        (GPTModel, "_postprocess", stage.postprocess(GPTModel._postprocess)),
+        (GPTModel, "forward", stage_ends.model_forward(GPTModel.forward, embedding)),
+        (GPTModel, "_postprocess", stage_ends.postprocess(GPTModel._postprocess)),
         (tensor_parallel, "scatter_to_sequence_parallel_region", make_scatter(scatter)),
     ]
 
@@ -132,7 +132,7 @@ def make_patch(config, built=None):
     )
 
     # The stage's ends (embedding, output layer + loss) join the programs of a uniform-TP
-    # schedule, with or without sequence parallelism (:mod:`.stage`).
+    # schedule, with or without sequence parallelism (:mod:`.stage_ends`).
     schedule = LayerSchedule(
         mode=config.schedule,
         parts=config.sub_batches,
@@ -146,7 +146,7 @@ def make_patch(config, built=None):
     ]
     if schedule.mode != "off" and not plan:
         replacements += _stage_end_replacements()
-    embed = VocabParallelEmbedding.forward  # the embedding's reduction (.stage)
+    embed = VocabParallelEmbedding.forward  # the embedding's reduction (.stage_ends)
     for name in (
         "reduce_from_tensor_model_parallel_region",
         "reduce_scatter_to_sequence_parallel_region",
@@ -159,7 +159,7 @@ def make_patch(config, built=None):
         _early_all_reduce(),
     ]
     if plan:  # checkpoints of a plan are written in the stock layout
-        from ..hetero.checkpoint import make_checkpoint_replacements
+        from ..layer_degrees.checkpoint import make_checkpoint_replacements
 
         replacements += make_checkpoint_replacements()
         replacements += finalize_model_grads_replacements()  # the replica sync, before 0.19

@@ -55,7 +55,7 @@ class BlockState(Slots):
 
 @dataclass(eq=False)
 class EndState(Slots):
-    """The stage ends' working tensors (:mod:`.stage`)."""
+    """The stage ends' working tensors (:mod:`.stage_ends`)."""
 
     lookup: Any = None  # the embedding lookup's partial sum, then its reduction
     rng: Any = None  # RNG snapshot before the embedding's forward

@@ -2,7 +2,7 @@
 
 In training with grad enabled, the layer loop (and Megatron's ``_checkpointed_forward``) becomes
 one :func:`.engine.schedule_layers` node per run of equal-degree layers (one run without a
-plan), with batch resharding between runs (:mod:`megatron_oases.hetero.reshard`); everything else
+plan), with batch resharding between runs (:mod:`megatron_oases.layer_degrees.reshard`); everything else
 (PP input tensor, final layernorm) is as stock. Eval/inference runs stock code.
 """
 
@@ -12,15 +12,15 @@ import torch
 from megatron.core.utils import make_viewless_tensor
 
 from ..errors import OasesConfigError
-from ..hetero.reshard import reshard
-from ..hetero.runtime import stage_of
+from ..layer_degrees.reshard import reshard
+from ..layer_degrees.runtime import stage_of
 from .engine import recomputed_layers, schedule_layers
-from .stage import CALL_KWARG
+from .stage_ends import CALL_KWARG
 
 
 def make_block_forward(original, schedule):
     """``TransformerBlock.forward`` running the layers as degree runs (plan) under ``schedule``
-    (an :class:`.engine.LayerSchedule`); a :class:`.stage.StageCall` in the call's keywords (from
+    (an :class:`.engine.LayerSchedule`); a :class:`.stage_ends.StageCall` in the call's keywords (from
     ``GPTModel.forward``) brings the embedding and the output layer + loss into the programs."""
 
     def forward(
@@ -40,7 +40,7 @@ def make_block_forward(original, schedule):
         padding_mask=None,
         **kwargs,
     ):
-        call = kwargs.pop(CALL_KWARG, None)  # the stage's ends (.stage), when GPTModel gave them
+        call = kwargs.pop(CALL_KWARG, None)  # the stage's ends, when GPTModel gave them
         # Eval/inference: stock code. (A degree-d layer fed the whole micro-batch is still
         # correct — each d-group computes the same result — so plans need no special case.)
         if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0:

@@ -437,7 +437,7 @@ def _plan_degrees(path):
 def check_torch_format_plan(load_dir, iteration, saved):
     """A ``--ckpt-format torch`` checkpoint saved under a per-layer plan holds each layer at its
     plan's TMP degree (only torch_dist's save rewrites a plan's shards into the stock layout,
-    :mod:`megatron_oases.hetero.checkpoint`): no other layout can load it. Refused here, with one
+    :mod:`megatron_oases.layer_degrees.checkpoint`): no other layout can load it. Refused here, with one
     line, rather than by a shape mismatch on every rank. (New saves of that kind are refused by
     :func:`megatron_oases.validation.check_plan_checkpoint_format`.)"""
     plan = getattr(saved, "oases_plan", None)

@@ -4,7 +4,7 @@ Four gloo ranks form one TMP domain (T=4, degrees 1, 2, 4). A degree-d group hol
 ``local // d`` of ``T // d``; resharding is the identity on the full tensor, so every rank's output
 must be its share of the full input, and its input gradient its share of the full gradient. The pair
 groups are built here from the documented rule (same ``big`` group, same ``local % small``), not by
-``HeteroGroups`` (tested on its own in tests/unit/test_groups.py). One run of four ranks serves the
+``LayerDegreeGroups`` (tested on its own in tests/unit/test_groups.py). One run of four ranks serves the
 whole file.
 """
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_oases.hetero.reshard import reshard
+from megatron_oases.layer_degrees.reshard import reshard
 
 T = 4
 DEGREES = (1, 2, 4)

@@ -1,4 +1,4 @@
-"""The stage ends in the schedule (:mod:`megatron_oases.schedule.stage`), op by op on one rank.
+"""The stage ends in the schedule (:mod:`megatron_oases.schedule.stage_ends`), op by op on one rank.
 
 The embedding's backward re-runs Megatron's embedding forward from the forward's RNG snapshot
 instead of keeping its graph: with dropout on, its value and every gradient must equal autograd
@@ -173,7 +173,7 @@ def _check_embedding_end(emb, sizes, dropout, kind="batch"):
 
     from megatron_oases.schedule.rng import replay, snapshot
     from megatron_oases.schedule.split import make_split
-    from megatron_oases.schedule.stage import EmbeddingEnd
+    from megatron_oases.schedule.stage_ends import EmbeddingEnd
     from megatron_oases.schedule.state import SubBatch
 
     tp = emb.config.tensor_model_parallel_size if emb.config.sequence_parallel else 1

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from megatron_oases.hetero.shards import global_param_names
+from megatron_oases.layer_degrees.shards import global_param_names
 from megatron_oases.patching import Patch
 from megatron_oases.training.pretrain import run_in_process
 

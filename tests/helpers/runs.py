@@ -16,7 +16,7 @@ import shlex
 import torch
 
 from megatron_oases.arguments import parse_args_and_config, parse_megatron_args, with_defaults
-from megatron_oases.hetero.shards import full_tensor, global_param_names
+from megatron_oases.layer_degrees.shards import full_tensor, global_param_names
 from megatron_oases.patching import Patch
 from megatron_oases.training.pretrain import run_in_process
 

@@ -70,7 +70,7 @@ TINY_TP4 = (
 # --------------------------------------------------------------------- per-layer plans (hetero)
 #: The per-layer plan tests' model without its layer count (each case sets it and the layout):
 #: dropout 0, two iterations, full recomputation.
-HETERO_BASE = SHAPE + NO_DROP + ITERS + RECOMPUTE
+LAYER_DEGREES_BASE = SHAPE + NO_DROP + ITERS + RECOMPUTE
 
 # ---------------------------------------------------------------------- megatron-core versions
 #: The version tests' model: 2 GPT layers, TP=2, four samples per micro-batch, full recomputation.

@@ -1,4 +1,4 @@
-"""Unit tests of HeteroGroups: which ranks form which groups for a per-layer TMP plan.
+"""Unit tests of LayerDegreeGroups: which ranks form which groups for a per-layer TMP plan.
 
 In-process: ``groups.dist`` and ``groups.parallel_state`` are replaced by a recorder, so every rank
 of a world of 8 can be constructed in turn and its groups read back as rank lists. Real gloo groups
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_oases.errors import OasesConfigError
-from megatron_oases.hetero import groups as groups_mod
-from megatron_oases.hetero.groups import HeteroGroups
+from megatron_oases.layer_degrees import groups as groups_mod
+from megatron_oases.layer_degrees.groups import LayerDegreeGroups
 
 
 class FakeGroup:
@@ -42,7 +42,7 @@ class FakeDist:
 
 
 def build(monkeypatch, rank, world, T, degrees, tp_ranks=None):
-    """HeteroGroups on ``rank``; TP group = its T consecutive ranks unless ``tp_ranks`` given."""
+    """LayerDegreeGroups on ``rank``; TP group = its T consecutive ranks unless ``tp_ranks`` given."""
     if tp_ranks is None:
         first = rank // T * T
         tp_ranks = list(range(first, first + T))
@@ -53,7 +53,7 @@ def build(monkeypatch, rank, world, T, degrees, tp_ranks=None):
         "parallel_state",
         SimpleNamespace(get_tensor_model_parallel_group=lambda: FakeGroup(tp_ranks)),
     )
-    return HeteroGroups(T, degrees), fake
+    return LayerDegreeGroups(T, degrees), fake
 
 
 def ranks_of(group):

@@ -22,7 +22,7 @@ LAYERS = "decoder.layers."
 
 
 def _stages(model):
-    """The ``HeteroStage`` of each model chunk that has one."""
+    """The ``LayerDegrees`` of each model chunk that has one."""
     out = []
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         module = chunk

@@ -1,10 +1,10 @@
 """Per-layer heterogeneous TMP: invalid plans are refused (one line), and the replicas' gradient
-views. The plans against uniform TP=T on ranks: ``tests/e2e/test_hetero_e2e.py``."""
+views. The plans against uniform TP=T on ranks: ``tests/e2e/test_layer_degrees_e2e.py``."""
 
 import pytest
 from helpers.plans import write_plan
 from helpers.runs import parse
-from helpers.variants import HETERO_BASE as BASE
+from helpers.variants import LAYER_DEGREES_BASE as BASE
 
 from megatron_oases.errors import OasesConfigError
 
@@ -39,7 +39,7 @@ def test_replica_grad_runs_are_in_place_views():
     """The replica gradient sync reduces views of the gradient buffer, never a flattened copy."""
     import torch
 
-    from megatron_oases.hetero.model import _contiguous_runs
+    from megatron_oases.layer_degrees.model import _contiguous_runs
 
     buf = torch.arange(12.0)
     grads = [buf[3:5].view(1, 2), buf[0:3], buf[6:10].view(2, 2), buf[10:12]]

@@ -16,7 +16,7 @@ from ..errors import OasesConfigError
 from ..formats.plan import degree_fault
 
 
-class HeteroGroups:
+class LayerDegreeGroups:
     def __init__(self, T, degrees):
         self.T = T
         if any(degree_fault(d, T) for d in degrees):

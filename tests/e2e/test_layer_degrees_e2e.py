@@ -5,7 +5,7 @@ import pytest
 from helpers import BLOCK, GPT, NO_DROP, RECOMPUTE, SHAPE
 from helpers.plans import write_plan
 from helpers.runs import max_rel_diff, pretrain_and_capture
-from helpers.variants import HETERO_BASE as BASE
+from helpers.variants import LAYER_DEGREES_BASE as BASE
 
 from megatron_oases.launch import run_distributed
 

@@ -3,18 +3,18 @@
 from dataclasses import dataclass
 
 from ..compat import set_finalize_model_grads
-from .groups import HeteroGroups
+from .groups import LayerDegreeGroups
 from .model import apply_plan, sync_replica_grads
 
-#: Where a built TransformerBlock carries its :class:`HeteroStage` (read through :func:`stage_of`).
+#: Where a built TransformerBlock carries its :class:`LayerDegrees` (read through :func:`stage_of`).
 _STAGE_ATTR = "_oases_hetero"
 
 
 @dataclass
-class HeteroStage:
+class LayerDegrees:
     """What a TransformerBlock needs at run time: the groups and its layers' degrees."""
 
-    groups: HeteroGroups
+    groups: LayerDegreeGroups
     degrees: list  # one per layer of this stage
 
     def runs(self):
@@ -29,7 +29,7 @@ class HeteroStage:
 
 
 def stage_of(decoder):
-    """The :class:`HeteroStage` that :func:`attach_plan` gave ``decoder``, or None (no plan)."""
+    """The :class:`LayerDegrees` that :func:`attach_plan` gave ``decoder``, or None (no plan)."""
     return getattr(decoder, _STAGE_ATTR, None)
 
 
@@ -38,8 +38,8 @@ def attach_plan(model, config):
     :class:`~megatron_oases.config.OasesConfig`'s, read and checked once), route the replica
     gradient sum through the model config's ``finalize_model_grads_func``."""
     degrees = config.plan["degrees"]
-    groups = HeteroGroups(config.tensor_model_parallel_size, degrees)
-    stage = HeteroStage(groups, apply_plan(model, degrees, groups))
+    groups = LayerDegreeGroups(config.tensor_model_parallel_size, degrees)
+    stage = LayerDegrees(groups, apply_plan(model, degrees, groups))
     setattr(model.decoder, _STAGE_ATTR, stage)
     set_finalize_model_grads(model.config, finalize_with_replica_sync(groups))
     return stage
