@@ -18,11 +18,14 @@ def changes_model(config):
 
 
 def prepare_model(model, config):
-    """One built model stage: the per-layer plan, then ``--attention-backend``'s core
-    attention (after the plan, which rebuilds layers)."""
+    """One built model stage, where the plan joins this model instance (torchtitan's
+    ``parallelize_llama(model, ...)`` style): the per-layer plan's layers rebuilt at their degrees
+    and the degrees bound to *this* decoder's forward (other models in the process keep the
+    class's), then ``--attention-backend``'s core attention (after the plan, which rebuilds
+    layers)."""
     if config.plan is not None:
-        from .layer_degrees.runtime import attach_plan
+        from .layer_degrees.runtime import attach_plan, bind_block_forward
 
-        attach_plan(model, config)
+        bind_block_forward(model.decoder, attach_plan(model, config))
     apply_core_attention(model, config)
     return model

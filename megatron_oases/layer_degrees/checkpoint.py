@@ -16,25 +16,25 @@ from dataclasses import replace
 import torch
 
 from ..compat import require_symbol
-from .runtime import stage_of
+from .runtime import layer_degrees_of
 
 LAYERS = "decoder.layers."
 
 
-def _stages(model):
-    """The ``LayerDegrees`` of each model chunk that has one."""
+def _planned(model):
+    """(decoder, its :class:`~.runtime.LayerDegrees`) of each model chunk that has a plan."""
     out = []
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         module = chunk
         while hasattr(module, "module"):
             module = module.module
-        stage = stage_of(getattr(module, "decoder", None))
-        if stage is not None:
-            out.append((module.decoder, stage))
+        layer_degrees = layer_degrees_of(getattr(module, "decoder", None))
+        if layer_degrees is not None:
+            out.append((module.decoder, layer_degrees))
     return out
 
 
-def _param_of(decoder, stage, layer, key):
+def _param_of(decoder, layer_degrees, layer, key):
     """(degree, param) for the sharded tensor ``key`` of global ``layer``, or None."""
     name = key[key.index(LAYERS) + len(LAYERS) :]
     for local, module in enumerate(decoder.layers):
@@ -51,13 +51,13 @@ def _param_of(decoder, stage, layer, key):
                     f"megatron-oases: checkpoint key {key} matches no parameter of layer {layer}; "
                     "this Megatron's checkpoint layout is not supported for per-layer plans"
                 )
-            return stage.degrees[local], params[name]
+            return layer_degrees.degrees[local], params[name]
     return None
 
 
 def to_stock_layout(sh_ten, degree, param, groups):
     """The degree-T shard of ``sh_ten`` (a shard of a degree-d layer) that this rank writes."""
-    T = groups.T
+    T = groups.domain_size
     n, g = T // degree, groups.group_index(degree)
     if not getattr(param, "tensor_model_parallel", False):  # replicated: one main copy per domain
         return _one_main_replica(sh_ten, degree, groups)
@@ -85,31 +85,31 @@ def _one_main_replica(sharded, degree, groups):
     return replace(sharded, replica_id=(first,) + rid[1:])
 
 
-def _degree_of(decoder, stage, layer):
+def _degree_of(decoder, layer_degrees, layer):
     for local, module in enumerate(decoder.layers):
         if module.layer_number - 1 == layer:
-            return stage.degrees[local]
+            return layer_degrees.degrees[local]
     return None
 
 
-def _locate(state, stages):
+def _locate(state, planned):
     """(degree, param, groups) of a sharded tensor/object of a degree-d (< T) layer, else None."""
     if LAYERS not in state.key or not state.global_offset:
         return None
-    for decoder, stage in stages:
-        degree = _degree_of(decoder, stage, state.global_offset[0])
+    for decoder, layer_degrees in planned:
+        degree = _degree_of(decoder, layer_degrees, state.global_offset[0])
         if degree is None:  # the layer lives in another model chunk
             continue
-        if degree == stage.groups.T:
+        if degree == layer_degrees.groups.domain_size:
             return None
         param = None
         if hasattr(state, "axis_fragmentations"):  # a tensor: which parameter, to find its TP axis
-            param = _param_of(decoder, stage, state.global_offset[0], state.key)[1]
-        return degree, param, stage.groups
+            param = _param_of(decoder, layer_degrees, state.global_offset[0], state.key)[1]
+        return degree, param, layer_degrees.groups
     return None
 
 
-def _rewrite(state, stages, gathers=None, path=()):
+def _rewrite(state, planned, gathers=None, path=()):
     """Every sharded tensor/object of a degree-d layer in the stock layout (see module doc).
 
     With ``gathers`` (loading), records the path of each rewritten TP-sharded entry and how to
@@ -121,13 +121,13 @@ def _rewrite(state, stages, gathers=None, path=()):
     )
 
     if isinstance(state, dict):
-        return {k: _rewrite(v, stages, gathers, path + (k,)) for k, v in state.items()}
+        return {k: _rewrite(v, planned, gathers, path + (k,)) for k, v in state.items()}
     if isinstance(state, list):
-        return [_rewrite(v, stages, gathers, path + (i,)) for i, v in enumerate(state)]
+        return [_rewrite(v, planned, gathers, path + (i,)) for i, v in enumerate(state)]
     if isinstance(state, ShardedTensorFactory):
         built = state.build()
         built = built if isinstance(built, (list, tuple)) else [built]
-        found = _locate(built[0], stages)
+        found = _locate(built[0], planned)
         if found is None:
             return state
         degree, param, groups = found
@@ -141,7 +141,7 @@ def _rewrite(state, stages, gathers=None, path=()):
             gathers.append((path, degree, param, groups, len(built)))
         return replace(state, build_fn=build_fn)
     if isinstance(state, (ShardedTensor, ShardedObject)):
-        found = _locate(state, stages)
+        found = _locate(state, planned)
         if found is None:
             return state
         degree, param, groups = found
@@ -199,9 +199,9 @@ def make_checkpoint_replacements():
             context["model"] = None
 
     def save_preprocess(sharded_state_dict, *args, **kwargs):
-        stages = _stages(context["model"]) if context["model"] is not None else []
-        if stages:
-            rewritten = _rewrite(sharded_state_dict, stages)
+        planned = _planned(context["model"]) if context["model"] is not None else []
+        if planned:
+            rewritten = _rewrite(sharded_state_dict, planned)
             sharded_state_dict.clear()
             sharded_state_dict.update(rewritten)
         return original_pre(sharded_state_dict, *args, **kwargs)
@@ -214,11 +214,11 @@ def make_checkpoint_replacements():
     )
 
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        stages = _stages(context["model"]) if context["model"] is not None else []
-        if not stages:
+        planned = _planned(context["model"]) if context["model"] is not None else []
+        if not planned:
             return original_load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         gathers = []
-        request = _rewrite(sharded_state_dict, stages, gathers)
+        request = _rewrite(sharded_state_dict, planned, gathers)
         loaded = original_load(request, checkpoint_dir, *args, **kwargs)
         state = loaded[0] if isinstance(loaded, tuple) else loaded
         for path, degree, param, groups, halves in gathers:

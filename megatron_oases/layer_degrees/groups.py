@@ -17,8 +17,11 @@ from ..formats.plan import degree_fault
 
 
 class LayerDegreeGroups:
+    """This rank's process groups for a plan's degrees in its TMP domain of ``T`` ranks
+    (``domain_size``), every rank creating every group in the same order (see module doc)."""
+
     def __init__(self, T, degrees):
-        self.T = T
+        self.domain_size = T  # the TMP domain: --tensor-model-parallel-size
         if any(degree_fault(d, T) for d in degrees):
             raise OasesConfigError(f"TMP degrees must be powers of two dividing {T}: {degrees}")
         self.rank = dist.get_rank()
@@ -77,4 +80,4 @@ class LayerDegreeGroups:
         return self.pair_groups[(min(a, b), max(a, b))]
 
     def replica_group(self, d):
-        return None if d == self.T else self.pair_groups[(d, self.T)]
+        return None if d == self.domain_size else self.pair_groups[(d, self.domain_size)]

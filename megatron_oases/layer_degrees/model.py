@@ -29,7 +29,7 @@ def _copy_weights(old, new, degree, groups, config):
     """Give the degree-d layer the weights of the degree-T layer it replaces (same model)."""
     from megatron.core import parallel_state
 
-    T, tp_group = groups.T, parallel_state.get_tensor_model_parallel_group()
+    T, tp_group = groups.domain_size, parallel_state.get_tensor_model_parallel_group()
     old_params = dict(old.named_parameters())
     for name, p in new.named_parameters():
         src = old_params[name]
@@ -50,7 +50,7 @@ def apply_plan(model, degrees, groups):
     for i, layer in enumerate(decoder.layers):
         d = degrees[layer.layer_number - 1]
         stage_degrees.append(d)
-        if d != groups.T:
+        if d != groups.domain_size:
             new = build_module(
                 decoder.submodules.layer_specs[i],
                 config=decoder.config,
@@ -102,8 +102,8 @@ def sync_replica_grads(model, groups):
     """Sum the gradients of replicated (degree < T) parameters over their replicas, in place."""
     by_degree = {}
     for p in model.parameters():
-        d = getattr(p, "_oases_degree", groups.T)
-        if d != groups.T and p.requires_grad:
+        d = getattr(p, "_oases_degree", groups.domain_size)
+        if d != groups.domain_size and p.requires_grad:
             g = p.main_grad if hasattr(p, "main_grad") else p.grad
             if g is not None:
                 by_degree.setdefault(d, []).append(g)

@@ -1,23 +1,28 @@
-"""Wire a plan file into a model: groups, rebuilt layers, and the stage's degree runs."""
+"""Wire a plan file into a model: groups, rebuilt layers, and the decoder's degree spans.
 
+The plan joins one model instance, as torchtitan's ``parallelize_llama(model, ...)`` does:
+:func:`megatron_oases.prepare.prepare_model` rebuilds its layers (:func:`attach_plan`) and binds
+the schedule's block forward to *that* decoder with its :class:`LayerDegrees` as an argument
+(:func:`bind_block_forward`); other model instances in the process keep the class's forward.
+"""
+
+import functools
 from dataclasses import dataclass
 
 from ..compat import set_finalize_model_grads
+from ..errors import OasesConfigError
 from .groups import LayerDegreeGroups
 from .model import apply_plan, sync_replica_grads
-
-#: Where a built TransformerBlock carries its :class:`LayerDegrees` (read through :func:`stage_of`).
-_STAGE_ATTR = "_oases_hetero"
 
 
 @dataclass
 class LayerDegrees:
-    """What a TransformerBlock needs at run time: the groups and its layers' degrees."""
+    """What a decoder's forward needs at run time: the groups and its layers' degrees."""
 
     groups: LayerDegreeGroups
     degrees: list  # one per layer of this stage
 
-    def runs(self):
+    def spans(self):
         """Consecutive layers of equal degree: [(degree, [layer indices])]."""
         out = []
         for i, d in enumerate(self.degrees):
@@ -28,21 +33,48 @@ class LayerDegrees:
         return out
 
 
-def stage_of(decoder):
-    """The :class:`LayerDegrees` that :func:`attach_plan` gave ``decoder``, or None (no plan)."""
-    return getattr(decoder, _STAGE_ATTR, None)
+def bind_block_forward(decoder, layer_degrees):
+    """Give this ``decoder`` instance (only) the ``oases-schedule`` patch's block forward with
+    ``layer_degrees`` bound as its argument. The patch must be installed (it is, by
+    :func:`megatron_oases.prepare.install`, before any model is built)."""
+    forward = type(decoder).forward
+    if not getattr(forward, "takes_layer_degrees", False):
+        raise RuntimeError(
+            "megatron-oases: a per-layer plan needs the oases-schedule patch installed before the "
+            "model is built (megatron_oases.prepare.install(config), then prepare_model)"
+        )
+    decoder.forward = functools.partial(forward, decoder, layer_degrees=layer_degrees)
+
+
+def layer_degrees_of(decoder):
+    """The :class:`LayerDegrees` :func:`bind_block_forward` bound to ``decoder``, or None.
+
+    The one lookup from a module, for the checkpoint hook (:mod:`.checkpoint`): Megatron's
+    ``save_checkpoint``/``load_checkpoint`` hand it the model chunks, not the plan, so it reads
+    the degrees back from the forward they were bound to. Nothing else calls this: the forward
+    receives them as its argument."""
+    forward = vars(decoder).get("forward") if decoder is not None else None
+    if isinstance(forward, functools.partial):
+        return forward.keywords.get("layer_degrees")
+    return None
 
 
 def attach_plan(model, config):
     """Rebuild ``model``'s layers at the degrees of ``config.plan`` (an
-    :class:`~megatron_oases.config.OasesConfig`'s, read and checked once), route the replica
-    gradient sum through the model config's ``finalize_model_grads_func``."""
+    :class:`~megatron_oases.config.OasesConfig`'s, read and checked once) and route the replica
+    gradient sum through the model config's ``finalize_model_grads_func``; returns the
+    :class:`LayerDegrees` that ``prepare_model`` binds (:func:`bind_block_forward`)."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    if not isinstance(model.decoder, TransformerBlock):  # validation refuses it first
+        raise OasesConfigError(
+            "--oases-plan supports GPTModel only; drop it for a HybridModel (--hybrid-layer-pattern)"
+        )
     degrees = config.plan["degrees"]
     groups = LayerDegreeGroups(config.tensor_model_parallel_size, degrees)
-    stage = LayerDegrees(groups, apply_plan(model, degrees, groups))
-    setattr(model.decoder, _STAGE_ATTR, stage)
+    layer_degrees = LayerDegrees(groups, apply_plan(model, degrees, groups))
     set_finalize_model_grads(model.config, finalize_with_replica_sync(groups))
-    return stage
+    return layer_degrees
 
 
 def finalize_with_replica_sync(groups):

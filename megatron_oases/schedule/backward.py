@@ -1,5 +1,5 @@
-"""The backward programs of each schedule, as *runs*: a run is one program per sub-batch, executed
-interleaved; runs follow each other with a barrier between them. Design notes:
+"""The backward programs of each schedule, in *rounds*: a round is one program per sub-batch,
+executed interleaved; rounds follow each other with a barrier between them. Design notes:
 ``docs/schedules.md``.
 
 - :func:`kept_graphs`: blocks whose graphs forward kept (``overlap`` without recompute, and the
@@ -9,7 +9,7 @@ interleaved; runs follow each other with a barrier between them. Design notes:
   from there and issues no reduction; bda's backward comes from its RNG snapshot alone;
 - :func:`layer_phases`: a recomputed layer's recompute pass (its forward reductions issued
   again) and backward pass; ``cross-pass`` chains them in one program, ``overlap`` with
-  recompute runs each pass as its own run (the paper's basic pipelined schedule).
+  recompute runs each pass as its own round (the paper's basic pipelined schedule).
 
 As in :mod:`.forward`, each function takes the micro-batch's :class:`~.ops.BlockOps` (``ops``),
 the sub-batch and the block; the ops it returns are made by ``ops``' factories.
@@ -91,8 +91,8 @@ def main_backward(ops, sb, j):
 
 
 def _input_gradient_reductions(ops, sb, j):
-    """The reduction of main_j's input gradient; for a kept graph built in runs of tokens
-    (tail pieces) one per run, queued together, joined when the last is taken."""
+    """The reduction of main_j's input gradient; for a kept graph built in tail pieces
+    (pieces of tokens) one per piece, queued together, joined when the last is taken."""
     block = sb.blocks[j]
     n, block.pieces = block.pieces, None
     if n is None:
@@ -162,10 +162,10 @@ def _bda_grad(ops, sb, j):
 def _main_grad(ops, sb, j):
     block = sb.blocks[j]
     P, g = block.take("partial"), block.take("reduced_grad")
-    if isinstance(P, list):  # forward ran it in runs of tokens (tail pieces), data freed
-        # one backward call per run: each run's weight gradient is accumulated before the
-        # next run's is computed (one call over all runs could hold several at once), and
-        # each run's input-gradient all-reduce starts before the next run's backward
+    if isinstance(P, list):  # forward ran it in tail pieces (pieces of tokens), data freed
+        # one backward call per piece: each piece's weight gradient is accumulated before the
+        # next piece's is computed (one call over all pieces could hold several at once), and
+        # each piece's input-gradient all-reduce starts before the next piece's backward
         for p, gi in zip(P, torch.tensor_split(g, len(P), dim=0)):
             backward([p], [gi], freed=True)
         return

@@ -3,7 +3,7 @@
 :func:`schedule_layers` is the entry the replaced forwards call (:mod:`.patch`). Forward cuts
 the micro-batch into sub-batches (:mod:`.split`), builds each one's forward program
 (:mod:`.forward`) and runs them interleaved (:mod:`.executor`), so one sub-batch's collective
-hides behind another's compute. Backward builds the schedule's backward runs (:mod:`.backward`,
+hides behind another's compute. Backward builds the schedule's backward rounds (:mod:`.backward`,
 table :data:`BACKWARD`) the same way. The schedules, their memory and their RNG handling are
 described in ``docs/schedules.md``.
 """
@@ -26,19 +26,19 @@ from .state import SubBatch
 
 
 def _kept_only(ops, sbs, ends, recomputed_layers):
-    """``overlap`` without recompute: one run."""
+    """``overlap`` without recompute: one round."""
     return [[ends(sb, programs.kept_graphs(ops, sb)) for sb in sbs]]
 
 
 def _fine_grained(ops, sbs, ends, recomputed_layers):
-    """``oases``: the kept blocks' backward, then the recomputed ones', in one run."""
+    """``oases``: the kept blocks' backward, then the recomputed ones', in one round."""
     return [
         [ends(sb, programs.kept_graphs(ops, sb) + programs.fine_grained(ops, sb)) for sb in sbs]
     ]
 
 
 def _cross_pass(ops, sbs, ends, recomputed_layers):
-    """``cross-pass``: recompute and backward of every layer in one op sequence, one run."""
+    """``cross-pass``: recompute and backward of every layer in one op sequence, one round."""
     return [
         [
             ends(
@@ -50,26 +50,26 @@ def _cross_pass(ops, sbs, ends, recomputed_layers):
 
 
 def _pass_by_pass(ops, sbs, ends, recomputed_layers):
-    """``overlap`` with recompute (paper Fig. 3b): per layer a recompute run, then a backward
-    run. The output end and the kept blocks' backward open the first recompute run, the
-    embedding closes the last backward run."""
+    """``overlap`` with recompute (paper Fig. 3b): per layer a recompute round, then a backward
+    round. The output end and the kept blocks' backward open the first recompute round, the
+    embedding closes the last backward round."""
     kept = {sb.index: programs.kept_graphs(ops, sb) for sb in sbs}
-    runs, top = [], recomputed_layers - 1
+    rounds, top = [], recomputed_layers - 1
     for layer in reversed(range(recomputed_layers)):
         phases = [programs.layer_phases(ops, sb, layer) for sb in sbs]
         last = layer == top
-        runs.append(
+        rounds.append(
             [
                 ends(sb, (kept[sb.index] if last else []) + p[0], out=last, emb=False)
                 for sb, p in zip(sbs, phases)
             ]
         )
-        runs.append([ends(sb, p[1], out=False, emb=layer == 0) for sb, p in zip(sbs, phases)])
-    return runs
+        rounds.append([ends(sb, p[1], out=False, emb=layer == 0) for sb, p in zip(sbs, phases)])
+    return rounds
 
 
 #: How a micro-batch's backward runs, by what forward saved: ``(schedule, saved)`` → builder of
-#: its runs. ``saved`` is "graphs" (no layer recomputed), "blocks" (each block's input: ``oases``)
+#: its rounds (a round: one program per sub-batch, executed interleaved; rounds follow each other). ``saved`` is "graphs" (no layer recomputed), "blocks" (each block's input: ``oases``)
 #: or "layers" (each recomputed layer's input: Megatron's full recompute).
 BACKWARD = {
     ("overlap", "graphs"): _kept_only,
@@ -82,7 +82,8 @@ BACKWARD = {
 
 
 class ScheduledLayers:
-    """One micro-batch through a stage's blocks under schedule ``mode``; owns no global state.
+    """One micro-batch through a stage's blocks under ``schedule`` (``--oases-schedule``); owns
+    no global state.
 
     ``recomputed_layers``: how many leading layers Megatron's full recompute checkpoints
     (:func:`recomputed_layers`; 0: every block keeps its graph). ``parts``: sub-batches;
@@ -92,7 +93,7 @@ class ScheduledLayers:
     def __init__(
         self,
         blocks,
-        mode,
+        schedule,
         recomputed_layers=0,
         microbatch=-1,
         tracer=None,
@@ -101,14 +102,19 @@ class ScheduledLayers:
         output=None,
         split="batch",
     ):
-        self.blocks, self.mode, self.microbatch, self.tracer = blocks, mode, microbatch, tracer
+        self.blocks, self.schedule, self.microbatch, self.tracer = (
+            blocks,
+            schedule,
+            microbatch,
+            tracer,
+        )
         self.parts, self.split_kind = parts, split
         self.embedding, self.output = embedding, output
         layers = self.recomputed_layers = min(recomputed_layers, len(blocks.layers))
         if not layers:
             self.saved = "graphs"
         else:
-            self.saved = "blocks" if mode == "oases" else "layers"
+            self.saved = "blocks" if schedule == "oases" else "layers"
         # SP: yield points inside main_j, where the other sub-batch's bda + ln between its two
         # collectives runs (see :class:`.executor.Interleave`); without SP there is no such op.
         self.interleave = Interleave() if blocks.sequence_parallel else None
@@ -117,7 +123,7 @@ class ScheduledLayers:
         # the column linears' input-gradient reductions started inside backward ops (.comm)
         self.early = EarlyReductions()
 
-    def _run(self, programs_, order=None):
+    def _execute(self, programs_, order=None):
         """Run the sub-batches' programs interleaved, the first of ``order`` (sub-batch
         indices; default 0, 1, ...) leading."""
         order = list(range(len(programs_))) if order is None else order
@@ -161,7 +167,7 @@ class ScheduledLayers:
             ]
             layer_checkpoint = self.saved == "layers"
             last = len(self.sbs) - 1
-            self._run(
+            self._execute(
                 [
                     forward_program(
                         ops, sb, sb.index == last, layer_checkpoint, self.embedding, self.output
@@ -189,11 +195,11 @@ class ScheduledLayers:
                 sb.blocks[J].input_grad = g
         if self.prefix is not None:
             self.prefix.start_backward()
-        build = BACKWARD[(self.mode, self.saved)]
+        build = BACKWARD[(self.schedule, self.saved)]
         with torch.enable_grad():
-            for run in build(self.ops, self.sbs, self._ends, self.recomputed_layers):
+            for round_programs in build(self.ops, self.sbs, self._ends, self.recomputed_layers):
                 # sequence chunks: the last chunk leads (see .split)
-                self._run(run, order=split.backward_order())
+                self._execute(round_programs, order=split.backward_order())
         self.early.check_empty()
         if self.prefix is not None:
             self.prefix.check_empty()
@@ -210,22 +216,22 @@ class ScheduledLayersFunction(torch.autograd.Function):
     calls (as in Megatron's CheckpointFunction), so Megatron DDP's grad hooks fire as usual."""
 
     @staticmethod
-    def forward(ctx, run, hidden):
-        ctx.run = run
-        return run.forward(hidden)
+    def forward(ctx, scheduled, hidden):
+        ctx.scheduled = scheduled
+        return scheduled.forward(hidden)
 
     @staticmethod
     def backward(ctx, grad_output):
-        run, ctx.run = ctx.run, None
-        return None, run.backward(grad_output)
+        scheduled, ctx.scheduled = ctx.scheduled, None
+        return None, scheduled.backward(grad_output)
 
 
 def recomputed_layers(config, indices):
-    """How many of a run of a stage's layers (``indices``: their positions in the stage,
+    """How many of a span of a stage's layers (``indices``: their positions in the stage,
     ascending) Megatron's full recomputation checkpoints (``config``: its TransformerConfig): all
     of them under ``--recompute-method uniform`` (one layer per checkpoint, see
     :mod:`megatron_oases.validation`), those among the stage's first ``--recompute-num-layers``
-    under ``block`` (always a leading part of the run), none without full recomputation."""
+    under ``block`` (always a leading part of the span), none without full recomputation."""
     if config.recompute_granularity != "full":
         return 0
     if config.recompute_method == "block":
@@ -236,12 +242,12 @@ def recomputed_layers(config, indices):
 @dataclasses.dataclass(frozen=True)
 class LayerSchedule:
     """How the replaced forwards (:mod:`.patch`) run a stage's layers, fixed at install:
-    ``mode`` (``--oases-schedule``, the config's :class:`~megatron_oases.config.Schedule`, checked
-    once when parsed; ``off``: a plan's degree runs in Megatron's own loop),
+    ``schedule`` (``--oases-schedule``, the config's :class:`~megatron_oases.config.Schedule`,
+    checked once when parsed; ``off``: a plan's degree spans in Megatron's own loop),
     ``parts`` sub-batches cut as ``split``, ``graphs`` (``--oases-cuda-graphs``'
     :class:`.graphs.BlockGraphs`) and ``tracer`` (``oases-trace``'s), or None."""
 
-    mode: str
+    schedule: str
     parts: int = SUB_BATCHES
     split: str = "batch"
     graphs: object = None
@@ -253,7 +259,7 @@ class LayerSchedule:
 
 
 def schedule_layers(
-    schedule,
+    layer_schedule,
     layers,
     hidden,
     config,
@@ -266,19 +272,20 @@ def schedule_layers(
     output=None,
 ):
     """A stage's ``layers`` (``indices``: their positions in the stage, default all of them) on
-    ``hidden`` under ``schedule`` (a :class:`LayerSchedule`): one autograd node, the one entry of
+    ``hidden`` under ``layer_schedule`` (a :class:`LayerSchedule`): one autograd node, the one entry of
     the replaced forwards. ``config``: Megatron's TransformerConfig, whose full recompute decides
     what forward keeps. ``embedding`` / ``output``: the stage ends (:mod:`.stage_ends`) or None."""
     indices = range(len(layers)) if indices is None else indices
-    run = ScheduledLayers(
-        LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias, schedule.graphs),
-        schedule.mode,
+    graphs = layer_schedule.graphs
+    scheduled = ScheduledLayers(
+        LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias, graphs),
+        layer_schedule.schedule,
         recomputed_layers=recomputed_layers(config, indices),
         microbatch=microbatch,
-        tracer=schedule.tracer,
-        parts=schedule.parts,
+        tracer=layer_schedule.tracer,
+        parts=layer_schedule.parts,
         embedding=embedding,
         output=output,
-        split=schedule.split,
+        split=layer_schedule.split,
     )
-    return ScheduledLayersFunction.apply(run, hidden)
+    return ScheduledLayersFunction.apply(scheduled, hidden)

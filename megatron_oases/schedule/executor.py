@@ -103,29 +103,29 @@ class Interleave:
     every other sub-batch whose next stretch is all ``light`` ops take its pending result, run
     that stretch and issue its next collective there, so that collective hides behind the rest
     of the running op. The order is fixed by the program (the op waits for the result if it is
-    not there yet), never by timing: runs stay deterministic.
+    not there yet), never by timing: executions stay deterministic.
 
     One per schedule call (forward and backward of a micro-batch); the hooks outlive a single
     :func:`run_programs` call (a gradient hook set in forward fires in backward), so they call
-    this object, which forwards to whichever run is active."""
+    this object, which forwards to whichever execution is active."""
 
     def __init__(self):
-        self.run = None
+        self.execution = None  # the :class:`_Execution` now running, if any
 
     def __call__(self):
-        if self.run is not None:
-            self.run.yield_point()
+        if self.execution is not None:
+            self.execution.yield_point()
 
     @contextlib.contextmanager
-    def active(self, run):
-        outer, self.run = self.run, run
+    def active(self, execution):
+        outer, self.execution = self.execution, execution
         try:
             yield
         finally:
-            self.run = outer
+            self.execution = outer
 
 
-class _Run:
+class _Execution:
     """The state of one :func:`run_programs` call."""
 
     def __init__(self, programs, tracer, early, ids=None, interleave=False):
@@ -233,30 +233,30 @@ def run_programs(
     ``early`` (a :class:`~.comm.EarlyReductions`, optional): input-gradient all-reduces that
     Megatron's column linears start inside compute ops; the all-reduce ``Comm`` of that gradient
     adopts the started work instead of issuing another. ``interleave`` (an :class:`Interleave`,
-    optional): the yield points inside compute ops call into this run. ``ids``: each program's
+    optional): the yield points inside compute ops call into this execution. ``ids``: each program's
     sub-batch index for the trace (default its position; the first program leads).
     ``compute_context``: a context manager the run executes in (the engine's deferral of
     Megatron's own TMP communication, :class:`.deferral.deferred_tmp_comm`): entered once, not per
     compute op, as only compute ops call Megatron's layers (a collective's issue and its ``done``
     do not)."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()
-    run = _Run(programs, tracer, early, ids, interleave is not None)
-    active = interleave.active(run) if interleave is not None else contextlib.nullcontext()
+    execution = _Execution(programs, tracer, early, ids, interleave is not None)
+    active = interleave.active(execution) if interleave is not None else contextlib.nullcontext()
     inside = compute_context if compute_context is not None else contextlib.nullcontext()
     n = len(programs)
     lengths = [len(p) for p in programs]
     x = 0
     with outer, active, inside:
         while True:
-            run.resume(x)
+            execution.resume(x)
             # round-robin: the next sub-batch after x with ops left (x itself last)
             for step in range(1, n + 1):
                 y = (x + step) % n
-                if run.pos[y] < lengths[y]:
+                if execution.pos[y] < lengths[y]:
                     break
             else:
                 break
             x = y
-        for ops in list(run.pending.values()):
+        for ops in list(execution.pending.values()):
             for op in ops:
                 op.finish()

@@ -13,13 +13,13 @@ import torch
 from megatron.core.utils import make_viewless_tensor
 
 from ..errors import OasesConfigError
-from ..layer_degrees.runtime import stage_of
 from .engine import schedule_layers
 
 
-def make_stack_forward(original, schedule):
-    """``HybridStack.forward`` running its layers under ``schedule`` (an
-    :class:`.engine.LayerSchedule`)."""
+def make_stack_forward(original, layer_schedule):
+    """``HybridStack.forward`` running its layers under ``layer_schedule`` (an
+    :class:`.engine.LayerSchedule`). No per-layer plan reaches it: ``prepare_model`` refuses one
+    for a ``HybridModel``."""
 
     def forward(
         self,
@@ -48,24 +48,19 @@ def make_stack_forward(original, schedule):
                 "--oases-schedule supports HybridModel training without packed sequences; "
                 "use --oases-schedule off"
             )
-        if stage_of(self) is not None:
-            raise OasesConfigError(
-                "per-layer TMP plans (--oases-plan) support GPTModel only; drop --oases-plan "
-                "for a HybridModel"
-            )
         if not self.pre_process:
             hidden_states = self.input_tensor
         if hasattr(hidden_states, "unwrap"):  # a WrappedTensor (Megatron's inference path)
             hidden_states = hidden_states.unwrap()
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         hidden_states = schedule_layers(
-            schedule,
+            layer_schedule,
             self.layers,
             hidden_states,
             self.config,
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
-            microbatch=schedule.next_microbatch(),
+            microbatch=layer_schedule.next_microbatch(),
         )
         if self.post_process and self.post_layer_norm:
             hidden_states = self.final_norm(hidden_states)

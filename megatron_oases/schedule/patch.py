@@ -6,7 +6,8 @@ run (:func:`megatron_oases.compat.require_symbol` / ``require_call``). All are r
 ``uninstall``. The replacements' bodies live beside what they work with:
 
 - ``TransformerBlock.forward`` → :mod:`.transformer_block`: a GPT stage's layers as
-  :func:`.engine.schedule_layers` nodes, one per run of equal-degree layers with a plan;
+  :func:`.engine.schedule_layers` nodes, one per span of equal-degree layers with a plan (bound
+  per decoder instance by ``prepare_model``, :mod:`megatron_oases.layer_degrees.runtime`);
 - ``HybridStack.forward`` → :mod:`.hybrid_stack`: a ``HybridModel`` stage's layers, one node;
 - a schedule without a plan: ``GPTModel.forward``, ``GPTModel._postprocess`` and
   ``tensor_parallel.scatter_to_sequence_parallel_region`` → :mod:`.stage_ends` (and :mod:`.deferral`
@@ -103,7 +104,7 @@ def _early_all_reduce():
     return (torch.distributed, "all_reduce", make_all_reduce(original))
 
 
-def _hybrid_stack(schedule):
+def _hybrid_stack(layer_schedule):
     """``HybridStack.forward`` (:mod:`.hybrid_stack`), checked to be the loop it replaces."""
     from megatron.core.models.hybrid.hybrid_block import HybridStack
 
@@ -112,7 +113,7 @@ def _hybrid_stack(schedule):
     )
     require_call(HybridStack.forward, "for layer in self.layers:")
     require_call(HybridStack.forward, "self.final_norm(hidden_states)")
-    return (HybridStack, "forward", make_stack_forward(original, schedule))
+    return (HybridStack, "forward", make_stack_forward(original, layer_schedule))
 
 
 def make_patch(config, built=None):
@@ -133,18 +134,18 @@ def make_patch(config, built=None):
 
     # The stage's ends (embedding, output layer + loss) join the programs of a uniform-TP
     # schedule, with or without sequence parallelism (:mod:`.stage_ends`).
-    schedule = LayerSchedule(
-        mode=config.schedule,
+    layer_schedule = LayerSchedule(
+        schedule=config.schedule,
         parts=config.sub_batches,
         split=config.split,
         graphs=BlockGraphs(config.cuda_graphs) if config.cuda_graphs else None,
         tracer=trace.tracer if trace is not None else None,
     )
     replacements = [
-        (TransformerBlock, "forward", make_block_forward(TransformerBlock.forward, schedule)),
-        _hybrid_stack(schedule),
+        (TransformerBlock, "forward", make_block_forward(TransformerBlock.forward, layer_schedule)),
+        _hybrid_stack(layer_schedule),
     ]
-    if schedule.mode != "off" and not plan:
+    if layer_schedule.schedule != "off" and not plan:
         replacements += _stage_end_replacements()
     embed = VocabParallelEmbedding.forward  # the embedding's reduction (.stage_ends)
     for name in (

@@ -1,9 +1,11 @@
 """``TransformerBlock.forward`` under the ``oases-schedule`` patch (:mod:`.patch`).
 
 In training with grad enabled, the layer loop (and Megatron's ``_checkpointed_forward``) becomes
-one :func:`.engine.schedule_layers` node per run of equal-degree layers (one run without a
-plan), with batch resharding between runs (:mod:`megatron_oases.layer_degrees.reshard`); everything else
-(PP input tensor, final layernorm) is as stock. Eval/inference runs stock code.
+one :func:`.engine.schedule_layers` node per span of equal-degree layers (one span without a
+plan), with batch resharding between spans (:mod:`megatron_oases.layer_degrees.reshard`);
+everything else (PP input tensor, final layernorm) is as stock. Eval/inference runs stock code.
+A plan's degrees are this forward's ``layer_degrees`` argument, bound to one decoder instance by
+:func:`megatron_oases.layer_degrees.runtime.bind_block_forward`; the class's forward has none.
 """
 
 import contextlib
@@ -13,15 +15,16 @@ from megatron.core.utils import make_viewless_tensor
 
 from ..errors import OasesConfigError
 from ..layer_degrees.reshard import reshard
-from ..layer_degrees.runtime import stage_of
 from .engine import recomputed_layers, schedule_layers
 from .stage_ends import CALL_KWARG
 
 
-def make_block_forward(original, schedule):
-    """``TransformerBlock.forward`` running the layers as degree runs (plan) under ``schedule``
-    (an :class:`.engine.LayerSchedule`); a :class:`.stage_ends.StageCall` in the call's keywords (from
-    ``GPTModel.forward``) brings the embedding and the output layer + loss into the programs."""
+def make_block_forward(original, layer_schedule):
+    """``TransformerBlock.forward`` running the layers under ``layer_schedule`` (an
+    :class:`.engine.LayerSchedule`), as degree spans where a plan bound ``layer_degrees`` (a
+    :class:`~megatron_oases.layer_degrees.runtime.LayerDegrees`) to this instance; a
+    :class:`.stage_ends.StageCall` in the call's keywords (from ``GPTModel.forward``) brings the
+    embedding and the output layer + loss into the programs."""
 
     def forward(
         self,
@@ -38,6 +41,8 @@ def make_block_forward(original, schedule):
         packed_seq_params=None,
         sequence_len_offset=None,
         padding_mask=None,
+        *,
+        layer_degrees=None,
         **kwargs,
     ):
         call = kwargs.pop(CALL_KWARG, None)  # the stage's ends, when GPTModel gave them
@@ -75,30 +80,30 @@ def make_block_forward(original, schedule):
             hidden_states = make_viewless_tensor(
                 inp=hidden_states, requires_grad=True, keep_graph=True
             )
-        mb = schedule.next_microbatch()
-        hetero = stage_of(self)
-        if hetero is None:
-            runs, T = [(None, list(range(len(self.layers))))], None
+        mb = layer_schedule.next_microbatch()
+        if layer_degrees is None:
+            spans, T = [(None, list(range(len(self.layers))))], None
         else:
-            runs, T = hetero.runs(), hetero.groups.T
+            spans, T = layer_degrees.spans(), layer_degrees.groups.domain_size
         degree, mask = T, attention_mask
         # As stock: under sequence parallelism the layers run in the model-parallel RNG fork
         # (TP ranks hold different tokens); recomputation replays snapshots taken inside it.
         with _sequence_parallel_rng(self.config):
-            for d, idx in runs:
+            for d, idx in spans:
                 layers = [self.layers[i] for i in idx]
-                if hetero is not None:
-                    hidden_states = reshard(hidden_states, degree, d, hetero.groups)
-                    mask = _mask_share(attention_mask, hidden_states.size(1), d, hetero.groups)
+                if layer_degrees is not None:
+                    groups = layer_degrees.groups
+                    hidden_states = reshard(hidden_states, degree, d, groups)
+                    mask = _mask_share(attention_mask, hidden_states.size(1), d, groups)
                     degree = d
-                if schedule.mode == "off":  # a plan's degree runs without the schedule
+                if layer_schedule.schedule == "off":  # a plan's degree spans, unscheduled
                     recomputed = recomputed_layers(self.config, idx)
                     hidden_states = _stock_layers(
                         layers, recomputed, hidden_states, mask, rotary_pos_emb, attention_bias
                     )
                 else:
                     hidden_states = schedule_layers(
-                        schedule,
+                        layer_schedule,
                         layers,
                         hidden_states,
                         self.config,
@@ -113,8 +118,8 @@ def make_block_forward(original, schedule):
         if output is not None:  # the per-token loss; GPTModel._postprocess passes it through
             call.loss = hidden_states
             return hidden_states
-        if hetero is not None:
-            hidden_states = reshard(hidden_states, degree, T, hetero.groups)
+        if layer_degrees is not None:
+            hidden_states = reshard(hidden_states, degree, T, layer_degrees.groups)
         if self.final_layernorm is not None:
             hidden_states = self.final_layernorm(hidden_states)
             hidden_states = make_viewless_tensor(
@@ -123,6 +128,7 @@ def make_block_forward(original, schedule):
         return hidden_states
 
     forward.__wrapped__ = original
+    forward.takes_layer_degrees = True  # what bind_block_forward binds a plan to
     return forward
 
 
@@ -139,11 +145,11 @@ def _mask_share(mask, batch, degree, groups):
     cuts the activations); a shared mask is returned as it is."""
     if mask is None or mask.dim() == 0 or mask.size(0) == 1 or mask.size(0) == batch:
         return mask
-    return torch.chunk(mask, groups.T // degree, dim=0)[groups.group_index(degree)]
+    return torch.chunk(mask, groups.domain_size // degree, dim=0)[groups.group_index(degree)]
 
 
 def _stock_layers(layers, recomputed, hidden, attention_mask, rotary_pos_emb, attention_bias):
-    """Megatron's layer loop for a run of layers; its first ``recomputed`` layers checkpointed
+    """Megatron's layer loop for a span of layers; its first ``recomputed`` layers checkpointed
     one at a time, as Megatron's full recomputation does."""
     from megatron.core import tensor_parallel
 

@@ -1,4 +1,4 @@
-"""Per-layer heterogeneous TMP: plans against uniform TP=T (loss and full gradients), with
+"""Per-layer TMP degrees: plans against uniform TP=T (loss and full gradients), with
 ``--oases-schedule off`` and ``oases``, PP=1 and PP=2."""
 
 import pytest

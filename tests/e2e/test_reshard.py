@@ -75,7 +75,7 @@ def _worker():
     rank = dist.get_rank()
     pairs = _pair_groups(rank)
     groups = SimpleNamespace(
-        T=T, local=rank, pair_group=lambda a, b: pairs[(min(a, b), max(a, b))][0]
+        domain_size=T, local=rank, pair_group=lambda a, b: pairs[(min(a, b), max(a, b))][0]
     )
     X, W = full_input(), full_weight()
     out = {"pair_ranks": {k: v[1] for k, v in pairs.items()}}

@@ -582,7 +582,7 @@ def test_yield_point_runs_the_other_sub_batch_light_stretch(fake):
         ("start", "b2"),
         ("end", "b2"),
     ]
-    assert interleave.run is None  # outside a run the yield points do nothing
+    assert interleave.execution is None  # outside an execution the yield points do nothing
     interleave()
 
 

@@ -1,5 +1,6 @@
-"""Per-layer heterogeneous TMP: invalid plans are refused (one line), and the replicas' gradient
-views. The plans against uniform TP=T on ranks: ``tests/e2e/test_layer_degrees_e2e.py``."""
+"""Per-layer TMP degrees: invalid plans are refused (one line), a plan is bound to one decoder
+instance, and the replicas' gradient views. The plans against uniform TP=T on ranks: ``tests/e2e/test_layer_degrees_e2e.py``.
+"""
 
 import pytest
 from helpers.plans import write_plan
@@ -50,3 +51,46 @@ def test_replica_grad_runs_are_in_place_views():
     assert buf[6:12].tolist() == [12.0, 14.0, 16.0, 18.0, 20.0, 22.0] and buf[5] == 5
     other = torch.zeros(4)[::2]  # not contiguous: reduced on its own
     assert _contiguous_runs([other])[0] is other
+
+
+class _Block:
+    """A decoder whose class forward stands in for the ``oases-schedule`` patch's."""
+
+    def forward(self, x, *, layer_degrees=None):
+        return x, layer_degrees
+
+    forward.takes_layer_degrees = True
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def test_a_plan_binds_to_one_decoder_instance():
+    """The degrees reach the bound decoder's forward as its argument; another instance of the
+    same class stays as it was, and the checkpoint's accessor finds them on the bound one only."""
+    from megatron_oases.layer_degrees.runtime import (
+        LayerDegrees,
+        bind_block_forward,
+        layer_degrees_of,
+    )
+
+    planned, other = _Block(), _Block()
+    degrees = LayerDegrees(groups=None, degrees=[1, 1, 2, 2, 1])
+    bind_block_forward(planned, degrees)
+    assert planned("h") == ("h", degrees)
+    assert other("h") == ("h", None)
+    assert layer_degrees_of(planned) is degrees
+    assert layer_degrees_of(other) is None and layer_degrees_of(None) is None
+    assert degrees.spans() == [(1, [0, 1]), (2, [2, 3]), (1, [4])]
+
+
+def test_binding_needs_the_schedule_patch():
+    """A decoder whose class forward is not the patch's (patches not installed): refused."""
+    from megatron_oases.layer_degrees.runtime import LayerDegrees, bind_block_forward
+
+    class Stock:
+        def forward(self, x):
+            return x
+
+    with pytest.raises(RuntimeError, match="oases-schedule patch installed"):
+        bind_block_forward(Stock(), LayerDegrees(groups=None, degrees=[1]))

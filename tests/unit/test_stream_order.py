@@ -115,11 +115,11 @@ def recorded(monkeypatch):
     monkeypatch.setenv("OASES_EMULATE_DILATION", "1")
     # every emulated collective takes the CUDA path (the tensors stay on the CPU)
     monkeypatch.setattr(collectives, "_device", lambda *c: torch.device("cuda", 0))
-    init, compute, issue = ex._Run.__init__, ex._Run.compute, ex._issue
+    init, compute, issue = ex._Execution.__init__, ex._Execution.compute, ex._issue
 
     def run_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.tracked = True  # every compute through _Run.compute, where it is logged
+        self.tracked = True  # every compute through _Execution.compute, where it is logged
         log.append(("run",))
 
     def run_compute(self, x, op):
@@ -130,8 +130,8 @@ def recorded(monkeypatch):
         log.append(("issue", sub_batch))
         return issue(sub_batch, op, tracer, early)
 
-    monkeypatch.setattr(ex._Run, "__init__", run_init)
-    monkeypatch.setattr(ex._Run, "compute", run_compute)
+    monkeypatch.setattr(ex._Execution, "__init__", run_init)
+    monkeypatch.setattr(ex._Execution, "compute", run_compute)
     monkeypatch.setattr(ex, "_issue", logged_issue)
 
     def run(flags):
