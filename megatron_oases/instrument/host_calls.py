@@ -54,11 +54,11 @@ def profiled_step_patch(record, at_call=2, trace_path=None):
     from megatron.training import training
 
     original = training.train_step
-    calls = {"n": 0}
+    calls = {"train_steps": 0}
 
     def train_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] != at_call:
+        calls["train_steps"] += 1
+        if calls["train_steps"] != at_call:
             return original(*args, **kwargs)
         from torch.profiler import ProfilerActivity, profile
 
@@ -120,13 +120,13 @@ def python_time_patch(record, first_call=2, calls=6, top=12, unprofiled_calls=No
     from megatron.training import training
 
     original = training.train_step
-    state = {"n": 0}
+    state = {"train_steps": 0}
     record.update(thread_s=float("inf"), thread_s_unprofiled=float("inf"))
     unprofiled_calls = calls if unprofiled_calls is None else unprofiled_calls
 
     def train_step(*args, **kwargs):
-        state["n"] += 1
-        k = state["n"] - first_call
+        state["train_steps"] += 1
+        k = state["train_steps"] - first_call
         if not 0 <= k < calls + unprofiled_calls:
             return original(*args, **kwargs)
         prof = cProfile.Profile(_time.thread_time) if k < calls else None

@@ -26,7 +26,7 @@ def runner_ups(problem, ks, decomposition=None):
             alt = list(ks)
             alt[l] = k
             delta = objective(U, P, alt) - base
-            cand = {"k": k, "delta_s": delta}
+            cand = {"degree_index": k, "delta_s": delta}
             if not problem.allowed[l, k]:
                 cand["reason"] = "pinned"
             elif problem.max_switches is not None and problem.switches(alt) > problem.max_switches:
@@ -44,7 +44,7 @@ def runner_ups(problem, ks, decomposition=None):
             if base_eval is None:
                 base_eval = evaluate(problem, ks)
             alt = list(ks)
-            alt[l] = cand["k"]
+            alt[l] = cand["degree_index"]
             ev = evaluate(problem, alt)
             parts = []
             for key, label in (
@@ -62,7 +62,7 @@ def runner_ups(problem, ks, decomposition=None):
             why = f"faster by {-cand['delta_s'] * 1e3:.2f} ms but {cand['reason']}"
         out.append(
             {
-                "degree": problem.degrees[cand["k"]],
+                "degree": problem.degrees[cand["degree_index"]],
                 "delta_s": cand["delta_s"],
                 "feasible": cand["reason"] is None,
                 "why": why,

@@ -24,7 +24,7 @@ def _meter_patch(record, at_call=2, breakdown=False):
     from megatron.training import training
 
     original = training.train_step
-    calls = {"n": 0}
+    calls = {"train_steps": 0}
 
     def metered(forward_backward_func):
         def run(*a, **k):
@@ -41,8 +41,8 @@ def _meter_patch(record, at_call=2, breakdown=False):
         return run
 
     def train_step(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == at_call:
+        calls["train_steps"] += 1
+        if calls["train_steps"] == at_call:
             chunks = kwargs["model"] if "model" in kwargs else args[2]
             unique = {id(p): p for chunk in chunks for p in chunk.parameters()}
             record["params"] = sum(p.numel() for p in unique.values())
