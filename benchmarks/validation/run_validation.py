@@ -76,7 +76,7 @@ def sp_set():
     return out
 
 
-def hetero_set(profile_path, n_random=8, seed=0):
+def layer_degrees_set(profile_path, n_random=8, seed=0):
     from megatron_oases.planner.api import make_plan
 
     plans = {(1,) * LAYERS: "u1-oases", (2,) * LAYERS: "u2-oases"}
@@ -442,9 +442,11 @@ def main(argv=None):
         subprocess.run([sys.executable, "-m", "megatron_oases", "profile", "--model", MODEL,
                         "--emulate-link", LINK, "--no-cache", "--out", profile, *sp_flag],
                        check=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))  # fmt: skip
-    hetero, chosen = hetero_set(profile, a.n_random)
+    per_layer, chosen = layer_degrees_set(profile, a.n_random)
     rows = {}
-    for name, degrees, sched, rc, issue, sp in plan_set() + hetero + (sp_set() if sp_flag else []):
+    for name, degrees, sched, rc, issue, sp in (
+        plan_set() + per_layer + (sp_set() if sp_flag else [])
+    ):
         key = (tuple(degrees), sched, rc, sp)
         if key in rows:
             rows[key]["issues"].append(issue)

@@ -1,4 +1,5 @@
-"""Per-layer heterogeneous TMP (paper §4.2): run any plan of TMP degrees inside a TMP domain.
+"""Per-layer TMP degrees (paper §4.2; "hetero" in earlier versions): run any plan of TMP degrees
+inside a TMP domain.
 
 ``--tensor-model-parallel-size T`` is the domain; layer l runs with degree d_l | T as T/d_l groups
 of d_l consecutive ranks, each group on its share of the micro-batch. Process groups for every

@@ -66,8 +66,8 @@ def test_plans_match_uniform(case, tmp_path):
 
 @pytest.mark.timeout(500)
 def test_plans_with_block_recompute_match_uniform(tmp_path):
-    """``--recompute-method block --recompute-num-layers 3`` with degree runs [0, 1] and [2, 3]:
-    the first run recomputes both its layers, the second its first only (layer 3 keeps its
+    """``--recompute-method block --recompute-num-layers 3`` with degree spans [0, 1] and [2, 3]:
+    the first span recomputes both its layers, the second its first only (layer 3 keeps its
     graph), stock (``off``) and ``oases`` alike."""
     base = SHAPE + NO_DROP + "--train-iters 2 " + BLOCK.format(n=3) + "--num-layers 4 "
     base += "--tensor-model-parallel-size 2 --micro-batch-size 4 --global-batch-size 8"

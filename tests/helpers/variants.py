@@ -67,7 +67,7 @@ TINY_TP4 = (
     "--micro-batch-size 2"
 ).split()
 
-# --------------------------------------------------------------------- per-layer plans (hetero)
+# -------------------------------------------------------------- per-layer plans (layer_degrees)
 #: The per-layer plan tests' model without its layer count (each case sets it and the layout):
 #: dropout 0, two iterations, full recomputation.
 LAYER_DEGREES_BASE = SHAPE + NO_DROP + ITERS + RECOMPUTE
