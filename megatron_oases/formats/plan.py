@@ -22,6 +22,7 @@ import json
 from ..errors import OasesConfigError
 from ..validation import SPLITS, check_schedule
 from . import read_json
+from .profile import sha256_of
 
 PLAN_VERSION = 1
 
@@ -157,6 +158,129 @@ def uniform_plan(
         "profile": None,
     }
     return validate_plan(plan, source="uniform plan")
+
+
+def plan_document(
+    settings,
+    profile,
+    problem,
+    solution,
+    result,
+    *,
+    iteration_s,
+    host,
+    uniform,
+    speedup,
+    memory_breakdown,
+    verify,
+    build_time_s,
+    profile_path,
+):
+    """The plan file ``oases plan`` writes, from the planner's pieces: ``settings`` (a
+    ``PlanSettings``), the ``profile`` (a :class:`~.profile.Profile`), the stage-0 ``problem`` and
+    its ``solution``, ``result`` (the time model's ``evaluate`` of it), ``iteration_s`` (the
+    longer of the device's and ``host``'s timelines), the ``uniform`` costs per degree and the
+    ``speedup`` over them. ``input_hash`` covers what determines the plan."""
+    meta = problem.meta
+    pins = [[list(layers), d] for layers, d in settings.pins]
+    plan = {
+        "version": PLAN_VERSION,
+        "tensor_model_parallel_size": meta["tensor_model_parallel_size"],
+        "data_parallel_size": meta["data_parallel_size"],
+        "num_layers": meta["total_layers"],
+        # one stage's plan, repeated on every pipeline stage (stage 0, which holds the most
+        # in-flight activations, is the one planned)
+        "degrees": [problem.degrees[k] for k in solution.ks] * meta["pipeline_model_parallel_size"],
+        "pipeline_model_parallel_size": meta["pipeline_model_parallel_size"],
+        "schedule": settings.schedule,
+        "recompute": settings.recompute,
+        # with full recompute: only each stage's first N layers (Megatron's block method)
+        "recompute_num_layers": meta["recompute_num_layers"],
+        "sequence_parallel": settings.sequence_parallel,
+        # sub-batches of samples, or of sequence chunks (--oases-split sequence; uniform T)
+        "split": settings.split,
+        "allow_unsplit": settings.allow_unsplit,
+        "unsplit_degrees": meta["unsplit_degrees"],
+        "distributed_optimizer": settings.distributed_optimizer,
+        "global_batch_size": int(settings.global_batch_size),
+        "micro_batch_size": meta["micro_batch_size"],
+        "num_microbatches": meta["num_microbatches"],
+        "predicted": _predicted(settings, profile, result, iteration_s, host, memory_breakdown),
+        "uniform": {str(d): u for d, u in uniform.items()},
+        "speedup": speedup,
+        "objective": solution.objective,
+        "objective_units": "seconds per iteration (eq. 5)",
+        "solver": solution.solver,
+        "solve_time_s": solution.solve_time_s,
+        "build_time_s": build_time_s,
+        "status": solution.status,
+        "verify": verify,
+        "memory_gb": settings.memory_gb,
+        "memory_margin": settings.margin,
+        "memory_granule_bytes": settings.granule,
+        "constraints": {
+            "degrees": problem.degrees,
+            "pins": pins,
+            "max_switches": settings.max_switches,
+            "excluded_degrees": meta["excluded_degrees"],
+        },
+        "input_hash": sha256_of(_hashed_inputs(settings, profile, problem, pins)),
+        "profile": profile_path,
+        "profile_sha256": profile.sha256,
+        "profile_kind": profile.data.get("kind"),
+        "cluster": profile.data.get("cluster"),
+        "model": profile.shape.get("name"),
+    }
+    return plan
+
+
+def _predicted(settings, profile, result, iteration_s, host, memory_breakdown):
+    """The plan's ``predicted`` section."""
+    tokens = settings.global_batch_size * profile.shape["seq_length"]
+    return {
+        # the longer of the device's and the host's timelines (planner/host_model.py)
+        "iteration_time_s": iteration_s,
+        "device_time_s": result["iteration_time_s"],
+        "host": host,
+        "forward_s": result["forward_s"],
+        "backward_s": result["backward_s"],
+        "edges_s": result["edges_s"],
+        "grad_sync_s": result["grad_sync_s"],
+        "grad_sync_included": result["grad_sync_included"],
+        "peak_memory_bytes_per_rank": result["peak_memory_bytes"],
+        "peak_memory_with_margin_bytes": result["peak_memory_bytes"] * (1 + settings.margin),
+        "memory_breakdown_bytes": memory_breakdown,
+        "tokens_per_s": tokens / iteration_s,
+        "per_layer": result["per_layer"],
+    }
+
+
+def _hashed_inputs(settings, profile, problem, pins):
+    """What determines a plan, for ``input_hash`` (keys added later appear only where set, so
+    that older plans hash as before)."""
+    meta = problem.meta
+    inputs = {
+        "profile_sha256": profile.sha256,
+        "schedule": settings.schedule,
+        "recompute": settings.recompute,
+        "global_batch_size": settings.global_batch_size,
+        "micro_batch_size": meta["micro_batch_size"],
+        "memory_gb": settings.memory_gb,
+        "margin": settings.margin,
+        "granule": settings.granule,
+        "degrees": problem.degrees,
+        "pins": pins,
+        "max_switches": settings.max_switches,
+        "grad_sync": settings.grad_sync,
+        "allow_unsplit": settings.allow_unsplit,
+        "distributed_optimizer": settings.distributed_optimizer,
+        "sequence_parallel": settings.sequence_parallel,
+    }
+    if meta["recompute_num_layers"] is not None:
+        inputs["recompute_num_layers"] = meta["recompute_num_layers"]
+    if settings.split != "batch":
+        inputs["split"] = settings.split
+    return inputs
 
 
 def _dumps(obj, indent=0):

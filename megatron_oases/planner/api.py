@@ -2,15 +2,16 @@
 
 import math
 import time
+from dataclasses import replace
 
 from ..errors import OasesConfigError
-from ..formats.plan import PLAN_VERSION
-from ..formats.profile import Profile, load_profile, sha256_of
+from ..formats.plan import plan_document
+from ..formats.profile import Profile, load_profile
 from .build import build_problem
 from .dp import min_memory, solve_dp
 from .ilp import DEFAULT_TIME_LIMIT_S, solve_ilp
 from .memory_model import memory_breakdown
-from .problem import DEFAULT_GRANULE, DEFAULT_MARGIN
+from .settings import PlanSettings
 from .time_model import decompose, evaluate
 
 SOLVERS = ("ilp", "dp")
@@ -156,171 +157,83 @@ def uniform_costs(problem):
 
 def make_plan(
     profile,
+    settings=None,
     *,
-    global_batch_size,
-    memory_gb=None,
-    schedule="oases",
-    micro_batch_size=None,
-    degrees=None,
-    pins=None,
-    max_switches=None,
-    recompute=None,
-    recompute_layers=None,
     solver="dp",
     verify=False,
-    margin=DEFAULT_MARGIN,
-    granule=DEFAULT_GRANULE,
     time_limit_s=DEFAULT_TIME_LIMIT_S,
     profile_path=None,
-    grad_sync=False,
-    allow_unsplit=False,
-    distributed_optimizer=False,
-    sequence_parallel=False,
-    split="batch",
-    host_us_per_call=None,
+    **run,
 ):
-    """Returns (plan dict, problem, solution). With ``sequence_parallel`` or ``split="sequence"``
-    every layer runs at T (:func:`~.build.build_problem`): the plan is uniform and its
-    ``predicted`` is the point. ``host_us_per_call``: the host's issue cost per aten call
-    (:mod:`.host_model`; default: the analytic profile's cluster's, none for a measured profile,
-    whose times were taken on its own host; 0: no host term)."""
+    """Returns (plan dict, problem, solution) for the run ``settings``
+    (:class:`~.settings.PlanSettings`, or its fields as keywords: ``run``). With
+    ``sequence_parallel`` or ``split="sequence"`` every layer runs at T
+    (:func:`~.build.build_problem`): the plan is uniform and its ``predicted`` is the point.
+    ``host_us_per_call``: the host's issue cost per aten call (:mod:`.host_model`; default: the
+    analytic profile's cluster's, none for a measured profile, whose times were taken on its own
+    host; 0: no host term)."""
+    settings = PlanSettings.of(settings, **run)
     if not isinstance(profile, Profile):
         profile_path = profile_path or profile
         profile = load_profile(profile)
-    if memory_gb is None:
-        memory_gb = profile.data.get("memory_gb")
-    if memory_gb is None:
-        raise OasesConfigError("pass --memory GB (device memory per rank)")
-    if memory_gb <= 0:
-        raise OasesConfigError("--memory must be positive")
+    settings = with_memory(settings, profile)
     t_build = time.perf_counter()
-    problem = build_problem(
-        profile,
-        schedule=schedule,
-        global_batch_size=global_batch_size,
-        micro_batch_size=micro_batch_size,
-        degrees=degrees,
-        recompute=recompute,
-        recompute_layers=recompute_layers,
-        memory_gb=memory_gb,
-        margin=margin,
-        granule=granule,
-        pins=pins,
-        max_switches=max_switches,
-        grad_sync=grad_sync,
-        allow_unsplit=allow_unsplit,
-        distributed_optimizer=distributed_optimizer,
-        sequence_parallel=sequence_parallel,
-        split=split,
-    )
+    problem = build_problem(profile, settings)
     build_s = time.perf_counter() - t_build
-    pp = problem.meta["pipeline_model_parallel_size"]
     sol, check = solve(problem, solver=solver, verify=verify, time_limit_s=time_limit_s)
     res = evaluate(problem, sol.ks)
     uniform = uniform_costs(problem)
-    T = problem.meta["tensor_model_parallel_size"]
-    fitting = [u["iteration_time_s"] for u in uniform.values() if u["fits"]]
-    speedup = {}
-    if T in uniform:
-        speedup[f"uniform_{T}"] = uniform[T]["iteration_time_s"] / res["iteration_time_s"]
-    if fitting:
-        speedup["best_fitting_uniform"] = min(fitting) / res["iteration_time_s"]
-    shape = profile.shape
-    tokens = global_batch_size * shape["seq_length"]
-    host = host_term(profile, problem, schedule, split, host_us_per_call)
-    device_s = res["iteration_time_s"]
-    iteration_s = max(device_s, host["issue_s"]) if host else device_s
-    if host:
-        host["host_bound"] = host["issue_s"] > device_s
-    inputs = {
-        "profile_sha256": profile.sha256,
-        "schedule": schedule,
-        "recompute": problem.meta["recompute"],
-        "global_batch_size": global_batch_size,
-        "micro_batch_size": problem.meta["micro_batch_size"],
-        "memory_gb": memory_gb,
-        "margin": margin,
-        "granule": granule,
-        "degrees": problem.degrees,
-        "pins": [[list(l), d] for l, d in (pins or [])],
-        "max_switches": max_switches,
-        "grad_sync": bool(grad_sync),
-        "allow_unsplit": bool(allow_unsplit),
-        "distributed_optimizer": bool(distributed_optimizer),
-        "sequence_parallel": bool(sequence_parallel),
-    }
-    if problem.meta["recompute_num_layers"] is not None:  # (plans without it hash as before)
-        inputs["recompute_num_layers"] = problem.meta["recompute_num_layers"]
-    if split != "batch":  # (likewise)
-        inputs["split"] = split
-    plan = {
-        "version": PLAN_VERSION,
-        "tensor_model_parallel_size": T,
-        "data_parallel_size": problem.meta["data_parallel_size"],
-        "num_layers": problem.meta["total_layers"],
-        # one stage's plan, repeated on every pipeline stage (stage 0, which holds the most
-        # in-flight activations, is the one planned)
-        "degrees": [problem.degrees[k] for k in sol.ks] * pp,
-        "pipeline_model_parallel_size": pp,
-        "schedule": schedule,
-        "recompute": problem.meta["recompute"],
-        # with full recompute: only each stage's first N layers (Megatron's block method)
-        "recompute_num_layers": problem.meta["recompute_num_layers"],
-        "sequence_parallel": bool(sequence_parallel),
-        # sub-batches of samples, or of sequence chunks (--oases-split sequence; uniform T)
-        "split": split,
-        "allow_unsplit": bool(allow_unsplit),
-        "unsplit_degrees": problem.meta["unsplit_degrees"],
-        "distributed_optimizer": bool(distributed_optimizer),
-        "global_batch_size": int(global_batch_size),
-        "micro_batch_size": problem.meta["micro_batch_size"],
-        "num_microbatches": problem.meta["num_microbatches"],
-        "predicted": {
-            # the longer of the device's and the host's timelines (planner/host_model.py)
-            "iteration_time_s": iteration_s,
-            "device_time_s": device_s,
-            "host": host,
-            "forward_s": res["forward_s"],
-            "backward_s": res["backward_s"],
-            "edges_s": res["edges_s"],
-            "grad_sync_s": res["grad_sync_s"],
-            "grad_sync_included": res["grad_sync_included"],
-            "peak_memory_bytes_per_rank": res["peak_memory_bytes"],
-            "peak_memory_with_margin_bytes": res["peak_memory_bytes"] * (1 + margin),
-            "memory_breakdown_bytes": memory_breakdown(problem, sol.ks),
-            "tokens_per_s": tokens / iteration_s,
-            "per_layer": res["per_layer"],
-        },
-        "uniform": {str(d): u for d, u in uniform.items()},
-        "speedup": speedup,
-        "objective": sol.objective,
-        "objective_units": "seconds per iteration (eq. 5)",
-        "solver": sol.solver,
-        "solve_time_s": sol.solve_time_s,
-        "build_time_s": build_s,
-        "status": sol.status,
-        "verify": check,
-        "memory_gb": memory_gb,
-        "memory_margin": margin,
-        "memory_granule_bytes": granule,
-        "constraints": {
-            "degrees": problem.degrees,
-            "pins": inputs["pins"],
-            "max_switches": max_switches,
-            "excluded_degrees": problem.meta["excluded_degrees"],
-        },
-        "input_hash": sha256_of(inputs),
-        "profile": profile_path or profile.path,
-        "profile_sha256": profile.sha256,
-        "profile_kind": profile.data.get("kind"),
-        "cluster": profile.data.get("cluster"),
-        "model": shape.get("name"),
-    }
+    host = host_term(profile, problem, settings.host_us_per_call)
+    plan = plan_document(
+        settings,
+        profile,
+        problem,
+        sol,
+        res,
+        iteration_s=host_bound_iteration(res["iteration_time_s"], host),
+        host=host,
+        uniform=uniform,
+        speedup=speedups(problem, uniform, res["iteration_time_s"]),
+        memory_breakdown=memory_breakdown(problem, sol.ks),
+        verify=check,
+        build_time_s=build_s,
+        profile_path=profile_path or profile.path,
+    )
     assert math.isclose(plan["objective"], res["iteration_time_s"], rel_tol=1e-9, abs_tol=1e-12)
     return plan, problem, sol
 
 
-def host_term(profile, problem, schedule, split, host_us_per_call):
+def with_memory(settings, profile):
+    """``settings`` with the device memory resolved: ``--memory``, else the profile's cluster's."""
+    if settings.memory_gb is None:
+        settings = replace(settings, memory_gb=profile.data.get("memory_gb"))
+    if settings.memory_gb is None:
+        raise OasesConfigError("pass --memory GB (device memory per rank)")
+    return settings
+
+
+def speedups(problem, uniform, device_s):
+    """The plan's speedup over uniform T and over the fastest uniform degree that fits."""
+    T = problem.meta["tensor_model_parallel_size"]
+    fitting = [u["iteration_time_s"] for u in uniform.values() if u["fits"]]
+    speedup = {}
+    if T in uniform:
+        speedup[f"uniform_{T}"] = uniform[T]["iteration_time_s"] / device_s
+    if fitting:
+        speedup["best_fitting_uniform"] = min(fitting) / device_s
+    return speedup
+
+
+def host_bound_iteration(device_s, host):
+    """The predicted iteration: the longer of the device's and the host's timelines (marks
+    ``host["host_bound"]``; ``host`` None: the device's)."""
+    if not host:
+        return device_s
+    host["host_bound"] = host["issue_s"] > device_s
+    return max(device_s, host["issue_s"])
+
+
+def host_term(profile, problem, host_us_per_call=None):
     """The host's issue time of the planned iteration (:mod:`.host_model`), or None without a
     per-call cost (a measured profile: its times were taken on its own host)."""
     from .host_model import host_time
@@ -332,11 +245,11 @@ def host_term(profile, problem, schedule, split, host_us_per_call):
         us = load_cluster(profile.data["cluster"]).host_us_per_call
     if not us:
         return None
-    meta = problem.meta
+    meta, settings = problem.meta, problem.settings
     issue_s, calls = host_time(
-        schedule,
-        meta["recompute"],
-        split,
+        settings.schedule,
+        settings.recompute,
+        settings.split,
         problem.subs,
         problem.num_layers,
         meta["num_microbatches"],

@@ -51,47 +51,18 @@ timings into tables; the time and memory models themselves do not read arguments
 """
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import OasesConfigError
 from ..formats.profile import gather_ranks, tp_ranks
-from ..recompute_settings import RECOMPUTE_MODES, SELECTIVE_MODES
-from ..validation import (
-    SPLIT_SCHEDULES,
-    TAIL_PIECES,
-    check_schedule,
-    check_schedule_recompute,
-    check_split,
-    check_whole_layer_recompute,
-)
+from ..recompute_settings import SELECTIVE_MODES
+from ..validation import SPLIT_SCHEDULES, TAIL_PIECES, check_schedule
 from .block_comm import block_comm
 from .memory_model import memory_parts
-from .problem import DEFAULT_GRANULE, DEFAULT_MARGIN, Block, ChainProblem
-
-
-def recompute_mode(value, source="recompute"):
-    """``value`` as one of :data:`RECOMPUTE_MODES`. Booleans are the older form (plans written
-    before selective recomputation was planned, ``recompute=True`` callers): True is ``full``,
-    False ``none``; None is the default, ``full``."""
-    if value is None or value is True:
-        return "full"
-    if value is False:
-        return "none"
-    if value in RECOMPUTE_MODES:
-        return value
-    raise OasesConfigError(
-        f"{source}: unknown recompute setting {value!r}; choose one of {', '.join(RECOMPUTE_MODES)}"
-    )
-
-
-def recompute_label(value, recompute_num_layers=None):
-    """``"no"``, ``"selective"``, ``"selective+ln"``, ``"full"`` or ``"first-N-layers full"``
-    (block method): the setting as text says it (``… recompute``)."""
-    mode = recompute_mode(value)
-    if mode == "full" and recompute_num_layers is not None:
-        return f"first-{recompute_num_layers}-layers full"
-    return "no" if mode == "none" else mode
+from .problem import Block, ChainProblem
+from .settings import PlanSettings, recompute_label, recompute_mode  # noqa: F401 (re-exported)
 
 
 def _recomputed_layers(recompute, recompute_layers, L):
@@ -152,55 +123,25 @@ def _sequence_split_degrees(profile, schedule, degrees, sequence_parallel):
     return [T]
 
 
-def build_problem(
-    profile,
-    *,
-    schedule="oases",
-    global_batch_size,
-    micro_batch_size=None,
-    degrees=None,
-    recompute=None,
-    memory_gb=None,
-    margin=DEFAULT_MARGIN,
-    granule=DEFAULT_GRANULE,
-    pins=None,
-    max_switches=None,
-    num_layers=None,
-    grad_sync=False,
-    allow_unsplit=False,
-    distributed_optimizer=False,
-    stage=0,
-    sequence_parallel=False,
-    recompute_layers=None,
-    split="batch",
-):
-    """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.formats.profile.Profile`).
+@dataclass(frozen=True)
+class _Batch:
+    """One stage's layer and batch arithmetic (1F1B: M micro-batches through P stages take
+    M + P − 1 stage slots; stage s keeps up to P − s micro-batches' activations alive)."""
 
-    With pipeline parallelism (the profile's ``pipeline_model_parallel_size`` P > 1) the chain is
-    one stage's ``num_layers / P`` layers (``num_layers``: the whole model's, default the
-    profile's), costed for Megatron's 1F1B schedule: the iteration takes ``(M + P − 1)`` stage
-    micro-batch times (pipeline bubble, M micro-batches), and pipeline ``stage`` s holds the saved
-    activations of ``min(P − s, M)`` micro-batches at its peak (stage 0, the default, holds the
-    most). Each pass of a micro-batch pays one stage-to-stage send (the profile's
-    ``pipeline_p2p`` fit; 0 without one). ``sequence_parallel``: Megatron's
-    ``--sequence-parallel``; every layer at degree ``T`` (:func:`_sequence_parallel_degrees`).
-    ``recompute_layers``: with ``recompute="full"``, Megatron's ``--recompute-method block
-    --recompute-num-layers N``: only each stage's first N layers are recomputed, the others keep
-    their activations (as the runtime does: their backward comes first, before any recompute).
-    ``split``: ``"sequence"`` for sub-batches of sequence chunks (``--oases-split sequence``;
-    uniform degree ``T``, :func:`_sequence_split_degrees`)."""
-    check_schedule(schedule, source="--schedule")
-    check_split(split, source="--split")
-    recompute = recompute_mode(recompute, source="--recompute")
-    if recompute in SELECTIVE_MODES:
-        check_whole_layer_recompute(
-            schedule,
-            flag="--schedule",
-            fix=f"use --recompute full, or --schedule off or overlap with --recompute {recompute}",
-        )
-    check_schedule_recompute(
-        schedule, recompute == "full", flag="--schedule", fix="use --recompute full"
-    )
+    T: int  # the TMP domain
+    D: int  # data-parallel size
+    pp: int  # pipeline stages
+    total_layers: int
+    L: int  # this stage's layers
+    N: int  # … of them recomputed
+    m: int  # samples per micro-batch per TMP domain
+    microbatches: int
+    repeats: int
+    in_flight: int
+
+
+def _batch(profile, settings, num_layers, stage):
+    """The stage's :class:`_Batch`; one error line where the layers or the batch do not divide."""
     T, D = profile.tp, profile.dp
     pp = int(profile.data.get("pipeline_model_parallel_size", 1))
     total_layers = int(num_layers or profile.num_layers)
@@ -212,32 +153,44 @@ def build_problem(
     if not 0 <= stage < pp:
         raise OasesConfigError(f"pipeline stage {stage} is out of range (0–{pp - 1})")
     L = total_layers // pp
-    N = _recomputed_layers(recompute, recompute_layers, L)
-    shape = profile.shape
-    p = profile.dtype_bytes
-    if global_batch_size <= 0 or global_batch_size % D:
+    N = _recomputed_layers(settings.recompute, settings.recompute_layers, L)
+    gbs = settings.global_batch_size
+    if gbs <= 0 or gbs % D:
         raise OasesConfigError(
-            f"--global-batch-size {global_batch_size} is not a positive multiple of the data-parallel "
+            f"--global-batch-size {gbs} is not a positive multiple of the data-parallel "
             f"size {D}"
         )
-    per_domain = global_batch_size // D
-    m = int(micro_batch_size or per_domain)
+    per_domain = gbs // D
+    m = int(settings.micro_batch_size or per_domain)
     if m <= 0 or per_domain % m:
         raise OasesConfigError(
             f"--micro-batch-size {m} does not divide the {per_domain} samples per TMP domain "
-            f"(global batch {global_batch_size} / DP {D})"
+            f"(global batch {gbs} / DP {D})"
         )
     microbatches = per_domain // m
-    # 1F1B: M micro-batches through P stages take M + P − 1 stage slots; stage s keeps up to
-    # P − s micro-batches' activations alive
-    repeats = microbatches + pp - 1
-    in_flight = min(pp - stage, microbatches)
-    chunks = split == "sequence"
-    halves = schedule in SPLIT_SCHEDULES  # each micro-batch runs as two sub-batches
-    available = profile.degrees
+    return _Batch(
+        T,
+        D,
+        pp,
+        total_layers,
+        L,
+        N,
+        m,
+        microbatches,
+        microbatches + pp - 1,
+        min(pp - stage, microbatches),
+    )
+
+
+def _candidate_degrees(profile, settings, m, halves, chunks):
+    """(usable degrees, why each other candidate is excluded): a degree must give its groups a
+    whole number of samples, two under a split unless ``allow_unsplit``."""
+    degrees, available, T = settings.degrees, profile.degrees, profile.tp
     if chunks:
-        degrees = _sequence_split_degrees(profile, schedule, degrees, sequence_parallel)
-    if sequence_parallel:
+        degrees = _sequence_split_degrees(
+            profile, settings.schedule, degrees, settings.sequence_parallel
+        )
+    if settings.sequence_parallel:
         degrees = _sequence_parallel_degrees(profile, degrees)
     cand = sorted(int(d) for d in (degrees or available))
     for d in cand:
@@ -246,9 +199,10 @@ def build_problem(
                 f"TMP degree {d} is not in the profile (it has {available}); re-profile or drop it"
             )
     usable, why = [], []
+    need = 2 if halves and not chunks and not settings.allow_unsplit else 1
     for d in cand:
         n = m * d / T
-        if n != int(n) or n < (2 if halves and not chunks and not allow_unsplit else 1):
+        if n != int(n) or n < need:
             why.append(
                 f"degree {d} gives {n:g} samples per group per micro-batch"
                 + (
@@ -268,30 +222,30 @@ def build_problem(
         raise OasesConfigError(
             "; ".join(why) + "; drop it from --degrees or raise --micro-batch-size"
         )
-    degs = usable
-    K = len(degs)
-    hid = shape["seq_length"] * shape["hidden_size"] * p  # bytes per sample of a hidden state
+    return usable, why
 
-    def comp(block, phase, d, sizes):
-        return [profile.compute_time(block, phase, d, n) if n else 0.0 for n in sizes]
 
-    # per-degree tables: [sub][k]
-    sizes = {d: _subs(m * d // T, halves, chunks) for d in degs}
+def _block_times(profile, recompute, degs, sizes, chunks):
+    """``F``, ``R``, ``B``: per block (``"attention"``, ``"mlp"``), the forward, recompute and
+    backward compute seconds as ``[sub][k]`` arrays, core attention corrected for sequence chunks
+    and selective recomputation."""
     S = len(next(iter(sizes.values())))
-    tab = {}
-    for block in ("attention", "mlp"):
-        for phase in ("forward_s", "recompute_s", "backward_s"):
-            tab[block, phase] = np.array(
-                [[comp(block, phase, d, sizes[d])[s] for d in degs] for s in range(S)]
-            )
-    comm = block_comm(profile, degs, sizes, hid, schedule, sequence_parallel)
 
-    def blk(layer, name, comp_arr, comm_arr):
-        return Block(layer, name, comp_arr, comm_arr)
+    def table(block, phase):
+        return np.array(
+            [
+                [
+                    profile.compute_time(block, phase, d, sizes[d][s]) if sizes[d][s] else 0.0
+                    for d in degs
+                ]
+                for s in range(S)
+            ]
+        )
 
-    F = {b: tab[b, "forward_s"] for b in ("attention", "mlp")}
-    R = {b: tab[b, "recompute_s"] for b in ("attention", "mlp")}
-    B = {b: tab[b, "backward_s"] for b in ("attention", "mlp")}
+    blocks = ("attention", "mlp")
+    F = {b: table(b, "forward_s") for b in blocks}
+    R = {b: table(b, "recompute_s") for b in blocks}
+    B = {b: table(b, "backward_s") for b in blocks}
     # core attention's forward seconds per sub-batch: at full length, and as it runs
     square = np.array(
         [
@@ -308,45 +262,55 @@ def build_problem(
     # selective+ln is not costed: memory-bound and small, 0.3 % of an iteration on the testbed)
     if recompute in SELECTIVE_MODES:
         B["attention"] = B["attention"] + core
+    return F, R, B
 
+
+def _chains(schedule, L, N, times, comm, piecewise_tail):
+    """(forward, backward): one stage's segments of :class:`Block` per schedule (module
+    docstring); ``times``: :func:`_block_times`; ``piecewise_tail``: the forward pass ends on a
+    piece of its last block's all-reduce."""
+    F, R, B = times
     fc, rc, bc = comm["forward"], comm["recompute"], comm["backward"]
     forward = [[]]
     for l in range(L):
-        forward[0].append(blk(l, "attention.F", F["attention"], fc))
-        forward[0].append(blk(l, "mlp.F", F["mlp"], fc))
-    if halves and not sequence_parallel:  # the pass ends on a piece of its last block
+        forward[0].append(Block(l, "attention.F", F["attention"], fc))
+        forward[0].append(Block(l, "mlp.F", F["mlp"], fc))
+    if piecewise_tail:
         forward[0][-1].tail = fc[1] / TAIL_PIECES
 
     def kept_backward(l):  # a layer that is not recomputed
-        return [blk(l, "mlp.B", B["mlp"], bc), blk(l, "attention.B", B["attention"], bc)]
+        return [Block(l, "mlp.B", B["mlp"], bc), Block(l, "attention.B", B["attention"], bc)]
+
+    def recompute_pass(l):
+        return [Block(l, "attention.R", R["attention"], rc), Block(l, "mlp.R", R["mlp"], rc)]
 
     # the layers from N on keep their activations; their backward comes first (block method)
     kept = [b for l in reversed(range(N, L)) for b in kept_backward(l)]
-    backward = []
     if schedule == "oases":
         seg = list(kept)
         for l in reversed(range(N)):
-            seg.append(blk(l, "mlp.R+B", R["mlp"] + B["mlp"], rc + bc))
-            seg.append(blk(l, "attention.R+B", R["attention"] + B["attention"], rc + bc))
-        backward = [seg]
-    elif schedule in ("cross-pass", "off") or not N:
+            seg.append(Block(l, "mlp.R+B", R["mlp"] + B["mlp"], rc + bc))
+            seg.append(Block(l, "attention.R+B", R["attention"] + B["attention"], rc + bc))
+        return forward, [seg]
+    if schedule in ("cross-pass", "off") or not N:
         seg = list(kept)
         for l in reversed(range(N)):
-            seg.append(blk(l, "attention.R", R["attention"], rc))
-            seg.append(blk(l, "mlp.R", R["mlp"], rc))
-            seg += kept_backward(l)
-        backward = [seg]
-    else:  # overlap with recompute: recompute pass and backward pass per layer, barriers between
-        for l in reversed(range(N)):
-            recompute_pass = [
-                blk(l, "attention.R", R["attention"], rc),
-                blk(l, "mlp.R", R["mlp"], rc),
-            ]
-            # the kept layers' backward opens the first recompute pass, as in the runtime
-            backward.append((kept if l == N - 1 else []) + recompute_pass)
-            backward.append(kept_backward(l))
+            seg += recompute_pass(l) + kept_backward(l)
+        return forward, [seg]
+    # overlap with recompute: recompute pass and backward pass per layer, barriers between; the
+    # kept layers' backward opens the first recompute pass, as in the runtime
+    backward = []
+    for l in reversed(range(N)):
+        backward.append((kept if l == N - 1 else []) + recompute_pass(l))
+        backward.append(kept_backward(l))
+    return forward, backward
 
-    # re-shard all-gathers between adjacent layers (same for every boundary: layers are alike)
+
+def _reshard(profile, degs, sizes, hid, L, m):
+    """(gather, boundary): the all-gathers between adjacent layers of different degrees
+    (``(L−1, K, K)``, alike at every boundary) and at the embedding and output layer, which run
+    at ``T`` (``(L, K)``)."""
+    K, T = len(degs), profile.tp
     g = np.zeros((K, K))
     for i, di in enumerate(degs):
         for j, dj in enumerate(degs):
@@ -356,35 +320,19 @@ def build_problem(
             ranks = gather_ranks(lo, hi)
             g[i, j] = sum(profile.all_gather_time(ranks, n * hid) for n in sizes[hi])
     gather = np.broadcast_to(g, (max(L - 1, 0), K, K)).copy()
-
-    # embedding (input, backward) and output layer (forward) run at T: re-shard at both ends
     boundary = np.zeros((L, K))
     for k, d in enumerate(degs):
         if d < T:
             t = profile.all_gather_time(gather_ranks(d, T), m * hid)
             boundary[0, k] += t
             boundary[L - 1, k] += t
+    return gather, boundary
 
-    # memory (bytes per rank, eq. 6)
-    parts, fixed_parts = memory_parts(
-        profile,
-        degs,
-        num_layers=L,
-        micro_batch=m,
-        schedule=schedule,
-        recompute=recompute,
-        in_flight=in_flight,
-        distributed_optimizer=distributed_optimizer,
-        sequence_parallel=sequence_parallel,
-        recompute_layers=N,
-        split=split,
-    )
-    mem_add = parts["state"] + parts["saved"]
-    mem_rt = parts["runtime"]
-    mem_fixed = sum(fixed_parts.values())
 
-    allowed = np.ones((L, K), dtype=bool)
-    for layers, d in pins or ():
+def _allowed(pins, degs, L):
+    """``(L, K)`` bool: the degrees each layer may take under ``--pin``."""
+    allowed = np.ones((L, len(degs)), dtype=bool)
+    for layers, d in pins:
         if d not in degs:
             raise OasesConfigError(
                 f"--pin degree {d} is not a candidate degree here ({', '.join(map(str, degs))})"
@@ -394,46 +342,102 @@ def build_problem(
                 raise OasesConfigError(f"--pin layer {l} is out of range (0–{L - 1})")
             allowed[l, :] = False
             allowed[l, degs.index(d)] = True
+    return allowed
 
-    # degree-independent work outside the layers, per micro-batch: the output layer's GEMMs; the
-    # vocab-parallel embedding's forward all-reduce and the output layer's dgrad all-reduce over T
-    # (under SP: the embedding's reduce-scatter and the output layer's all-gather, each pass)
+
+def _fixed_times(profile, sequence_parallel, m, hid, pp):
+    """(forward, backward, p2p): degree-independent seconds per micro-batch outside the layers.
+    The output layer's GEMMs; the vocab-parallel embedding's forward all-reduce and the output
+    layer's dgrad all-reduce over T (under SP: the embedding's reduce-scatter and the output
+    layer's all-gather, each pass); with PP, 1F1B's blocking send of each micro-batch's
+    activation (forward) and gradient (backward) to the next stage (SP sends its s/T shard)."""
+    T = profile.tp
     if sequence_parallel:
         edge_ar = profile.reduce_scatter_time(tp_ranks(T), m * hid) + profile.all_gather_time(
             tp_ranks(T), m * hid
         )
     else:
         edge_ar = profile.all_reduce_time(tp_ranks(T), m * hid)
-    fixed_fwd = profile.fixed_compute("forward") * m + edge_ar
-    fixed_bwd = profile.fixed_compute("backward") * m + edge_ar
-    # 1F1B hands each micro-batch's activation (forward) and its gradient (backward) to the next
-    # stage: one blocking send per pass on a stage's critical path (SP sends its s/T shard)
     p2p = profile.pipeline_p2p_time(m * hid / (T if sequence_parallel else 1)) if pp > 1 else 0.0
-    fixed_fwd += p2p
-    fixed_bwd += p2p
+    fixed_fwd = profile.fixed_compute("forward") * m + edge_ar + p2p
+    fixed_bwd = profile.fixed_compute("backward") * m + edge_ar + p2p
+    return fixed_fwd, fixed_bwd, p2p
 
-    sync = np.zeros((L, K))
+
+def _sync_times(profile, settings, degs, L):
+    """(sync, replica), ``(L, K)`` seconds per iteration: each layer's data-parallel gradient
+    all-reduce (or ZeRO-1's reduce-scatter + all-gather), and the per-layer runtime's sum of a
+    degree-d layer's gradients over its T/d replicas."""
+    T = profile.tp
+    sync = np.zeros((L, len(degs)))
     sync_available = True
     for k, d in enumerate(degs):
-        t = profile.grad_sync_time(d, distributed_optimizer=distributed_optimizer)
+        t = profile.grad_sync_time(d, distributed_optimizer=settings.distributed_optimizer)
         if t is None:
             sync_available = False
             t = 0.0
         sync[:, k] = t
-    replica = np.zeros((L, K))
+    replica = np.zeros((L, len(degs)))
     for k, d in enumerate(degs):
         if d < T:
             nbytes = profile.mem("params_per_layer", d) * profile.dtype_bytes
             replica[:, k] = profile.all_reduce_time(tp_ranks(T // d), nbytes)
-    if grad_sync and not sync_available:
+    if settings.grad_sync and not sync_available:
         raise OasesConfigError(
             "this profile has no data-parallel gradient all-reduce timings (measured profiles lack "
             "them); drop --grad-sync or use an --analytic profile"
         )
+    return sync, replica
 
-    if max_switches is not None and max_switches < 0:
-        raise OasesConfigError("--max-switches must be ≥ 0")
-    memory_bytes = math.inf if memory_gb is None else float(memory_gb) * 1e9
+
+def build_problem(profile, settings=None, *, num_layers=None, stage=0, **run):
+    """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.formats.profile.Profile`)
+    and ``settings`` (:class:`~.settings.PlanSettings`; or its fields as keywords, ``run``).
+
+    With pipeline parallelism (the profile's ``pipeline_model_parallel_size`` P > 1) the chain is
+    one stage's ``num_layers / P`` layers (``num_layers``: the whole model's, default the
+    profile's), costed for Megatron's 1F1B schedule: the iteration takes ``(M + P − 1)`` stage
+    micro-batch times (pipeline bubble, M micro-batches), and pipeline ``stage`` s holds the saved
+    activations of ``min(P − s, M)`` micro-batches at its peak (stage 0, the default, holds the
+    most). Each pass of a micro-batch pays one stage-to-stage send (the profile's
+    ``pipeline_p2p`` fit; 0 without one). ``sequence_parallel``: Megatron's
+    ``--sequence-parallel``; every layer at degree ``T`` (:func:`_sequence_parallel_degrees`).
+    ``recompute_layers``: with ``recompute="full"``, Megatron's ``--recompute-method block
+    --recompute-num-layers N``: only each stage's first N layers are recomputed, the others keep
+    their activations (as the runtime does: their backward comes first, before any recompute).
+    ``split``: ``"sequence"`` for sub-batches of sequence chunks (``--oases-split sequence``;
+    uniform degree ``T``, :func:`_sequence_split_degrees`)."""
+    s = PlanSettings.of(settings, **run)
+    check_schedule(s.schedule, source="--schedule")  # ("auto" is choose_plan's, not a schedule)
+    b = _batch(profile, s, num_layers, stage)
+    T, L, m = b.T, b.L, b.m
+    chunks = s.split == "sequence"
+    halves = s.schedule in SPLIT_SCHEDULES  # each micro-batch runs as two sub-batches
+    degs, why = _candidate_degrees(profile, s, m, halves, chunks)
+    hid = profile.shape["seq_length"] * profile.shape["hidden_size"] * profile.dtype_bytes
+    sizes = {d: _subs(m * d // T, halves, chunks) for d in degs}  # samples per sub-batch
+    times = _block_times(profile, s.recompute, degs, sizes, chunks)
+    comm = block_comm(profile, degs, sizes, hid, s.schedule, s.sequence_parallel)
+    forward, backward = _chains(
+        s.schedule, L, b.N, times, comm, piecewise_tail=halves and not s.sequence_parallel
+    )
+    gather, boundary = _reshard(profile, degs, sizes, hid, L, m)
+    parts, fixed_parts = memory_parts(  # bytes per rank, eq. 6
+        profile,
+        degs,
+        num_layers=L,
+        micro_batch=m,
+        schedule=s.schedule,
+        recompute=s.recompute,
+        in_flight=b.in_flight,
+        distributed_optimizer=s.distributed_optimizer,
+        sequence_parallel=s.sequence_parallel,
+        recompute_layers=b.N,
+        split=s.split,
+    )
+    allowed = _allowed(s.pins, degs, L)
+    fixed_fwd, fixed_bwd, p2p = _fixed_times(profile, s.sequence_parallel, m, hid, b.pp)
+    sync, replica = _sync_times(profile, s, degs, L)
     return ChainProblem(
         degrees=degs,
         num_layers=L,
@@ -443,44 +447,45 @@ def build_problem(
         gather_fwd=gather,
         gather_bwd=gather.copy(),
         boundary=boundary,
-        repeats=repeats,
-        mem_add=mem_add,
-        mem_runtime=mem_rt,
-        mem_fixed=mem_fixed,
-        memory_bytes=memory_bytes,
-        margin=margin,
-        granule=granule,
+        repeats=b.repeats,
+        mem_add=parts["state"] + parts["saved"],
+        mem_runtime=parts["runtime"],
+        mem_fixed=sum(fixed_parts.values()),
+        memory_bytes=math.inf if s.memory_gb is None else float(s.memory_gb) * 1e9,
+        margin=s.margin,
+        granule=s.granule,
         allowed=allowed,
-        max_switches=max_switches,
+        max_switches=s.max_switches,
         fixed_forward_s=fixed_fwd,
         fixed_backward_s=fixed_bwd,
         grad_sync=sync,
-        include_grad_sync=bool(grad_sync),
+        include_grad_sync=s.grad_sync,
         replica_sync=replica,
-        meta={
-            "schedule": schedule,
-            "recompute": recompute,
-            # Megatron's --recompute-num-layers under the block method (None: every layer or none)
-            "recompute_num_layers": N if recompute == "full" and N < L else None,
-            "sequence_parallel": bool(sequence_parallel),
-            "split": split,
-            "tensor_model_parallel_size": T,
-            "data_parallel_size": D,
-            "global_batch_size": int(global_batch_size),
-            "micro_batch_size": m,
-            "num_microbatches": microbatches,
-            "pipeline_model_parallel_size": pp,
-            "pipeline_stage": stage,
-            "pipeline_p2p_s": 2 * p2p,  # per micro-batch, both passes (in the fixed times)
-            "in_flight_microbatches": in_flight,
-            "total_layers": total_layers,
-            "excluded_degrees": why,
-            "unsplit_degrees": [d for d in degs if halves and not chunks and m * d // T < 2],
-            "distributed_optimizer": bool(distributed_optimizer),
-            "memory_parts": parts,
-            "fixed_memory_parts": fixed_parts,
-        },
+        settings=s,
+        meta=_meta(s, b, stage, p2p, why, degs, halves and not chunks, parts, fixed_parts),
     )
+
+
+def _meta(settings, b, stage, p2p, why, degs, sample_split, parts, fixed_parts):
+    """What the builder derived from the settings and the profile (the settings themselves are
+    ``problem.settings``)."""
+    return {
+        # Megatron's --recompute-num-layers under the block method (None: every layer or none)
+        "recompute_num_layers": b.N if settings.recompute == "full" and b.N < b.L else None,
+        "tensor_model_parallel_size": b.T,
+        "data_parallel_size": b.D,
+        "micro_batch_size": b.m,
+        "num_microbatches": b.microbatches,
+        "pipeline_model_parallel_size": b.pp,
+        "pipeline_stage": stage,
+        "pipeline_p2p_s": 2 * p2p,  # per micro-batch, both passes (in the fixed times)
+        "in_flight_microbatches": b.in_flight,
+        "total_layers": b.total_layers,
+        "excluded_degrees": why,
+        "unsplit_degrees": [d for d in degs if sample_split and b.m * d // b.T < 2],
+        "memory_parts": parts,
+        "fixed_memory_parts": fixed_parts,
+    }
 
 
 def _sequence_parallel_degrees(profile, degrees):

@@ -27,11 +27,14 @@ Every setting's predicted iteration is the longer of the device's and the host's
 loses to stock, and the alternatives table marks such settings host-bound.
 """
 
+from dataclasses import replace
+
 from ..errors import OasesConfigError
 from ..recompute_settings import RECOMPUTE_ARGV, block_argv
-from ..validation import SPLIT_SCHEDULES, check_split
+from ..validation import SPLIT_SCHEDULES
 from .api import NoPlanFits, make_plan
-from .build import recompute_label, recompute_mode
+from .ilp import DEFAULT_TIME_LIMIT_S
+from .settings import AUTO, PlanSettings, recompute_label, recompute_mode
 
 #: (schedule, recompute) settings, cheapest memory last.
 SETTINGS = (
@@ -82,12 +85,26 @@ def _setting(entry):
     )
 
 
-def choose_plan(profile, split=None, settings=SETTINGS, **kwargs):
-    """Plan every setting of ``settings`` (default :data:`SETTINGS`; the overlapped ones with each
-    ``split`` kind, both when None); returns (plan, problem, solution) of the fastest that fits.
-    ``kwargs``: :func:`.api.make_plan`'s, without ``schedule``, ``recompute`` and ``split``."""
-    if split is not None:
-        check_split(split, source="--split")
+def choose_plan(
+    profile,
+    settings=None,
+    *,
+    candidates=SETTINGS,
+    solver="dp",
+    verify=False,
+    time_limit_s=DEFAULT_TIME_LIMIT_S,
+    **run,
+):
+    """Plan every (schedule, recompute) pair of ``candidates`` (default :data:`SETTINGS`; the
+    overlapped ones with each split kind, only ``settings.split`` where set) for the run
+    ``settings`` (:class:`~.settings.PlanSettings` with ``schedule="auto"``, or its fields as
+    keywords, ``run``); returns (plan, problem, solution) of the fastest that fits."""
+    if settings is None:
+        base = PlanSettings(**{"schedule": AUTO, **run})
+    else:
+        base = PlanSettings.of(settings, **run)
+    split = base.split  # None: both kinds
+    solve_options = dict(solver=solver, verify=verify, time_limit_s=time_limit_s)
     best, tried = None, []
 
     def attempt(schedule, recompute, layers=None, kind="batch"):
@@ -98,14 +115,10 @@ def choose_plan(profile, split=None, settings=SETTINGS, **kwargs):
         if kind != "batch":
             entry["split"] = kind
         try:
-            result = make_plan(
-                profile,
-                schedule=schedule,
-                recompute=recompute,
-                recompute_layers=layers,
-                split=kind,
-                **kwargs,
+            one = replace(
+                base, schedule=schedule, recompute=recompute, recompute_layers=layers, split=kind
             )
+            result = make_plan(profile, one, **solve_options)
         except OasesConfigError as exc:  # does not fit, or cannot split this micro-batch
             need = exc.need_gb if isinstance(exc, NoPlanFits) else None
             return dict(entry, fits=False, why=str(exc), need_gb=need), None
@@ -120,7 +133,7 @@ def choose_plan(profile, split=None, settings=SETTINGS, **kwargs):
             entry.update(device_time_s=p["device_time_s"], host_bound=p["host"]["host_bound"])
         return entry, result
 
-    for schedule, recompute in settings:
+    for schedule, recompute in candidates:
         kinds = ("batch", "sequence") if schedule in SPLIT_SCHEDULES else ("batch",)
         for kind in kinds if split is None else [k for k in kinds if k == split]:
             entry, result = attempt(schedule, recompute, kind=kind)
@@ -140,7 +153,7 @@ def choose_plan(profile, split=None, settings=SETTINGS, **kwargs):
             raise OasesConfigError(f"no setting can be planned: {tried[-1]['why']}")
         t = min(needs, key=lambda t: t["need_gb"])
         raise NoPlanFits(
-            f"no schedule and recompute setting fits in {kwargs.get('memory_gb')} GB; the "
+            f"no schedule and recompute setting fits in {base.memory_gb} GB; the "
             f"smallest memory that fits is {t['need_gb']:.2f} GB "
             f"({launch_flags(*_setting(t))})",
             need_gb=t["need_gb"],

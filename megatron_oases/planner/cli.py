@@ -18,10 +18,10 @@ from ..errors import OasesConfigError
 from ..outputs import check_output_file, make_parent
 from ..recompute_settings import RECOMPUTE_MODES
 from ..validation import SCHEDULES, SPLITS
-from .build import recompute_label
 from .cluster.cli import add_search_flags
 from .ilp import DEFAULT_TIME_LIMIT_S
 from .problem import DEFAULT_MARGIN
+from .settings import AUTO, PlanSettings, recompute_flag, recompute_label
 
 
 def build_parser():
@@ -199,7 +199,7 @@ def _evaluate(args):
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
         schedule=args.schedule,
-        recompute=_recompute_arg(args),
+        recompute=recompute_flag(args),
         no_recompute=args.no_recompute,
         recompute_num_layers=args.recompute_num_layers,
         split=args.split,
@@ -215,11 +215,11 @@ def _evaluate(args):
     out = evaluate_plan(plan, load_profile(args.profile), flags, args.evaluate, args.profile)
     run, problem, res, host = out["run"], out["problem"], out["prediction"], out["host"]
     device_s, iteration_s = out["device_time_s"], out["iteration_time_s"]
-    sp = ", sequence parallel" if run["sequence_parallel"] else ""
-    sp += ", sequence chunks" if run["split"] == "sequence" else ""
+    sp = ", sequence parallel" if run.sequence_parallel else ""
+    sp += ", sequence chunks" if run.split == "sequence" else ""
     print(
-        f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {run['schedule']}, "
-        f"{recompute_label(run['recompute'], run['recompute_layers'])} recompute{sp})"
+        f"plan {args.evaluate}: {compress_degrees(plan['degrees'])} (schedule {run.schedule}, "
+        f"{recompute_label(run.recompute, run.recompute_layers)} recompute{sp})"
     )
     print(
         f"predicted iteration {iteration_s * 1e3:.2f} ms (device {device_s * 1e3:.2f}: forward "
@@ -240,15 +240,6 @@ def _evaluate(args):
         js.update(iteration_time_s=iteration_s, device_time_s=device_s, host=host)
         print(json.dumps(js, indent=1))
     return 0
-
-
-def _recompute_arg(args):
-    """``--recompute`` / ``--no-recompute`` as one setting (None: not given)."""
-    if args.no_recompute and args.recompute not in (None, "none"):
-        raise OasesConfigError(
-            f"--no-recompute contradicts --recompute {args.recompute}; drop one of them"
-        )
-    return "none" if args.no_recompute else args.recompute
 
 
 def main(argv):
@@ -273,55 +264,22 @@ def main(argv):
                 "itself, or plan anew with --out)"
             )
         return _evaluate(args)
-    args.schedule = args.schedule or "oases"
     if args.out:  # before the solve: a plan must not be lost to a path it cannot be written to
         check_output_file(args.out, example="plan.json")
-    if args.global_batch_size is None:
-        raise OasesConfigError("--global-batch-size is required")
-    if args.margin < 0:
-        raise OasesConfigError("--margin must be ≥ 0")
-    if args.granule_mb <= 0:
-        raise OasesConfigError("--granule-mb must be positive")
-    if args.host_us_per_call is not None and args.host_us_per_call < 0:
-        raise OasesConfigError("--host-us-per-call must be >= 0 (0: no host term)")
-    from ..formats.plan import parse_degrees, save_plan
-    from .api import PlannerVerificationError, make_plan, parse_pins
+    settings = PlanSettings.from_args(args)
+    from ..formats.plan import save_plan
+    from .api import PlannerVerificationError, make_plan
     from .choose import alternatives_table, choose_plan
     from .explain import explanation_table, summary
 
-    recompute = _recompute_arg(args)
-    if args.schedule == "auto" and (recompute is not None or args.recompute_num_layers):
-        flag = "--no-recompute" if args.no_recompute else "--recompute"
-        flag = "--recompute-num-layers" if args.recompute_num_layers else flag
-        raise OasesConfigError(f"--schedule auto chooses the recompute setting; drop {flag}")
-    setting = {"split": args.split}
-    if args.schedule != "auto":
-        setting = dict(
-            schedule=args.schedule,
-            recompute=recompute,
-            recompute_layers=args.recompute_num_layers,
-            split=args.split or "batch",
-        )
+    plan_with = choose_plan if settings.schedule == AUTO else make_plan
     try:
-        plan, problem, sol = (choose_plan if args.schedule == "auto" else make_plan)(
+        plan, problem, sol = plan_with(
             args.profile,
-            global_batch_size=args.global_batch_size,
-            memory_gb=args.memory,
-            micro_batch_size=args.micro_batch_size,
-            degrees=parse_degrees(args.degrees),
-            pins=parse_pins(args.pin),
-            max_switches=args.max_switches,
-            **setting,
+            settings,
             solver=args.solver,
             verify=args.verify,
-            margin=args.margin,
-            granule=args.granule_mb * (1 << 20),
             time_limit_s=args.time_limit,
-            grad_sync=args.grad_sync,
-            allow_unsplit=args.allow_unsplit,
-            distributed_optimizer=args.distributed_optimizer,
-            sequence_parallel=args.sequence_parallel,
-            host_us_per_call=args.host_us_per_call,
         )
     except PlannerVerificationError as exc:
         print(f"oases plan: error: {exc}", file=sys.stderr)

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 from ..errors import OasesConfigError
 from ..validation import SPLIT_SCHEDULES
-from .api import host_term
-from .build import build_problem, recompute_mode
+from .api import host_bound_iteration, host_term
+from .build import build_problem
 from .prediction import predict
 from .problem import DEFAULT_MARGIN
+from .settings import PlanSettings, recompute_mode
 
 
 @dataclass(frozen=True)
@@ -41,46 +42,16 @@ class EvaluateFlags:
 def evaluate_plan(plan, profile, flags=EvaluateFlags(), plan_path="plan", profile_path="profile"):
     """Predict the run ``plan`` describes on ``profile`` (a :class:`Profile`).
 
-    Returns ``run`` (:func:`evaluated_run`), ``problem`` (pipeline stage 0), ``ks`` (the plan's
-    degree indices), ``prediction`` (:func:`predict`), ``host`` (the host term or None),
-    ``device_time_s``, ``iteration_time_s`` (the larger of device and host issue time) and
-    ``fits`` (peak memory with the margin within the memory)."""
+    Returns ``run`` (:func:`evaluated_run`: a :class:`~.settings.PlanSettings`), ``problem``
+    (pipeline stage 0), ``ks`` (the plan's degree indices), ``prediction`` (:func:`predict`),
+    ``host`` (the host term or None), ``device_time_s``, ``iteration_time_s`` (the larger of
+    device and host issue time) and ``fits`` (peak memory with the margin within the memory)."""
     run = evaluated_run(plan, profile, flags, plan_path, profile_path)
-    gbs, schedule = run["global_batch_size"], run["schedule"]
-    settings = dict(
-        recompute=run["recompute"],
-        recompute_layers=run["recompute_layers"],
-        memory_gb=flags.memory_gb or plan.get("memory_gb") or profile.data.get("memory_gb"),
-        margin=flags.margin,
-        grad_sync=run["grad_sync"],
-        sequence_parallel=run["sequence_parallel"],
-        split=run["split"],
-        allow_unsplit=run["allow_unsplit"],
-        distributed_optimizer=run["distributed_optimizer"],
-    )
-    problem = build_problem(
-        profile,
-        global_batch_size=gbs,
-        schedule=schedule,
-        micro_batch_size=run["micro_batch_size"],
-        degrees=sorted(set(plan["degrees"])),
-        num_layers=len(plan["degrees"]),
-        **settings,
-    )
+    problem = build_problem(profile, run, num_layers=len(plan["degrees"]))
     ks = problem.index(plan["degrees"][: problem.num_layers])
-    res = predict(
-        profile,
-        plan["degrees"],
-        schedule,
-        global_batch=gbs,
-        micro_batch=run["micro_batch_size"],
-        **settings,
-    )
-    host = host_term(profile, problem, schedule, run["split"], flags.host_us_per_call)
+    res = predict(profile, plan["degrees"], settings=run)
+    host = host_term(profile, problem, run.host_us_per_call)
     device_s = res["iteration_time_s"]
-    iteration_s = max(device_s, host["issue_s"]) if host else device_s
-    if host:
-        host["host_bound"] = host["issue_s"] > device_s
     return dict(
         run=run,
         problem=problem,
@@ -88,14 +59,15 @@ def evaluate_plan(plan, profile, flags=EvaluateFlags(), plan_path="plan", profil
         prediction=res,
         host=host,
         device_time_s=device_s,
-        iteration_time_s=iteration_s,
+        iteration_time_s=host_bound_iteration(device_s, host),
         fits=res["peak_memory_bytes"] * (1 + problem.margin) <= problem.memory_bytes,
     )
 
 
 def evaluated_run(plan, profile, flags, plan_path="plan", profile_path="profile"):
-    """The run that ``--evaluate`` predicts: the plan's settings, the flags' where the plan
-    records none. Where the plan, the profile and the flags describe different models or runs, one
+    """The run that ``--evaluate`` predicts, as a :class:`~.settings.PlanSettings`: the plan's
+    settings, the flags' where the plan records none (memory, margin and host cost: the flags',
+    else the plan's or the profile's). Where the plan, the profile and the flags describe different models or runs, one
     line naming both values and the fix (a prediction of another run is a silent wrong answer);
     and where the plan's own batch or degrees do not fit the profile, a line naming the plan
     (the planner's messages name the flags of a solve, which the user did not pass)."""
@@ -237,15 +209,19 @@ def evaluated_run(plan, profile, flags, plan_path="plan", profile_path="profile"
                 )
     predicted = plan.get("predicted")
     grad_sync = isinstance(predicted, dict) and bool(predicted.get("grad_sync_included"))
-    return dict(
+    return PlanSettings(
         global_batch_size=gbs,
         micro_batch_size=m,
+        memory_gb=flags.memory_gb or plan.get("memory_gb") or profile.data.get("memory_gb"),
         schedule=schedule,
         recompute=recompute,
         recompute_layers=layers,
         split=split,
         sequence_parallel=sequence_parallel,
-        allow_unsplit=allow_unsplit,
         distributed_optimizer=bool(plan.get("distributed_optimizer", flags.distributed_optimizer)),
         grad_sync=flags.grad_sync or grad_sync,
+        allow_unsplit=allow_unsplit,
+        margin=flags.margin,
+        degrees=sorted(set(degrees)),
+        host_us_per_call=flags.host_us_per_call,
     )

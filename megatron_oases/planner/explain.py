@@ -1,7 +1,7 @@
 """The explanation table ``oases plan`` prints: per layer, the degree chosen, its cost, the runner-up
 (the best other degree for that layer with every other layer kept) and why it lost."""
 
-from .build import recompute_label
+from .settings import recompute_label
 from .time_model import decompose, evaluate, objective
 
 
@@ -96,9 +96,10 @@ def explanation_table(problem, ks, result=None, decomposition=None, max_rows=Non
         up = ups[l]
         if up is None:
             why = "only one candidate degree"
-            if problem.meta.get("sequence_parallel"):
+            run = problem.settings  # (None for a hand-made instance)
+            if run is not None and run.sequence_parallel:
                 why = "--sequence-parallel: every layer at T (the runtime's SP is uniform TMP)"
-            elif problem.meta.get("split") == "sequence":
+            elif run is not None and run.split == "sequence":
                 why = "--split sequence: every layer at T (the runtime's chunks are uniform TMP)"
             tail = f"{'—':>9} {'':>8}  {why}"
         else:

@@ -6,20 +6,26 @@ against measurements. Kept apart from :mod:`.build` because it is an entry point
 model (all stages), while the builder costs one stage.
 """
 
+from dataclasses import replace
+
 from ..errors import OasesConfigError
 from .build import build_problem
 from .memory_model import memory_breakdown
+from .settings import PlanSettings
 from .time_model import evaluate
 
 
-def predict(profile, degrees, schedule="oases", global_batch=None, micro_batch=None, **kwargs):
-    """Predicted iteration of a per-layer degree list under ``schedule``.
+def predict(
+    profile, degrees, schedule="oases", global_batch=None, micro_batch=None, *, settings=None, **run
+):
+    """Predicted iteration of a per-layer degree list under ``settings``
+    (:class:`~.settings.PlanSettings`; or ``schedule``, ``global_batch``, ``micro_batch`` and its
+    other fields as keywords, ``run``: ``recompute``, ...).
 
     Returns ``{iteration_time_s, forward_s, backward_s, edges_s, peak_memory_bytes, per_layer,
     memory_breakdown_bytes}`` (seconds per iteration; bytes per rank *without* the safety margin;
     the breakdown separates parameter/optimizer state from saved activations, the worst layer's
-    backward working set, logits and framework overhead). ``profile`` is a Profile
-    or a path. Extra keyword arguments go to :func:`build_problem` (``recompute``, ...).
+    backward working set, logits and framework overhead). ``profile`` is a Profile or a path.
     With pipeline parallelism ``degrees`` covers every layer; each stage's slice is costed on its
     own (times of the slowest stage, memory of the fullest, and ``stages``: both per stage).
     """
@@ -27,8 +33,11 @@ def predict(profile, degrees, schedule="oases", global_batch=None, micro_batch=N
 
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
-    if global_batch is None:
-        raise OasesConfigError("predict needs global_batch")
+    if settings is None:
+        if global_batch is None:
+            raise OasesConfigError("predict needs global_batch")
+        run.update(schedule=schedule, global_batch_size=global_batch, micro_batch_size=micro_batch)
+    settings = PlanSettings.of(settings, **run)
     degrees = [int(d) for d in degrees]
     pp = int(profile.data.get("pipeline_model_parallel_size", 1))
     if len(degrees) % pp:
@@ -36,18 +45,10 @@ def predict(profile, degrees, schedule="oases", global_batch=None, micro_batch=N
             f"{len(degrees)} layer degrees do not split evenly over {pp} pipeline stages"
         )
     per_stage = len(degrees) // pp
+    stage_settings = replace(settings, degrees=sorted(set(degrees)))
     stages = []
     for stage in range(pp):
-        problem = build_problem(
-            profile,
-            schedule=schedule,
-            global_batch_size=global_batch,
-            micro_batch_size=micro_batch,
-            degrees=sorted(set(degrees)),
-            num_layers=len(degrees),
-            stage=stage,
-            **kwargs,
-        )
+        problem = build_problem(profile, stage_settings, num_layers=len(degrees), stage=stage)
         ks = problem.index(degrees[stage * per_stage : (stage + 1) * per_stage])
         out = evaluate(problem, ks)
         out["memory_breakdown_bytes"] = memory_breakdown(problem, ks)

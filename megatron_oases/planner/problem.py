@@ -69,7 +69,10 @@ class ChainProblem:
     # over its T/d replicas inside the TMP domain (layer_degrees.model.sync_replica_grads);
     # always paid, and part of grad_sync when that is included.
     replica_sync: np.ndarray = None
+    # what the builder derived (micro-batches, pipeline stage, memory parts, excluded degrees …)
     meta: dict = field(default_factory=dict)
+    # the run it was built for (a :class:`~.settings.PlanSettings`; None for hand-made instances)
+    settings: object = None
 
     def __post_init__(self):
         if self.allowed is None:

@@ -25,8 +25,10 @@ def made(tmp_path_factory):
 def test_evaluate_plan_predicts_the_plan_as_made(made):
     profile, plan, prof, path = made
     out = evaluate_plan(plan, profile, EvaluateFlags(), path, prof)
-    assert out["run"]["distributed_optimizer"] is True
-    assert out["run"]["schedule"] == plan["schedule"]
+    run = out["run"]  # the plan's run, read back as one PlanSettings
+    assert run.distributed_optimizer is True
+    assert run.schedule == plan["schedule"]
+    assert run.global_batch_size == plan["global_batch_size"] and out["problem"].settings == run
     assert math.isclose(
         out["iteration_time_s"], plan["predicted"]["iteration_time_s"], rel_tol=1e-9
     )

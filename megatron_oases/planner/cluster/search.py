@@ -241,7 +241,7 @@ def _refine(profile, layout, row, common, total_layers, settings=SETTINGS, unifo
     try:
         plan = choose_plan(
             profile,
-            settings=settings,
+            candidates=settings,
             micro_batch_size=layout.micro_batch,
             grad_sync=layout.dp > 1,
             distributed_optimizer=row.get("distributed_optimizer", False),

@@ -93,13 +93,7 @@ class StageCosts:
         embedding = (ends - output) / 2  # the two ends' TMP reductions: one each
         own = embedding if s == 0 else 0.0
         own += output + embedding if s == self.pp - 1 else 0.0
-        host = host_term(
-            self.profile,
-            problem,
-            s_["schedule"],
-            s_.get("split", "batch"),
-            self.common.get("host_us_per_call"),
-        )
+        host = host_term(self.profile, problem, self.common.get("host_us_per_call"))
         return {
             "device_s": layers + own,
             "host_s": host["issue_s"] if host else 0.0,
