@@ -23,10 +23,12 @@ so. See ``docs/planner.md`` ("Searching the cluster").
 import copy
 import dataclasses
 import time
+from dataclasses import replace
 
 from ...errors import OasesConfigError
 from ..api import make_plan
 from ..choose import SETTINGS, choose_plan, setting_name
+from ..settings import AUTO, PlanSettings
 from .stage_split import best_split
 
 #: Level one's settings: (schedule, recompute).
@@ -157,15 +159,16 @@ def _flags(layout, setting, common):
     )
     if setting.get("distributed_optimizer"):
         own += " --use-distributed-optimizer"
-    return f"{layout.flags(common['global_batch_size'])} {own}"
+    return f"{layout.flags(common.global_batch_size)} {own}"
 
 
 def _uniform(profile, layout, schedule, recompute, common, split="batch", optimizer=False):
     """The layout's row for one setting at its uniform degree (None where it does not fit);
-    ``optimizer``: the distributed optimizer."""
+    ``optimizer``: the distributed optimizer; ``common``: the search's settings
+    (:class:`~..settings.PlanSettings`)."""
     try:
-        plan = make_plan(
-            profile,
+        setting = replace(
+            common,
             schedule=schedule,
             recompute=recompute,
             split=split,
@@ -173,8 +176,8 @@ def _uniform(profile, layout, schedule, recompute, common, split="batch", optimi
             micro_batch_size=layout.micro_batch,
             grad_sync=layout.dp > 1,
             distributed_optimizer=optimizer,
-            **common,
-        )[0]
+        )
+        plan = make_plan(profile, setting)[0]
     except OasesConfigError:  # does not fit, or cannot split this micro-batch
         return None
     return _row(layout, plan)
@@ -239,19 +242,18 @@ def _refine(profile, layout, row, common, total_layers, settings=SETTINGS, unifo
     if not settings:
         return None
     try:
-        plan = choose_plan(
-            profile,
-            candidates=settings,
+        setting = replace(
+            common,
             micro_batch_size=layout.micro_batch,
             grad_sync=layout.dp > 1,
             distributed_optimizer=row.get("distributed_optimizer", False),
-            **({"degrees": [layout.tp]} if uniform else {}),
-            **common,
-        )[0]
+            degrees=[layout.tp] if uniform else None,
+        )
+        plan = choose_plan(profile, setting, candidates=settings)[0]
     except OasesConfigError:
         return None
     out = dict(_row(layout, plan), level=2, launch_flags=_flags(layout, plan, common))
-    dcommon = dict(common, distributed_optimizer=out["distributed_optimizer"])
+    dcommon = replace(common, distributed_optimizer=out["distributed_optimizer"])
     _try_uneven_split(out, profile, layout, plan, dcommon, total_layers)
     if out.get("stage_split"):
         plan["stage_split"] = out["stage_split"]
@@ -299,8 +301,11 @@ def search(
     t0 = time.perf_counter()
     spec = load_cluster(cluster)
     memory_gb = spec.memory_gb if memory_gb is None else memory_gb
-    common = dict(
-        global_batch_size=global_batch_size, memory_gb=memory_gb, host_us_per_call=host_us_per_call
+    common = PlanSettings(  # each candidate's schedule, recompute and split: chosen below
+        global_batch_size=global_batch_size,
+        memory_gb=memory_gb,
+        host_us_per_call=host_us_per_call,
+        schedule=AUTO,
     )
     options = layouts(args, gpus, global_batch_size, spec.gpus_per_node)
     quick, stock, oases_quick, full, profiles = [], [], [], [], {}

@@ -14,6 +14,7 @@ The stage-to-stage sends are in every stage's time (the chain model's ``pipeline
 """
 
 import functools
+from dataclasses import replace
 
 from ...errors import OasesConfigError
 from ..api import host_term
@@ -65,21 +66,18 @@ class StageCosts:
 
     def _stage(self, n, s):
         s_ = self.setting
-        problem = build_problem(
-            self.profile,
+        setting = replace(
+            self.common,
             schedule=s_["schedule"],
             recompute=s_["recompute"],
             recompute_layers=s_.get("recompute_num_layers"),
             split=s_.get("split", "batch"),
-            global_batch_size=self.common["global_batch_size"],
             micro_batch_size=self.micro_batch,
             degrees=[self.profile.tp],
-            memory_gb=self.common["memory_gb"],
-            num_layers=n * self.pp,  # a chain of n layers
-            stage=s,
             grad_sync=self.grad_sync,
-            distributed_optimizer=self.common.get("distributed_optimizer", False),
         )
+        # a chain of n layers
+        problem = build_problem(self.profile, setting, num_layers=n * self.pp, stage=s)
         ks = [0] * n
         res = evaluate(problem, ks)
         r = problem.repeats
@@ -93,7 +91,7 @@ class StageCosts:
         embedding = (ends - output) / 2  # the two ends' TMP reductions: one each
         own = embedding if s == 0 else 0.0
         own += output + embedding if s == self.pp - 1 else 0.0
-        host = host_term(self.profile, problem, self.common.get("host_us_per_call"))
+        host = host_term(self.profile, problem, setting.host_us_per_call)
         return {
             "device_s": layers + own,
             "host_s": host["issue_s"] if host else 0.0,
