@@ -2,9 +2,10 @@
 
 Public API::
 
-    predict(profile, degrees, schedule, global_batch, micro_batch)
+    PlanSettings(global_batch_size=..., memory_gb=..., schedule=..., ...)  # one run, frozen
+    predict(profile, degrees, settings=settings)
         -> {iteration_time_s, forward_s, backward_s, edges_s, peak_memory_bytes, per_layer}
-    make_plan(profile, global_batch_size=..., memory_gb=..., ...) -> (plan, problem, solution)
+    make_plan(profile, settings) -> (plan, problem, solution)
     load_plan / save_plan / uniform_plan / validate_plan
 """
 
@@ -12,9 +13,11 @@ from ..formats.plan import load_plan, save_plan, uniform_plan, validate_plan
 from .api import make_plan
 from .build import build_problem
 from .prediction import predict
+from .settings import PlanSettings
 from .time_model import evaluate
 
 __all__ = [
+    "PlanSettings",
     "build_problem",
     "evaluate",
     "load_plan",
