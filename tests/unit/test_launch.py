@@ -1,0 +1,22 @@
+"""``run_distributed`` forks its ranks from a fork server that imported torch and Megatron once:
+each rank must still see the caller's environment of the moment, as a spawned rank would."""
+
+import os
+
+from megatron_oases.launch import run_distributed
+
+
+def _read_environment():
+    return {k: os.environ.get(k) for k in ("OASES_TEST_LAUNCH_VALUE", "OASES_TEST_LAUNCH_GONE")}
+
+
+def test_each_run_sees_the_callers_environment_of_the_moment(monkeypatch):
+    monkeypatch.setenv("OASES_TEST_LAUNCH_VALUE", "first")
+    monkeypatch.setenv("OASES_TEST_LAUNCH_GONE", "here")
+    (first,) = run_distributed(_read_environment, 2, one_rank=True, timeout=120)
+    # the fork server started above with these values; later changes must still reach the ranks
+    monkeypatch.setenv("OASES_TEST_LAUNCH_VALUE", "second")
+    monkeypatch.delenv("OASES_TEST_LAUNCH_GONE")
+    (second,) = run_distributed(_read_environment, 2, one_rank=True, timeout=120)
+    assert first == {"OASES_TEST_LAUNCH_VALUE": "first", "OASES_TEST_LAUNCH_GONE": "here"}
+    assert second == {"OASES_TEST_LAUNCH_VALUE": "second", "OASES_TEST_LAUNCH_GONE": None}
