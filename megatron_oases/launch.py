@@ -73,8 +73,18 @@ def init_fake_process_group(world_size):
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 
-#: What the fork server imports once for every rank it starts.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.training"]
+#: What the fork server imports once for every rank it starts: torch and Megatron, and what a first
+#: ``pretrain()`` would import lazily (its datasets, our patches).
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "megatron.training",
+    "megatron.training.training",
+    "megatron.core.datasets.gpt_dataset",
+    "megatron_oases.training.pretrain",
+    "megatron_oases.prepare",
+]
 
 
 def _start_context():
