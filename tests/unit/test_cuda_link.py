@@ -3,94 +3,18 @@
 an op on a CUDA tensor is a spin on its channel's stream after the caller's work, waiting on it is
 a stream wait, and the host never sleeps."""
 
-import types
-
 import pytest
 import torch
+from helpers.recording_cuda import recording_cuda, replace_torch_cuda
 
 from megatron_oases.testbed.clusters import load_cluster
 from megatron_oases.testbed.link_model import CudaEmulatedWork, CudaLink, LinkEmulator
 
 
-class _Log(list):
-    pass
-
-
-def _fake_cuda(log, ms_per_cycle=1e-6):
-    class Stream:
-        n = 0
-
-        def __init__(self, device=None):
-            Stream.n += 1
-            self.name = f"s{Stream.n}"
-
-        def wait_stream(self, other):
-            log.append(("wait_stream", self.name, other.name))
-
-        def wait_event(self, event):
-            log.append(("wait_event", self.name, event.name))
-
-    class Event:
-        n = 0
-
-        def __init__(self, enable_timing=False):
-            Event.n += 1
-            self.name = f"e{Event.n}"
-
-        def record(self, stream=None):
-            log.append(("record", self.name, (stream or current).name))
-
-        def synchronize(self):
-            pass
-
-        def elapsed_time(self, other):
-            return 2_000_000 * ms_per_cycle  # ms for the calibration spin
-
-        def query(self):
-            return True
-
-    current = Stream()
-    current.name = "compute"
-    state = {"stream": current}
-
-    class _StreamCtx:
-        def __init__(self, s):
-            self.s = s
-
-        def __enter__(self):
-            self.prev, state["stream"] = state["stream"], self.s
-
-        def __exit__(self, *exc):
-            state["stream"] = self.prev
-
-    class _DeviceCtx:
-        def __init__(self, d):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    def _sleep(cycles):
-        log.append(("spin", state["stream"].name, cycles))
-
-    return types.SimpleNamespace(
-        Stream=Stream,
-        Event=Event,
-        current_stream=lambda device=None: current if device is not None else state["stream"],
-        stream=_StreamCtx,
-        device=_DeviceCtx,
-        _sleep=_sleep,
-    )
-
-
 @pytest.fixture
 def cuda(monkeypatch):
-    log = _Log()
-    fake = _fake_cuda(log)
-    monkeypatch.setattr(torch, "cuda", fake)
+    log = []
+    replace_torch_cuda(monkeypatch, recording_cuda(log))
     import megatron_oases.testbed.spin as spin_mod
 
     def no_triton(*a, **k):  # Triton cannot build here: the fallback spin must take over

@@ -1,8 +1,8 @@
 """The order of stream and event operations the executor issues on CUDA, for ``overlap`` and
 ``oases`` (issue 42): recorded on the CPU through a stand-in for ``torch.cuda``'s streams, events
-and spin (as :mod:`tests.unit.test_cuda_link` does for the link emulator alone), with every
-emulated collective taking the link emulator's CUDA path (a spin on its channel's stream, a
-stream wait where its result is needed).
+and spin (:mod:`helpers.recording_cuda`, as :mod:`tests.unit.test_cuda_link` for the link
+emulator alone), with every emulated collective taking the link emulator's CUDA path (a spin on
+its channel's stream, a stream wait where its result is needed).
 
 With ``CUDA_DEVICE_MAX_CONNECTIONS=1`` kernels enter the GPU in issue order, so the order of
 these calls is the order the GPU sees. Two things must hold for the collectives to run beside
@@ -16,15 +16,13 @@ compute:
 
 One tiny training iteration on the fake process group (rank 0 of TP 2) per schedule."""
 
-import itertools
-
 import pytest
 import torch
 
 import megatron.training.arguments  # noqa: F401,E402  isort: skip  (start-up warnings here)
 
-from megatron_oases.patching import Patch
-from megatron_oases.platform.cpu import _InertEvent, _InertStream
+from helpers.recording_cuda import recording_cuda
+
 from megatron_oases.schedule import executor as ex
 from megatron_oases.testbed import collectives
 from megatron_oases.testbed.link_model import CudaLink
@@ -39,63 +37,15 @@ BASE = (
 RECOMPUTE = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
 
 
-def _recording_cuda(log):
-    """A :class:`Patch` on ``torch.cuda``: streams and events that log what is asked of them
-    (installed after the CPU shims, whose inert stand-ins they extend)."""
-    names = itertools.count(1)
-
-    class Stream(_InertStream):
-        def __init__(self, *args, name=None, **kwargs):
-            self.name = name or f"s{next(names)}"
-
-        def wait_stream(self, other):
-            log.append(("wait_stream", self.name, getattr(other, "name", "?")))
-
-        def wait_event(self, event):
-            log.append(("wait_event", self.name, getattr(event, "oases_id", None)))
-
-    class Event(_InertEvent):
-        def elapsed_time(self, other):
-            return 1.0  # ms of the link's calibration spin
-
-    compute = Stream(name="compute")
-    state = {"stream": compute}
-
-    class StreamContext:
-        def __init__(self, stream):
-            self.stream = stream
-
-        def __enter__(self):
-            self.prev, state["stream"] = state["stream"], self.stream
-
-        def __exit__(self, *exc):
-            state["stream"] = self.prev
-
-    class DeviceContext:
-        def __init__(self, device):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    def _sleep(cycles):
-        if state["stream"] is not compute:  # the calibration spins run on the caller's stream
-            log.append(("spin", state["stream"].name, CudaLink.launches))
-
-    cuda = torch.cuda
-    return Patch(
-        "record-cuda",
-        [
-            (cuda, "Stream", Stream),
-            (cuda, "Event", Event),
-            (cuda, "current_stream", lambda device=None: state["stream"]),
-            (cuda, "stream", StreamContext),
-            (cuda, "device", DeviceContext),
-            (cuda, "_sleep", _sleep),
-        ],
+def _recorded_cuda(log):
+    """The stand-ins as a :class:`Patch` installed after the CPU shims; events go by the link's
+    ``oases_id`` and spins by launch number, the link's calibration spins left out."""
+    return recording_cuda(
+        log,
+        event_tag=lambda event: getattr(event, "oases_id", None),
+        elapsed_ms=1.0,
+        spin_tag=lambda cycles: CudaLink.launches,
+        compute_spins=False,
     )
 
 
@@ -146,7 +96,7 @@ def recorded(monkeypatch):
         init_fake_process_group(2)
         try:
             run_in_process(
-                shlex.split(BASE + flags), demo=True, extra_patches=[_recording_cuda(log)]
+                shlex.split(BASE + flags), demo=True, extra_patches=[_recorded_cuda(log)]
             )
         finally:
             dist.destroy_process_group()
