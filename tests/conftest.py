@@ -1,10 +1,22 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+#: Megatron's mock-data indices, shared by the session's runs (``helpers.runs.with_data_cache``).
+_DATA_CACHE = None
+if "OASES_TEST_DATA_CACHE" not in os.environ:
+    _DATA_CACHE = tempfile.mkdtemp(prefix="oases-test-data-cache-")
+    os.environ["OASES_TEST_DATA_CACHE"] = _DATA_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _DATA_CACHE:
+        shutil.rmtree(_DATA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

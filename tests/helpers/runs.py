@@ -11,6 +11,7 @@ data-parallel ranks, last pipeline stage); gradients are read from DDP's ``main_
 the first ``optimizer.step()``, i.e. after ``finalize_model_grads`` and before clipping.
 """
 
+import os
 import shlex
 
 import torch
@@ -76,12 +77,27 @@ def _capture_patch(record, grads):
     return Patch("test-capture", [(training, "train_step", train_step)])
 
 
+def with_data_cache(argv):
+    """``argv`` (a string or a list) with Megatron's own ``--data-cache-path`` where it uses
+    ``--mock-data``: the mock dataset's shuffled indices (about two million samples per split at
+    the tests' sequence lengths, 1.5 s per run) are built once per test session and loaded by every
+    later run of the same shape. ``OASES_TEST_DATA_CACHE`` (set by ``tests/conftest.py``) names it.
+    """
+    cache = os.environ.get("OASES_TEST_DATA_CACHE")
+    flags = argv.split() if isinstance(argv, str) else list(argv)
+    if not cache or "--mock-data" not in flags or "--data-cache-path" in flags:
+        return argv
+    extra = ["--data-cache-path", cache]
+    return f"{argv} {' '.join(extra)}" if isinstance(argv, str) else flags + extra
+
+
 def pretrain_and_capture(argv, grads=False, demo=True):
     """Run Megatron's ``pretrain()`` on ``argv``; return {'losses', 'grads', 'installed',
     'exit_code'}. ``grads=True`` captures this rank's shards; ``grads="full"`` all-gathers every
     gradient to its full tensor (to compare different TP layouts or per-layer plans)."""
     record = {"losses": []}
-    record.update(run_in_process(argv, demo=demo, extra_patches=[_capture_patch(record, grads)]))
+    patches = [_capture_patch(record, grads)]
+    record.update(run_in_process(with_data_cache(argv), demo=demo, extra_patches=patches))
     record.setdefault("grads", {})
     return record
 
