@@ -9,10 +9,10 @@ collective its modelled time). :func:`one_rank_command` and ``run_distributed(on
 
 :func:`run_distributed` is modelled on nanotron's test helpers: fresh processes, a free port, a
 hard timeout so a hang fails fast, and each rank's return value (or traceback) sent back through a
-queue. Its ranks are forked from a fork server that imported torch and Megatron once (a clean
-process of its own that never touches a GPU), so a rank starts in milliseconds instead of
-re-importing them (7-12 s per rank on a 2-CPU host: most of the test suite's time); each rank
-gets the caller's environment of the moment, as a spawned one would.
+queue. Its ranks are forked from a fork server that imported torch and Megatron-Core once (a
+clean process of its own that never touches a GPU), so a rank skips most of the 7-12 s of
+imports per rank on a 2-CPU host (most of the test suite's time); each rank gets the caller's
+environment of the moment, as a spawned one would.
 """
 
 import io
@@ -73,18 +73,11 @@ def init_fake_process_group(world_size):
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 
-#: What the fork server imports once for every rank it starts: torch and Megatron, and what a first
-#: ``pretrain()`` would import lazily (its datasets, our patches).
-FORKSERVER_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "megatron.core",
-    "megatron.training",
-    "megatron.training.training",
-    "megatron.core.datasets.gpt_dataset",
-    "megatron_oases.training.pretrain",
-    "megatron_oases.prepare",
-]
+#: What the fork server imports once for every rank it starts: torch and Megatron-Core. Not
+#: ``megatron.training``: ranks forked after importing it failed to compile Megatron's fused
+#: cross-entropy (an inductor assertion, ``any_leaf != all_leaf``; spawned ranks compile it), so
+#: each rank imports the training loop itself (seconds, against the ~8 s saved).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron.core"]
 
 
 def _start_context():
