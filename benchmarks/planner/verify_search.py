@@ -120,9 +120,11 @@ def main(argv=None):
         for c in cands
     ):
         from megatron_oases.planner.cluster.search import Layout, _flags
+        from megatron_oases.planner.settings import PlanSettings
 
         extra = dict(thumb, level=0, rule_of_thumb=True)
-        extra["launch_flags"] = _flags(Layout(**thumb["layout"]), thumb, {"global_batch_size": GBS})
+        layout = Layout(**thumb["layout"])
+        extra["launch_flags"] = _flags(layout, thumb, PlanSettings(global_batch_size=GBS))
         cands.append(extra)
     t0 = time.time()
     checked, rows, order_prev, repeats = None, None, None, []
