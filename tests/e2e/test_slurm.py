@@ -1,315 +1,33 @@
 """The launch scripts on a real single-node SLURM (Debian slurmctld, slurmd, munge), CPU/gloo ranks.
 
-The module fixture generates a munge key and a minimal ``slurm.conf`` in a pytest temp dir, starts
-``munged``, ``slurmctld`` and ``slurmd`` as root on free ports, and tears them down at the end.
-SLURM missing is a failure, not a skip: the fixture runs ``.ci/install_slurm.sh`` first (CI runs it
-too).
+The module fixture (``helpers.slurm.single_node``) generates a munge key and a minimal
+``slurm.conf`` in a pytest temp dir, starts ``munged``, ``slurmctld`` and ``slurmd`` as root on free
+ports, and tears them down at the end. SLURM missing is a failure, not a skip: the fixture runs
+``.ci/install_slurm.sh`` first (CI runs it too).
 """
 
 import json
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 import uuid
 
 import pytest
 from helpers.paths import LAUNCHER, REPO
+from helpers.slurm import alive, ensure_slurm_installed, node_name, single_node
 
 COMPARE = os.path.join(REPO, "launch_scripts", "compare_vs_megatron.sh")
-SBIN_PATH = os.pathsep.join(["/usr/local/sbin", "/usr/sbin", "/sbin"])
-BINARIES = (
-    "munged",
-    "slurmctld",
-    "slurmd",
-    "sbatch",
-    "srun",
-    "scontrol",
-    "sinfo",
-    "squeue",
-    "scancel",
-)
-
-
-def _which(name):
-    return shutil.which(name, path=os.environ.get("PATH", "") + os.pathsep + SBIN_PATH)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
-def _read_pid(path):
-    try:
-        with open(path) as f:
-            return int(f.read().strip() or 0) or None
-    except (OSError, ValueError):
-        return None
-
-
-def _ensure_slurm_installed():
-    missing = [b for b in BINARIES if not _which(b)]
-    if not missing:
-        return
-    if os.geteuid() != 0:
-        pytest.fail(
-            f"SLURM is not installed (missing {missing}) and we are not root to install it; "
-            "run .ci/install_slurm.sh as root"
-        )
-    proc = subprocess.run(
-        ["bash", os.path.join(REPO, ".ci", "install_slurm.sh")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    missing = [b for b in BINARIES if not _which(b)]
-    if proc.returncode != 0 or missing:
-        pytest.fail(
-            f".ci/install_slurm.sh failed (rc {proc.returncode}, missing {missing}):\n"
-            f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-        )
-
-
-SLURM_CONF = """\
-ClusterName=oasesci
-SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={munge_socket}
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
-SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-SchedulerType=sched/backfill
-ReturnToService=2
-InactiveLimit=0
-KillWait=5
-# sbatch --wait polls every 2 s only while MinJobAge/2 <= 2 (else it backs off to 8-32 s).
-MinJobAge=4
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=ci Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
-"""
-
-
-class SlurmCluster:
-    def __init__(self, root, env):
-        self.root = root
-        self.env = env
-
-    def run(self, *cmd, timeout=60, **kwargs):
-        return subprocess.run(
-            list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout, **kwargs
-        )
-
-    def job_env(self, **extra):
-        """The environment sbatch exports to the job (sbatch --export=ALL, the default)."""
-        env = dict(
-            self.env,
-            PYTHON=sys.executable,
-            OASES_ROOT=REPO,
-            OMP_NUM_THREADS="1",
-            DEVICE="cpu",
-            GPUS_PER_NODE="2",
-            MODEL="tiny-cpu",
-            DIST_TIMEOUT_MINUTES="1",
-            PYTHONPATH=REPO,
-        )
-        env.update({k: str(v) for k, v in extra.items()})
-        return env
-
-    def sbatch_cmd(self, script, out, name, time_min, wait=True):
-        return [
-            "sbatch",
-            *(["--wait"] if wait else []),
-            f"--job-name={name}",
-            f"--output={out}",
-            f"--chdir={self.root}",
-            f"--time={time_min}",
-            script,
-        ]
-
-
-def node_name():
-    """This host's short name when it resolves (torchrun's MASTER_ADDR), else localhost."""
-    host = socket.gethostname().split(".")[0]
-    try:
-        socket.gethostbyname(host)
-        return host
-    except OSError:
-        return "localhost"
-
-
-def _detected_cpus():
-    """CPUs as slurmd counts them (a larger CPUs= in slurm.conf would drain the node)."""
-    proc = subprocess.run([_which("slurmd"), "-C"], capture_output=True, text=True, timeout=30)
-    match = re.search(r"\bCPUs=(\d+)", proc.stdout)
-    return int(match.group(1)) if match else 1
-
-
-def _start_daemons(root, env):
-    host = node_name()
-    for sub in ("state", "spool", "log", "munge"):
-        os.makedirs(os.path.join(root, sub), mode=0o700, exist_ok=True)
-    munge_dir = os.path.join(root, "munge")
-    if len(os.path.join(munge_dir, "munge.sock")) > 100:  # AF_UNIX path limit
-        munge_dir = tempfile.mkdtemp(prefix="oases-munge-")
-    key = os.path.join(munge_dir, "munge.key")
-    with open(key, "wb") as f:
-        f.write(os.urandom(1024))
-    os.chmod(key, 0o400)
-    socket_path = os.path.join(munge_dir, "munge.sock")
-    pids = {
-        "munged": os.path.join(munge_dir, "munged.pid"),
-        "slurmctld": os.path.join(root, "slurmctld.pid"),
-        "slurmd": os.path.join(root, "slurmd.pid"),
-    }
-    conf = os.path.join(root, "slurm.conf")
-    with open(conf, "w") as f:
-        f.write(
-            SLURM_CONF.format(
-                host=host,
-                root=root,
-                ctld_port=_free_port(),
-                slurmd_port=_free_port(),
-                munge_socket=socket_path,
-                cpus=_detected_cpus(),
-            )
-        )
-    env["SLURM_CONF"] = conf
-
-    def start(cmd, what):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{what} failed to start (rc {proc.returncode}): {proc.stderr}")
-
-    start(
-        [
-            _which("munged"),
-            "--force",
-            f"--key-file={key}",
-            f"--socket={socket_path}",
-            f"--pid-file={pids['munged']}",
-            f"--log-file={munge_dir}/munged.log",
-            f"--seed-file={munge_dir}/munged.seed",
-        ],
-        "munged",
-    )
-    start([_which("slurmctld"), "-f", conf], "slurmctld")
-    start([_which("slurmd"), "-f", conf, "-N", host], "slurmd")
-    started = {}
-    for name, path in pids.items():  # daemons write their pid files once they run
-        deadline = time.time() + 10
-        while (pid := _read_pid(path)) is None and time.time() < deadline:
-            time.sleep(0.1)
-        started[name] = pid
-    return started
-
-
-def _stepds_of(root):
-    """This cluster's leftover ``slurmstepd`` processes (their working directory is under root)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/comm") as f:
-                if f.read().strip() != "slurmstepd":
-                    continue
-            cwd = os.readlink(f"/proc/{entry}/cwd")
-        except OSError:
-            continue
-        if cwd.startswith(root) and _alive(int(entry)):
-            found.append(int(entry))
-    return found
-
-
-def _stop_daemons(env, pids, root=None):
-    """Cancel the jobs, shut SLURM down, then make sure: daemons (by the pids read at start — a
-    slurmd that is shutting down removes its pid file but may wait on its job steps) and leftover
-    job steps are killed."""
-    if env.get("SLURM_CONF"):
-        for cmd in (["scancel", "--user=root"], ["scontrol", "shutdown"]):
-            try:
-                subprocess.run(cmd, env=env, capture_output=True, timeout=30)
-            except (OSError, subprocess.SubprocessError):
-                pass
-    for name in ("slurmd", "slurmctld", "munged"):
-        pid = pids.get(name)
-        if pid is None:
-            continue
-        deadline = time.time() + 15
-        if _alive(pid) and name == "munged":
-            os.kill(pid, signal.SIGTERM)
-        while _alive(pid) and time.time() < deadline:
-            time.sleep(0.2)
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    for pid in _stepds_of(root) if root else ():
-        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     if os.geteuid() != 0:
         pytest.fail("the SLURM tests start slurmctld/slurmd/munged and must run as root")
-    _ensure_slurm_installed()
-    root = str(tmp_path_factory.mktemp("slurm"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", ""), SBIN_PATH])
-    pids = {}
-    try:
-        pids = _start_daemons(root, env)
-        cluster = SlurmCluster(root, env)
-        deadline = time.time() + 60
-        state = ""
-        while time.time() < deadline:
-            proc = cluster.run("sinfo", "--noheader", "--format=%T", timeout=20)
-            state = proc.stdout.strip()
-            if proc.returncode == 0 and state.startswith("idle"):
-                break
-            time.sleep(0.5)
-        else:
-            logs = ""
-            for name in ("slurmctld.log", "slurmd.log"):
-                path = os.path.join(root, "log", name)
-                if os.path.exists(path):
-                    with open(path) as f:
-                        logs += f"--- {name}\n" + f.read()[-2000:]
-            raise RuntimeError(f"the SLURM node did not become idle (sinfo: {state!r})\n{logs}")
+    ensure_slurm_installed()
+    with single_node(str(tmp_path_factory.mktemp("slurm"))) as cluster:
         yield cluster
-    finally:
-        _stop_daemons(env, pids, root)
 
 
 def _job_processes(job_id, slurm_conf):
@@ -330,7 +48,7 @@ def _job_processes(job_id, slurm_conf):
         if (
             environ.get("SLURM_JOB_ID") == str(job_id)
             and environ.get("SLURM_CONF") == slurm_conf
-            and _alive(int(entry))
+            and alive(int(entry))
         ):
             found.append((int(entry), environ))
     return found

@@ -27,7 +27,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,8 @@ import types
 import helpers
 import pytest
 from helpers.netns import ADDRS, IFNAME, TwoHosts, why_not_available
-from helpers.paths import FAULT_INJECTION, LAUNCHER, REPO
+from helpers.paths import FAULT_INJECTION, LAUNCHER
+from helpers.slurm import ensure_slurm_installed, two_nodes
 
 from megatron_oases.training.checkpoint_check import check_tracker
 
@@ -208,37 +208,19 @@ def test_the_hosts_meet_only_over_the_veth_and_are_torn_down_after_a_failure():
     assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
 
 
-def sbatch_stock(hosts, slurm, root, ckpt):
-    """``sbatch --nodes 2`` of the SLURM script: stock, iterations 1-4, saving into ``ckpt``;
-    (sbatch's result, the job's output)."""
+def sbatch_stock(slurm, root, ckpt):
+    """``sbatch --nodes 2`` of the SLURM script on host 0: stock, iterations 1-4, saving into
+    ``ckpt``; (sbatch's result, the job's output)."""
     out = root / "stock.job.out"
-    env = dict(
-        slurm.env,
-        PYTHON=sys.executable,
-        OASES_ROOT=REPO,
-        PYTHONPATH=REPO,
-        OMP_NUM_THREADS="1",
-        DEVICE="cpu",
-        GPUS_PER_NODE="2",
-        MODEL="tiny-cpu",
+    env = slurm.job_env(
         ENTRY="pretrain-gpt-oases",
-        TRAIN_ITERS="4",
+        TRAIN_ITERS=4,
         LR="1e-3",
-        DIST_TIMEOUT_MINUTES="1",
-        LOG_JSON=str(root / "stock.json"),
+        LOG_JSON=root / "stock.json",
         EXTRA_ARGS=f"{EXTRA_ARGS} --save {ckpt}",
         GLOO_SOCKET_IFNAME=IFNAME,
     )
-    cmd = hosts.exec_prefix(0) + [
-        "sbatch",
-        "--wait",
-        "--nodes=2",
-        "--job-name=oases-two-nodes",
-        f"--output={out}",
-        f"--chdir={root}",
-        "--time=5",
-        LAUNCHER,
-    ]
+    cmd = slurm.sbatch_cmd(LAUNCHER, out, "oases-two-nodes", 5, nodes=2, chdir=root)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=320)
     return proc, out.read_text() if out.exists() else "(no output file)"
 
@@ -248,7 +230,7 @@ def chain(hosts, slurm_two_nodes, tmp_path_factory):
     """The four runs of the module docstring."""
     root = tmp_path_factory.mktemp("two_hosts")
     stock_ckpt, ckpt = str(root / "stock"), str(root / "ckpt")
-    proc, log = sbatch_stock(hosts, slurm_two_nodes, root, stock_ckpt)
+    proc, log = sbatch_stock(slurm_two_nodes, root, stock_ckpt)
     if proc.returncode != 0:
         pytest.fail(
             f"the SLURM job failed: {proc.stdout}{proc.stderr}\n{log[-4000:]}\n"
@@ -351,156 +333,12 @@ def test_schedules_equal_stock_and_the_checkpoint_survives_both_faults(chain):
 
 # ------------------------------------------------------------------ SLURM on the same two hosts
 
-#: Two SLURM nodes, one per host: slurmctld and node0's slurmd on host 0, node1's on host 1
-#: (``%n``: the node's own spool, pid and log files); munged, whose socket is a file, serves both.
-#: slurmctld checks that it runs on ``SlurmctldHost``: the machine's own name (both namespaces share
-#: it), at host 0's address.
-SLURM_CONF = """\
-ClusterName=oases2n
-SlurmctldHost={machine}({addr0})
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket={munge_socket}
-StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool-%n
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd-%n.pid
-SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd-%n.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-MpiDefault=none
-SchedulerType=sched/backfill
-ReturnToService=2
-InactiveLimit=0
-KillWait=5
-MinJobAge=4
-NodeName=node0 NodeAddr={addr0} CPUs={cpus} State=UNKNOWN
-NodeName=node1 NodeAddr={addr1} CPUs={cpus} State=UNKNOWN
-PartitionName=ci Nodes=node0,node1 Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
-"""
-
 
 @pytest.fixture(scope="module")
 def slurm_two_nodes(hosts, tmp_path_factory):
-    """munged, slurmctld and two slurmds on ``hosts``; an environment whose ``SLURM_CONF`` names
-    them. Everything started is stopped at the end (and :class:`TwoHosts` kills what is left
-    inside the namespaces)."""
-    from test_slurm import (
-        SBIN_PATH,
-        _alive,
-        _detected_cpus,
-        _ensure_slurm_installed,
-        _read_pid,
-        _which,
-    )
-
-    _ensure_slurm_installed()
-    root = str(tmp_path_factory.mktemp("slurm2"))
-    for sub in ("state", "log", "spool-node0", "spool-node1"):
-        os.makedirs(os.path.join(root, sub), mode=0o700)
-    munge_dir = tempfile.mkdtemp(prefix="oases-munge-")  # short: an AF_UNIX path
-    key = os.path.join(munge_dir, "munge.key")
-    with open(key, "wb") as f:
-        f.write(os.urandom(1024))
-    os.chmod(key, 0o400)
-    socket_path = os.path.join(munge_dir, "munge.sock")
-    conf = os.path.join(root, "slurm.conf")
-    with open(conf, "w") as f:
-        f.write(
-            SLURM_CONF.format(
-                machine=socket.gethostname().split(".")[0],
-                addr0=ADDRS[0],
-                addr1=ADDRS[1],
-                ctld_port=6817,  # each host has its own ports
-                slurmd_port=6818,
-                munge_socket=socket_path,
-                root=root,
-                cpus=_detected_cpus(),
-            )
-        )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", ""), SBIN_PATH])
-    env["SLURM_CONF"] = conf
-    pid_files = {
-        "munged": os.path.join(munge_dir, "munged.pid"),
-        "slurmctld": os.path.join(root, "slurmctld.pid"),
-        "slurmd-node0": os.path.join(root, "slurmd-node0.pid"),
-        "slurmd-node1": os.path.join(root, "slurmd-node1.pid"),
-    }
-
-    def start(cmd, what):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{what} failed to start (rc {proc.returncode}): {proc.stderr}")
-
-    def logs():
-        text = ""
-        for name in sorted(os.listdir(os.path.join(root, "log"))):
-            with open(os.path.join(root, "log", name)) as f:
-                text += f"--- {name}\n" + f.read()[-2000:]
-        return text
-
-    try:
-        start(
-            [
-                _which("munged"),
-                "--force",
-                f"--key-file={key}",
-                f"--socket={socket_path}",
-                f"--pid-file={pid_files['munged']}",
-                f"--log-file={munge_dir}/munged.log",
-                f"--seed-file={munge_dir}/munged.seed",
-            ],
-            "munged",
-        )
-        start(hosts.daemon_prefix(0) + [_which("slurmctld"), "-f", conf], "slurmctld")
-        for k in range(2):
-            start(
-                hosts.daemon_prefix(k) + [_which("slurmd"), "-f", conf, "-N", f"node{k}"],
-                f"slurmd on host {k}",
-            )
-        deadline = time.time() + 60
-        state = ""
-        while time.time() < deadline:
-            proc = subprocess.run(
-                hosts.exec_prefix(0) + ["sinfo", "--noheader", "--format=%n %T"],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=20,
-            )
-            state = proc.stdout.strip()
-            if proc.returncode == 0 and sorted(state.splitlines()) == ["node0 idle", "node1 idle"]:
-                break
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"the two SLURM nodes did not become idle ({state!r})\n{logs()}")
-        yield types.SimpleNamespace(env=env, root=root, logs=logs)
-    finally:
-        subprocess.run(
-            hosts.exec_prefix(0) + ["scontrol", "shutdown"],
-            env=env,
-            capture_output=True,
-            timeout=30,
-        )
-        for name, path in pid_files.items():
-            pid = _read_pid(path)
-            deadline = time.time() + 10
-            while pid and _alive(pid) and time.time() < deadline:
-                if name == "munged":
-                    os.kill(pid, signal.SIGTERM)
-                time.sleep(0.2)
-            if pid and _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+    """munged, slurmctld and two slurmds on ``hosts`` (``helpers.slurm.two_nodes``); everything
+    started is stopped at the end (and :class:`TwoHosts` kills what is left inside the
+    namespaces)."""
+    ensure_slurm_installed()
+    with two_nodes(str(tmp_path_factory.mktemp("slurm2")), hosts) as cluster:
+        yield cluster
