@@ -357,13 +357,16 @@ def emulated_argv(s, shape, tp, mb, profile, variant, extra=()):
     """A 2-layer one-rank job of ``variant`` (and ``extra`` flags) under ``--emulate-link``. On
     CUDA with Megatron's default two data-loader workers: in-process loading (``--num-workers 0``,
     our CPU default) left the GPU idle 56-66 ms per step while the mock batch was collated
-    (2026-11-27 H100 traces at micro-batch 128), which a training run does in its workers."""
+    (2026-11-27 H100 traces at micro-batch 128), which a training run does in its workers. And
+    with Megatron's ``--manual-gc`` (its remedy for host jitter): the same traces show a 32 ms
+    host stall inside one Dynamo guard check that emptied `oases`'s queue for 6 ms, and one timed
+    iteration of 0.81 s against a 0.14 s median, both as a garbage collection would."""
     argv = _argv(
         f"--num-layers 2 {s[shape]} --vocab-size {s['vocab']} --mock-data "
         f"--tensor-model-parallel-size {tp} --micro-batch-size {mb} --global-batch-size {mb} "
         f"--hidden-dropout 0 --attention-dropout 0 --emulate-link {profile}"
     )
-    device = ["--bf16", "--num-workers", "2"] if _cuda() else []
+    device = ["--bf16", "--num-workers", "2", "--manual-gc"] if _cuda() else []
     return argv + device + _variant_flags(variant, mb, 2) + list(extra)
 
 
@@ -944,7 +947,9 @@ def step_faithful(
     iters = iters or (2 if dry else 6)
     graphs = "--oases-cuda-graphs" + ("" if _cuda() else " eager")
     out = {
-        "model": s["timing"] + " --num-layers 2" + (" --bf16 --num-workers 2" if _cuda() else ""),
+        "model": s["timing"]
+        + " --num-layers 2"
+        + (" --bf16 --num-workers 2 --manual-gc" if _cuda() else ""),
         "iterations": f"{WARMUP} warm-up + {iters} timed per pass, 2 passes in alternating order "
         "(+1 profiled for the busy share)",
         "host_rates": {"gemm_tflops": gemm_rate, "memory_gbs": mem_gbs},
