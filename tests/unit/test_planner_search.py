@@ -113,6 +113,23 @@ def test_spearman_ranks_with_ties():
     assert spearman([1], [2]) is None
 
 
+def test_the_chosen_layout_is_the_lowest_predicted_whatever_order_the_rows_ran_in():
+    """verify_search runs every other repeat in reverse order: the chosen layout is the search's
+    pick (lowest predicted), not the first row run (it was, and printed 571 % for 3.7 %)."""
+    from megatron_oases.planner.cluster.verify import summarize
+
+    rows = [
+        {"name": "chosen", "predicted_s": 1.0, "measured_s": 1.037},
+        {"name": "best", "predicted_s": 1.2, "measured_s": 1.0},
+        {"name": "thumb", "predicted_s": 3.0, "measured_s": 6.7},
+    ]
+    for order in (rows, rows[::-1]):
+        out = summarize(order)
+        assert out["best_measured"] == "best"
+        assert out["chosen_gap"] == pytest.approx(0.037)
+        assert out["spearman"] == pytest.approx(0.5)
+
+
 def test_stage_splits_are_the_ones_megatron_takes():
     from megatron_oases.planner.cluster.stage_split import split_flags, stage_splits
 

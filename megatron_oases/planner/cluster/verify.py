@@ -113,13 +113,20 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
         else:
             row["error"] = run.get("error")
         rows.append(row)
-    ok = [r for r in rows if "measured_s" in r]
     out = {"rows": rows, "dilation": rows[0]["dilation"] if rows else None, "emulation": emulation}
-    out["spearman"] = spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])
+    out.update(summarize(rows))
+    return out
+
+
+def summarize(rows):
+    """Spearman over the measured rows, the best measured and how far the chosen one (the lowest
+    predicted time: the search's pick, whatever order the rows ran in) is above it."""
+    ok = [r for r in rows if "measured_s" in r]
+    out = {"spearman": spearman([r["predicted_s"] for r in ok], [r["measured_s"] for r in ok])}
     if ok:
         best = min(ok, key=lambda r: r["measured_s"])
         out["best_measured"] = best["name"]
-        chosen = rows[0]
+        chosen = min(rows, key=lambda r: r["predicted_s"])
         if "measured_s" in chosen:
             out["chosen_gap"] = chosen["measured_s"] / best["measured_s"] - 1
     return out
