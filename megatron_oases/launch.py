@@ -90,8 +90,10 @@ def _start_context():
 
 
 def _take_environment(environ):
-    """A forked rank starts with the fork server's environment: take the caller's instead
-    (``PYTHONWARNINGS`` included, which an interpreter reads only at its start)."""
+    """A forked rank starts with the fork server's environment: take the caller's instead,
+    including what the interpreter and torch read only at their start: ``PYTHONWARNINGS`` and
+    ``TORCH_COMPILE_DISABLE`` (torch's switch for ``torch.compile``, which Megatron's fused
+    functions use; read when the fork server imported torch)."""
     os.environ.clear()
     os.environ.update(environ)
     action = environ.get("PYTHONWARNINGS")
@@ -99,6 +101,9 @@ def _take_environment(environ):
         import warnings
 
         warnings.simplefilter(action)
+    import torch._dynamo
+
+    torch._dynamo.config.disable = environ.get("TORCH_COMPILE_DISABLE", "0") == "1"  # torch's rule
 
 
 def _worker(rank, world_size, port, fn, args, queue, one_rank=False, environ=None):

@@ -7,6 +7,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+#: Megatron's fused functions (its ``jit_fuser``: ``torch.compile``) run eagerly in the tests
+#: unless a test asks for them compiled (the ``torch_compile`` fixture): inductor compiling them
+#: on the CPU, per rank and per shape, was more than half of an in-process run's time. Parity is
+#: unaffected (stock and the schedules call the same functions); docs/testing.md lists the tests
+#: that keep them compiled. ``run_distributed``'s ranks follow the value of the moment.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 #: Megatron's mock-data indices, shared by the session's runs (``helpers.runs.with_data_cache``).
 _DATA_CACHE = None
 if "OASES_TEST_DATA_CACHE" not in os.environ:
@@ -17,6 +23,12 @@ if "OASES_TEST_DATA_CACHE" not in os.environ:
 def pytest_sessionfinish(session, exitstatus):
     if _DATA_CACHE:
         shutil.rmtree(_DATA_CACHE, ignore_errors=True)
+
+
+@pytest.fixture
+def torch_compile(monkeypatch):
+    """Megatron's fused functions compiled, as on a user's machine (the suite runs them eagerly)."""
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
 
 
 @pytest.fixture

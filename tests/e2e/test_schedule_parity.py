@@ -25,14 +25,23 @@ CONFIGS = {
 }
 
 
+#: the configuration that also runs Megatron's fused functions compiled (``torch.compile``), as
+#: on a user's machine; the suite runs them eagerly elsewhere (``tests/conftest.py``)
+COMPILED = "gpt-tp2-pp1-mbs2"
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_schedules_match_stock(config):
+def test_schedules_match_stock(config, request):
+    if config == COMPILED:
+        request.getfixturevalue("torch_compile")
     world, base = CONFIGS[config]
     results = run_distributed(
         variants_worker, world, base + " " + ITERS + NO_DROP + RECOMPUTE, VARIANTS, timeout=560
     )
     assert_schedules_match_stock(results, config)
+    if config == COMPILED:  # Megatron's fused bias-dropout-add went through torch.compile
+        assert all(res["stock"]["compiled_graphs"] > 0 for res in results), results[0].keys()
 
 
 #: ``overlap`` at the memory settings other than full recomputation, each against stock Megatron
@@ -164,7 +173,7 @@ def test_sequence_split_matches_stock(config):
 
 
 @pytest.mark.timeout(600)
-def test_fused_cross_entropy_runs_as_megatron_in_one_step():
+def test_fused_cross_entropy_runs_as_megatron_in_one_step(torch_compile):
     """``--cross-entropy-loss-fusion`` (native): the loss is not the unfused vocab-parallel
     cross-entropy the schedule cuts at its collectives (``schedule/loss.py``), so it runs as
     Megatron's ``compute_language_model_loss`` in one op; loss and gradients still match stock's
@@ -180,6 +189,7 @@ def test_fused_cross_entropy_runs_as_megatron_in_one_step():
     )
     for rank, res in enumerate(results):
         assert_matches(res["oases"], res["stock"], f"fused cross-entropy rank {rank}")
+        assert res["stock"]["compiled_graphs"] > 0  # compiled, as Megatron runs it
 
 
 @pytest.mark.timeout(300)

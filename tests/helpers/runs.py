@@ -93,12 +93,17 @@ def with_data_cache(argv):
 
 def pretrain_and_capture(argv, grads=False, demo=True):
     """Run Megatron's ``pretrain()`` on ``argv``; return {'losses', 'grads', 'installed',
-    'exit_code'}. ``grads=True`` captures this rank's shards; ``grads="full"`` all-gathers every
-    gradient to its full tensor (to compare different TP layouts or per-layer plans)."""
+    'exit_code', 'compiled_graphs'}. ``grads=True`` captures this rank's shards; ``grads="full"``
+    all-gathers every gradient to its full tensor (to compare different TP layouts or per-layer
+    plans). ``compiled_graphs``: graphs ``torch.compile`` built in this process so far (0 where
+    the suite runs Megatron's fused functions eagerly, see ``tests/conftest.py``)."""
+    from torch._dynamo.utils import counters
+
     record = {"losses": []}
     patches = [_capture_patch(record, grads)]
     record.update(run_in_process(with_data_cache(argv), demo=demo, extra_patches=patches))
     record.setdefault("grads", {})
+    record["compiled_graphs"] = counters["stats"]["unique_graphs"]
     return record
 
 

@@ -20,3 +20,21 @@ def test_each_run_sees_the_callers_environment_of_the_moment(monkeypatch):
     (second,) = run_distributed(_read_environment, 2, one_rank=True, timeout=120)
     assert first == {"OASES_TEST_LAUNCH_VALUE": "first", "OASES_TEST_LAUNCH_GONE": "here"}
     assert second == {"OASES_TEST_LAUNCH_VALUE": "second", "OASES_TEST_LAUNCH_GONE": None}
+
+
+def _compile_disabled():
+    import torch._dynamo
+
+    return torch._dynamo.config.disable
+
+
+def test_each_run_takes_torchs_compile_switch_of_the_moment(monkeypatch):
+    """torch reads ``TORCH_COMPILE_DISABLE`` once, at import (in the fork server): a rank must
+    still follow the caller's value of the moment, either way."""
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    (disabled,) = run_distributed(_compile_disabled, 2, one_rank=True, timeout=120)
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
+    (enabled,) = run_distributed(_compile_disabled, 2, one_rank=True, timeout=120)
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    (again,) = run_distributed(_compile_disabled, 2, one_rank=True, timeout=120)
+    assert (disabled, enabled, again) == (True, False, True)
