@@ -91,6 +91,27 @@ def with_data_cache(argv):
     return f"{argv} {' '.join(extra)}" if isinstance(argv, str) else flags + extra
 
 
+def cache_megatron_field_docstrings():
+    """Megatron's argument parser re-reads and re-parses the source of each of its config
+    dataclasses on every parse, for the help texts (``ArgumentGroupFactory._get_field_docstrings``:
+    ~0.45 s a parse, two parses a run). A test process runs many: keep them per class (the sources
+    do not change while it runs). Idempotent; nothing else changes."""
+    from megatron.training.argument_utils import ArgumentGroupFactory
+
+    original = ArgumentGroupFactory._get_field_docstrings
+    if getattr(original, "cached_for_tests", False):
+        return
+    cache = {}
+
+    def get_field_docstrings(self, src_cfg_class):
+        if src_cfg_class not in cache:
+            cache[src_cfg_class] = original(self, src_cfg_class)
+        return dict(cache[src_cfg_class])
+
+    get_field_docstrings.cached_for_tests = True
+    ArgumentGroupFactory._get_field_docstrings = get_field_docstrings
+
+
 def pretrain_and_capture(argv, grads=False, demo=True):
     """Run Megatron's ``pretrain()`` on ``argv``; return {'losses', 'grads', 'installed',
     'exit_code', 'compiled_graphs'}. ``grads=True`` captures this rank's shards; ``grads="full"``
@@ -99,6 +120,7 @@ def pretrain_and_capture(argv, grads=False, demo=True):
     the suite runs Megatron's fused functions eagerly, see ``tests/conftest.py``)."""
     from torch._dynamo.utils import counters
 
+    cache_megatron_field_docstrings()
     record = {"losses": []}
     patches = [_capture_patch(record, grads)]
     record.update(run_in_process(with_data_cache(argv), demo=demo, extra_patches=patches))
