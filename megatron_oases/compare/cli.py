@@ -183,17 +183,76 @@ def _validate(variant, train_argv, nproc):
 def main(argv):
     argv = list(argv)
     own, train_argv = build_parser().parse_known_args(argv)
-    if own.reanalyze:  # budgets may be chosen anew: the measured peaks do not depend on them
-        budgets = None
-        if own.memory_budget is not None:
-            from .memory import parse_budgets
-
-            budgets = parse_budgets(own.memory_budget)
-        recount = _recount_host if own.host_pass else None
-        return reanalyze(own.reanalyze, budgets, recount=recount)
+    if own.reanalyze:
+        return _reanalyze(own)
+    # Every check before any expensive work: a bad flag costs one line, not a run.
     if own.host_pass:
         raise OasesConfigError("--host-pass goes with --reanalyze DIR (a new run counts anyway)")
     check_output_dir(own.out)  # before any run: a finished comparison must have somewhere to go
+    train_argv = _shared_train_flags(train_argv)
+    own.nproc = _nproc(own.nproc, train_argv)
+    _check_run_flags(own)
+    budgets = _budgets(own.memory_budget)
+    variants, plan = _chosen_variants(own.variants, own.oases_plan, budgets)
+    profile = _profile(own.emulate_link)
+    train_argv = _with_compare_defaults(train_argv)
+    base, parsed = _validate_variants(variants, train_argv, own.nproc, own.one_rank, plan)
+    rtol = _loss_rtol(own.loss_rtol, parsed)
+
+    from ..testbed.calibrate import host_cpus
+
+    threads = threads_per_rank(own.threads_per_rank, own.nproc, host_cpus())
+    env = {"OMP_NUM_THREADS": str(threads)}
+    out = os.path.abspath(own.out)
+    os.makedirs(out, exist_ok=True)
+    plan = _keep_plan(plan, out)
+    variants = _resolve(variants, base, plan)
+    processes = 1 if own.one_rank else own.nproc  # processes on this host
+    emulation, comm_model = _emulation(profile, threads, env, processes, base)
+    tokens = base.global_batch_size * base.seq_length
+    model = _model_line(base, own.nproc, own.one_rank)
+    _announce(_progress, model, variants, own, out, profile, emulation, threads)
+
+    skipped = _skip_unfit(variants, parsed, profile, _progress)
+    to_run = [v for v in variants if v.name not in skipped]
+    runs = _run_all(to_run, train_argv, out, own, env, tokens, comm_model, _progress)
+    results = _best_runs(variants, skipped, runs, own.repeats)
+    _host_pass(variants, results, train_argv, parsed, own, out, base, _progress)
+    _memory_pass(budgets, variants, results, train_argv, parsed, own, out, _progress)
+    config = {
+        "model": model,
+        "train_argv": train_argv,
+        "nproc": own.nproc,
+        "one_rank": own.one_rank,
+        "repeats": own.repeats,
+        "threads_per_rank": threads,
+        "warmup": own.warmup,
+        "iters": own.iters,
+        "tokens_per_iteration": tokens,
+        "oases_plan": plan,
+        "memory_budget_gb": budgets,
+    }
+    return finalize(_report(argv, config, emulation, rtol, results), out)
+
+
+def _reanalyze(own):
+    """``--reanalyze DIR``: the report of a finished run anew; budgets may be chosen anew, as the
+    measured peaks do not depend on them."""
+    recount = _recount_host if own.host_pass else None
+    return reanalyze(own.reanalyze, _budgets(own.memory_budget), recount=recount)
+
+
+def _budgets(spec):
+    """``--memory-budget`` in GB (sorted), or None without it."""
+    if spec is None:
+        return None
+    from .memory import parse_budgets
+
+    return parse_budgets(spec)
+
+
+def _shared_train_flags(train_argv):
+    """The flags after ``--``, refused where they hold one compare sets itself."""
     if train_argv and train_argv[0] == "--":
         train_argv = train_argv[1:]
     for flag in RESERVED:
@@ -204,7 +263,11 @@ def main(argv):
                     "oases+planner variant only"
                 )
             raise OasesConfigError(f"oases compare sets {flag} itself; drop it from the flags")
-    own.nproc = _nproc(own.nproc, train_argv)
+    return train_argv
+
+
+def _check_run_flags(own):
+    """Counts in range, and ``--one-rank`` only with a link to emulate."""
     if own.nproc < 1 or own.iters < 1 or own.warmup < 0 or own.repeats < 1:
         raise OasesConfigError("--nproc, --iters and --repeats must be >= 1 and --warmup >= 0")
     if own.one_rank and not own.emulate_link:
@@ -212,22 +275,33 @@ def main(argv):
             "--one-rank needs --emulate-link PROFILE: without it the virtual ranks' collectives "
             "take no time and the comparison means nothing"
         )
-    budgets = None
-    if own.memory_budget is not None:
-        from .memory import parse_budgets
 
-        budgets = parse_budgets(own.memory_budget)
-    variants = parse_variants(own.variants, MEMORY_VARIANTS if budgets else DEFAULT_VARIANTS)
-    plan = os.path.abspath(own.oases_plan) if own.oases_plan else None
+
+def _chosen_variants(spec, oases_plan, budgets):
+    """``--variants`` (default set depends on ``--memory-budget``) and ``--oases-plan`` as an
+    absolute path, refused without a variant that uses it."""
+    variants = parse_variants(spec, MEMORY_VARIANTS if budgets else DEFAULT_VARIANTS)
+    plan = os.path.abspath(oases_plan) if oases_plan else None
     if plan and not any(v.needs_plan for v in variants):
         raise OasesConfigError(
             "--oases-plan is used by the oases+planner variant only; add it to --variants"
         )
-    profile = None
-    if own.emulate_link:
-        from ..testbed.clusters import load_cluster
+    return variants, plan
 
-        profile = load_cluster(own.emulate_link)  # unknown name -> lists the available ones
+
+def _profile(emulate_link):
+    """The cluster profile of ``--emulate-link``, or None without it."""
+    if not emulate_link:
+        return None
+    from ..testbed.clusters import load_cluster
+
+    return load_cluster(emulate_link)  # unknown name -> lists the available ones
+
+
+def _with_compare_defaults(train_argv):
+    """Dropout 0 (so the losses can be compared tightly), mock data and no data-loader processes
+    competing for the CPUs, each unless given."""
+    train_argv = list(train_argv)
     dropout_given = _has_flag(train_argv, "--hidden-dropout") or _has_flag(
         train_argv, "--attention-dropout"
     )
@@ -235,81 +309,104 @@ def main(argv):
         train_argv += ["--hidden-dropout", "0", "--attention-dropout", "0"]
     if not _has_flag(train_argv, "--mock-data"):
         train_argv.append("--mock-data")
-    if not _has_flag(train_argv, "--num-workers"):  # no data-loader processes competing for CPUs
+    if not _has_flag(train_argv, "--num-workers"):
         train_argv += ["--num-workers", "0"]
-    base = _validate(VARIANTS["megatron"], train_argv, own.nproc)
-    if own.one_rank and base.pipeline_model_parallel_size > 1:
+    return train_argv
+
+
+def _validate_variants(variants, train_argv, nproc, one_rank, plan):
+    """Every variant's flags parsed and validated as Megatron would, before anything is launched:
+    the stock base arguments and ``{name: args}``."""
+    base = _validate(VARIANTS["megatron"], train_argv, nproc)
+    if one_rank and base.pipeline_model_parallel_size > 1:
         raise OasesConfigError(
             "--one-rank runs pipeline stage 0 alone, whose timeline misses the other stages' "
             "work (the 1F1B bubble); use --pipeline-model-parallel-size 1 or run all ranks "
             "without --one-rank"
         )
-    resolved = [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
-    parsed = {v.name: _validate(v, train_argv, own.nproc) for v in resolved}
-    rtol = own.loss_rtol
-    if rtol is None:
-        any_dropout = any(a.hidden_dropout or a.attention_dropout for a in parsed.values())
-        rtol = 5e-2 if any_dropout else 1e-3
-    from ..testbed.calibrate import host_cpus
+    parsed = {v.name: _validate(v, train_argv, nproc) for v in _resolve(variants, base, plan)}
+    return base, parsed
 
-    processes = 1 if own.one_rank else own.nproc  # processes on this host
-    threads = threads_per_rank(own.threads_per_rank, own.nproc, host_cpus())
-    env = {"OMP_NUM_THREADS": str(threads)}
-    out = os.path.abspath(own.out)
-    os.makedirs(out, exist_ok=True)
-    if plan:  # the variants run the copy, so that the report names a file inside DIR
-        kept = os.path.join(out, PLAN_COPY)
-        if not (os.path.exists(kept) and os.path.samefile(plan, kept)):
-            shutil.copyfile(plan, kept)
-        plan = kept
-        resolved = [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
-    variants = resolved
-    progress = _progress
 
-    from ..testbed.calibrate import host_cpus, host_fingerprint
+def _resolve(variants, base, plan):
+    """The variants with their own flags resolved against the base arguments and the plan."""
+    return [dataclasses.replace(v, flags=v.resolved_flags(base, plan)) for v in variants]
 
-    emulation = comm_model = None
-    if profile is not None:
-        from ..viz.analysis import emulated_comm_model
 
-        emulation = emulation_info(profile, threads, env, processes, base)
-        comm_model = emulated_comm_model(emulation)
-    first = base
-    tokens = first.global_batch_size * first.seq_length
-    model = (
-        f"H={first.hidden_size}, L={first.num_layers}, heads={first.num_attention_heads}, "
-        f"seq={first.seq_length}, micro-batch={first.micro_batch_size}, global batch="
-        f"{first.global_batch_size}, TP={first.tensor_model_parallel_size}, "
-        f"PP={first.pipeline_model_parallel_size}, {own.nproc} ranks"
-        + (" (rank 0 run alone, the others virtual)" if own.one_rank else "")
+def _loss_rtol(given, parsed):
+    """``--loss-rtol``, else 1e-3 (5e-2 where any variant runs with dropout)."""
+    if given is not None:
+        return given
+    any_dropout = any(a.hidden_dropout or a.attention_dropout for a in parsed.values())
+    return 5e-2 if any_dropout else 1e-3
+
+
+def _keep_plan(plan, out):
+    """``--oases-plan`` copied into DIR: the variants run the copy, so that the report names a file
+    inside DIR."""
+    if not plan:
+        return plan
+    kept = os.path.join(out, PLAN_COPY)
+    if not (os.path.exists(kept) and os.path.samefile(plan, kept)):
+        shutil.copyfile(plan, kept)
+    return kept
+
+
+def _emulation(profile, threads, env, processes, base):
+    """D and the emulated comm model shared by all variants, or ``(None, None)`` without
+    ``--emulate-link``; sets ``env``'s ``OASES_EMULATE_DILATION``."""
+    if profile is None:
+        return None, None
+    from ..viz.analysis import emulated_comm_model
+
+    emulation = emulation_info(profile, threads, env, processes, base)
+    return emulation, emulated_comm_model(emulation)
+
+
+def _model_line(args, nproc, one_rank):
+    """The model and parallel setting in one line (progress and report titles)."""
+    return (
+        f"H={args.hidden_size}, L={args.num_layers}, heads={args.num_attention_heads}, "
+        f"seq={args.seq_length}, micro-batch={args.micro_batch_size}, global batch="
+        f"{args.global_batch_size}, TP={args.tensor_model_parallel_size}, "
+        f"PP={args.pipeline_model_parallel_size}, {nproc} ranks"
+        + (" (rank 0 run alone, the others virtual)" if one_rank else "")
     )
+
+
+def _announce(progress, model, variants, own, out, profile, emulation, threads):
+    """What is about to run, and the emulation's D with the rates it came from."""
     progress(
         f"oases compare: {model}; variants {', '.join(v.name for v in variants)}; "
         f"{own.warmup} warm-up + {own.iters} timed iterations each; output {out}"
     )
-    if emulation:
-        progress(
-            f"  emulating {profile.name}: host {emulation['host_gflops']:.1f} GFLOP/s per rank "
-            f"({emulation['host_source']}"
-            + (
-                f"; {own.nproc} ranks x {threads} thread(s) on {host_cpus()} CPUs: "
-                f"{emulation['oversubscription_share']:.2f} of the rate alone"
-                if emulation["oversubscription_share"] < 1
-                else ""
-            )
-            + f", {emulation['host_memory_gbs']:.2f} GB/s) => dilation D = "
-            f"{emulation['dilation']:.1f} (one layer: target GEMM "
-            f"{emulation['target_gemm_ms']:.3g} ms + memory {emulation['target_memory_ms']:.3g} ms; "
-            f"host GEMM {emulation['host_gemm_ms']:.4g} ms + memory "
-            f"{emulation['host_memory_ms']:.4g} ms)"
-        )
-    else:
+    if not emulation:
         progress(
             "  no --emulate-link: plain gloo on this host, not representative of a GPU cluster"
         )
+        return
+    from ..testbed.calibrate import host_cpus
 
-    from .runner import run_variant
+    progress(
+        f"  emulating {profile.name}: host {emulation['host_gflops']:.1f} GFLOP/s per rank "
+        f"({emulation['host_source']}"
+        + (
+            f"; {own.nproc} ranks x {threads} thread(s) on {host_cpus()} CPUs: "
+            f"{emulation['oversubscription_share']:.2f} of the rate alone"
+            if emulation["oversubscription_share"] < 1
+            else ""
+        )
+        + f", {emulation['host_memory_gbs']:.2f} GB/s) => dilation D = "
+        f"{emulation['dilation']:.1f} (one layer: target GEMM "
+        f"{emulation['target_gemm_ms']:.3g} ms + memory {emulation['target_memory_ms']:.3g} ms; "
+        f"host GEMM {emulation['host_gemm_ms']:.4g} ms + memory "
+        f"{emulation['host_memory_ms']:.4g} ms)"
+    )
 
+
+def _skip_unfit(variants, parsed, profile, progress):
+    """``{name: result}`` of the variants whose estimated memory exceeds 90 % of the emulated
+    GPU's: they are not run (full-recompute variants always are)."""
     skipped = {}
     for v in variants:
         if v.recompute != "full" and profile is not None:
@@ -328,14 +425,25 @@ def main(argv):
                     "status": "skipped",
                     "reason": f"does not fit (~{need:.0f} GB)",
                 }
-    to_run = [v for v in variants if v.name not in skipped]
-    # Repeats rotate the order by half the list each time, so that no variant's runs are adjacent
-    # and a slow drift or a burst of the host's load does not always hit the same variant; each
-    # variant keeps its fastest run.
+    return skipped
+
+
+def _run_order(to_run, repeats):
+    """``[(repeat, variant)]``. Repeats rotate the order by half the list each time, so that no
+    variant's runs are adjacent and a slow drift or a burst of the host's load does not always hit
+    the same variant."""
     order, n = [], len(to_run)
-    for k in range(own.repeats):
+    for k in range(repeats):
         shift = (k * ((n + 1) // 2)) % max(n, 1)
         order += [(k, v) for v in to_run[shift:] + to_run[:shift]]
+    return order
+
+
+def _run_all(to_run, train_argv, out, own, env, tokens, comm_model, progress):
+    """The timed runs, in :func:`_run_order`: ``{name: [result per run]}``."""
+    from .runner import run_variant
+
+    order = _run_order(to_run, own.repeats)
     runs = {v.name: [] for v in to_run}
     for i, (k, v) in enumerate(order, 1):
         tag = f"[{i}/{len(order)}] {v.name}" + (
@@ -368,6 +476,12 @@ def main(argv):
         else:
             progress(f"{tag}: FAILED: {r.get('error')}")
         runs[v.name].append(r)
+    return runs
+
+
+def _best_runs(variants, skipped, runs, repeats):
+    """One result per variant, in ``variants``' order: its fastest run, or its first failed run
+    where any failed (with ``repeats`` > 1 also every run's time, status and directory)."""
     results = []
     for v in variants:
         if v.name in skipped:
@@ -378,7 +492,7 @@ def main(argv):
             best = next(r for r in runs[v.name] if r["status"] != "ok")
         else:
             best = min(ok, key=lambda r: r["mean_iteration_s"])
-        if own.repeats > 1:
+        if repeats > 1:
             best["runs"] = [
                 {
                     "mean_iteration_s": r.get("mean_iteration_s"),
@@ -388,48 +502,7 @@ def main(argv):
                 for r in runs[v.name]
             ]
         results.append(best)
-    _host_pass(variants, results, train_argv, parsed, own, out, base, progress)
-    if budgets:
-        from .memory import measure
-
-        measured = [v for v, r in zip(variants, results) if r["status"] == "ok"]
-        memory = measure(
-            measured,
-            train_argv,
-            parsed,
-            own.nproc,
-            out,
-            own.timeout,
-            progress,
-            one_rank=own.one_rank,
-        )
-        for r in results:
-            if r["name"] in memory:
-                r["memory"] = memory[r["name"]]
-
-    report = {
-        "command": "oases compare " + shlex.join(argv),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "host": host_fingerprint(),
-        "code": _code_version(),
-        "config": {
-            "model": model,
-            "train_argv": train_argv,
-            "nproc": own.nproc,
-            "one_rank": own.one_rank,
-            "repeats": own.repeats,
-            "threads_per_rank": threads,
-            "warmup": own.warmup,
-            "iters": own.iters,
-            "tokens_per_iteration": tokens,
-            "oases_plan": plan,
-            "memory_budget_gb": budgets,
-        },
-        "emulation": emulation,
-        "loss_check": {"rtol": rtol},
-        "variants": results,
-    }
-    return finalize(report, out)
+    return results
 
 
 def _host_pass(variants, results, train_argv, parsed, own, out, base, progress):
@@ -447,6 +520,46 @@ def _host_pass(variants, results, train_argv, parsed, own, out, base, progress):
     for r in results:
         if r["name"] in counts:
             r["host"] = counts[r["name"]]
+
+
+def _memory_pass(budgets, variants, results, train_argv, parsed, own, out, progress):
+    """With ``--memory-budget``: each variant's peak memory per rank (``memory``), from an untimed
+    pass over the variants that ran."""
+    if not budgets:
+        return
+    from .memory import measure
+
+    measured = [v for v, r in zip(variants, results) if r["status"] == "ok"]
+    memory = measure(
+        measured,
+        train_argv,
+        parsed,
+        own.nproc,
+        out,
+        own.timeout,
+        progress,
+        one_rank=own.one_rank,
+    )
+    for r in results:
+        if r["name"] in memory:
+            r["memory"] = memory[r["name"]]
+
+
+def _report(argv, config, emulation, rtol, results):
+    """results.json's content before :func:`.results.finalize` adds the metrics: the command, when,
+    where and with which code it ran, and the runs."""
+    from ..testbed.calibrate import host_fingerprint
+
+    return {
+        "command": "oases compare " + shlex.join(argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": host_fingerprint(),
+        "code": _code_version(),
+        "config": config,
+        "emulation": emulation,
+        "loss_check": {"rtol": rtol},
+        "variants": results,
+    }
 
 
 def _recount_host(report, out):
