@@ -110,8 +110,8 @@ def main(argv):
     check_output_file(args.out, example="profile.json")
     if args.cache_dir and not args.analytic:
         check_output_dir(args.cache_dir, flag="--cache-dir")
-    from ..formats.profile import save_profile
     from ..formats.plan import parse_degrees
+    from ..formats.profile import save_profile
     from .model_config import model_args, read_model_file, set_overrides
 
     flat = read_model_file(args.model)

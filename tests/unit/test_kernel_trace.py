@@ -11,9 +11,7 @@ from helpers.paths import REPO
 from megatron_oases.instrument import kernel_trace as kt
 
 RECORDED = os.path.join(
-    REPO,
-    "tests/fixtures/h100-2026-11-26-"
-    "trace-rtx3090-pcie-oases-graphs.json.gz",
+    REPO, "tests/fixtures/h100-2026-11-26-trace-rtx3090-pcie-oases-graphs.json.gz"
 )
 
 

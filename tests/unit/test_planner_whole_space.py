@@ -8,8 +8,8 @@ import pytest
 
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.formats.profile import Profile
-from megatron_oases.planner.cluster import search as search_mod
 from megatron_oases.planner.api import make_plan
+from megatron_oases.planner.cluster import search as search_mod
 from megatron_oases.planner.cluster.search import is_oases, model_for_search, search, verdict
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.profiler.model_config import read_model_file
