@@ -623,20 +623,25 @@ def emulation_info(profile, threads, env, nproc, args):
     the host's rates of one rank alone, scaled down when ``nproc`` processes × ``threads``
     oversubscribe the CPUs. The variants get it as ``OASES_EMULATE_DILATION``."""
     from ..device_model import DeviceRates, roofline_dilation
-    from ..testbed.calibrate import host_flops, host_memory_bandwidth, oversubscription_share
+    from ..testbed.calibrate import (
+        host_flops,
+        host_memory_bandwidth,
+        oversubscription_share,
+        rate_source,
+    )
     from ..testbed.emulator import _env_rate, shape_of_args
 
     share = oversubscription_share(nproc, threads)
     flops, source = _env_rate("OASES_HOST_FLOPS"), "OASES_HOST_FLOPS"
     if not flops:
         flops, info = host_flops(threads)
-        source = "cached calibration" if info["cached"] else "measured now"
+        source = rate_source(info, cached="cached calibration")
     mem, mem_source = _env_rate("OASES_HOST_MEM_GBS"), "OASES_HOST_MEM_GBS"
     if mem:
         mem *= 1e9
     else:
         mem, info = host_memory_bandwidth(threads)
-        mem_source = "cached calibration" if info["cached"] else "measured now"
+        mem_source = rate_source(info, cached="cached calibration")
     host = DeviceRates(flops * share, mem * share, "host")
     host_bytes = 2 if (args.bf16 or args.fp16) else 4
     dl = roofline_dilation(

@@ -139,36 +139,72 @@ def _store_cache(data):
     os.replace(tmp, cache_path())
 
 
-def host_flops(threads=None, refresh=False, measure=measure_host_flops):
-    """Host FLOP/s for ``threads`` torch threads (default: the current count): cached or measured.
+#: A measurement that got less than this share of its threads' CPU time is not cached: the host
+#: was busy, and the rate of one rank alone would be understated for as long as the cache lives
+#: (a 1-thread matmul measured under load at 21 GFLOP/s on a host that does 72 when quiet).
+MIN_CPU_SHARE = 0.8
+#: Shorter measurements (the tests' stand-ins) are too short to judge the share.
+MIN_JUDGED_S = 0.05
 
-    Returns ``(flops, info)``; ``info`` says whether it came from the cache, the key and the
-    fingerprint.
-    """
-    import torch
 
-    threads = int(threads or torch.get_num_threads())
-    fp = host_fingerprint()
-    key = cache_key(threads, fp)
-    data = _load_cache()
-    entry = data.get(key)
-    if entry and not refresh and entry.get("flops", 0) > 0:
-        return float(entry["flops"]), dict(entry, key=key, cached=True)
-    flops = float(measure(threads))
+def _measured_quietly(measure, threads):
+    """``measure(threads)`` and, where it ran long enough to judge, the share of its threads'
+    CPU time it got (process CPU time ÷ wall time ÷ threads); ``None`` where too short."""
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    value = float(measure(threads))
+    wall = time.perf_counter() - wall0
+    share = (time.process_time() - cpu0) / wall / threads if wall >= MIN_JUDGED_S else None
+    return value, share
+
+
+def _cached_rate(key, field, measure, threads, method, refresh):
+    """The cached ``field`` under ``key``, or a new measurement, cached only if it ran quietly."""
+    entry = _load_cache().get(key)
+    if entry and not refresh and entry.get(field, 0) > 0:
+        return float(entry[field]), dict(entry, key=key, cached=True)
+    value, share = _measured_quietly(measure, threads)
     entry = {
-        "flops": flops,
+        field: value,
         "threads": threads,
-        "fingerprint": fp,
-        "method": f"fp32 {DEFAULT_N}^3 torch.mm, best of {DEFAULT_REPS}",
+        "fingerprint": host_fingerprint(),
+        "method": method,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "cpu_share": share,
     }
+    if share is not None and share < MIN_CPU_SHARE:
+        reason = (
+            f"not cached: the measurement got {share:.0%} of its CPU time (host busy); "
+            "run `oases calibrate --refresh` on a quiet host"
+        )
+        return value, dict(entry, key=key, cached=False, not_cached=reason)
     data = _load_cache()  # re-read: another process may have written meanwhile
     data[key] = entry
     try:
         _store_cache(data)
     except OSError:
         pass  # an unwritable cache only costs a re-measurement next time
-    return flops, dict(entry, key=key, cached=False)
+    return value, dict(entry, key=key, cached=False)
+
+
+def rate_source(info, cached="cached"):
+    """Where a rate came from, for the reports: the cache, or measured now (and why not kept)."""
+    if info["cached"]:
+        return cached
+    return "measured now" + (f"; {info['not_cached']}" if info.get("not_cached") else "")
+
+
+def host_flops(threads=None, refresh=False, measure=measure_host_flops):
+    """Host FLOP/s for ``threads`` torch threads (default: the current count): cached or measured.
+
+    Returns ``(flops, info)``; ``info`` says whether it came from the cache, the key and the
+    fingerprint, and (``not_cached``) why a measurement on a busy host was not kept.
+    """
+    import torch
+
+    threads = int(threads or torch.get_num_threads())
+    key = cache_key(threads, host_fingerprint())
+    method = f"fp32 {DEFAULT_N}^3 torch.mm, best of {DEFAULT_REPS}"
+    return _cached_rate(key, "flops", measure, threads, method, refresh)
 
 
 def host_memory_bandwidth(threads=None, refresh=False, measure=measure_memory_bandwidth):
@@ -177,27 +213,11 @@ def host_memory_bandwidth(threads=None, refresh=False, measure=measure_memory_ba
     import torch
 
     threads = int(threads or torch.get_num_threads())
-    fp = host_fingerprint()
-    key = cache_key(threads, fp) + "-memory"
-    entry = _load_cache().get(key)
-    if entry and not refresh and entry.get("bytes_per_s", 0) > 0:
-        return float(entry["bytes_per_s"]), dict(entry, key=key, cached=True)
-    bw = float(measure(threads))
-    entry = {
-        "bytes_per_s": bw,
-        "threads": threads,
-        "fingerprint": fp,
-        "method": f"fp32 add of {MEM_ELEMENTS // 2**20} Mi elements (3 x 4 B each), best of "
-        f"{DEFAULT_REPS}",
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    data = _load_cache()
-    data[key] = entry
-    try:
-        _store_cache(data)
-    except OSError:
-        pass
-    return bw, dict(entry, key=key, cached=False)
+    key = cache_key(threads, host_fingerprint()) + "-memory"
+    method = (
+        f"fp32 add of {MEM_ELEMENTS // 2**20} Mi elements (3 x 4 B each), best of {DEFAULT_REPS}"
+    )
+    return _cached_rate(key, "bytes_per_s", measure, threads, method, refresh)
 
 
 def host_cpus():
@@ -269,8 +289,7 @@ def main(argv):
         "core_attention": "fused",  # the target: Megatron's default backend on CUDA
     }
     tp, mb = args.tensor_model_parallel_size, args.micro_batch_size
-    src = "cached" if info["cached"] else "measured now"
-    msrc = "cached" if minfo["cached"] else "measured now"
+    src, msrc = rate_source(info), rate_source(minfo)
     print(
         f"host: {info['fingerprint']['cpu']} ({info['fingerprint']['logical_cpus']} logical CPUs)"
     )

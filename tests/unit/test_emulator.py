@@ -75,6 +75,29 @@ def test_calibration_is_cached_per_host_and_thread_count(tmp_path, monkeypatch):
     assert calls == [1, 2, 1]
 
 
+def test_a_rate_measured_on_a_busy_host_is_not_cached(tmp_path, monkeypatch):
+    """A measurement that got little of its CPU (here: none, it sleeps) would understate the
+    host's rate for as long as the cache lives: used once, said why, measured again next time."""
+    import time
+
+    monkeypatch.setenv("OASES_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def starved(threads):
+        calls.append(threads)
+        time.sleep(2 * calibrate.MIN_JUDGED_S)
+        return 2e10
+
+    f1, info1 = calibrate.host_flops(1, measure=starved)
+    f2, info2 = calibrate.host_flops(1, measure=starved)
+    b1, binfo = calibrate.host_memory_bandwidth(1, measure=starved)
+    assert (f1, f2, b1) == (2e10, 2e10, 2e10) and calls == [1, 1, 1]
+    assert not info2["cached"] and info1["cpu_share"] < calibrate.MIN_CPU_SHARE
+    assert "oases calibrate --refresh" in info1["not_cached"] and binfo["not_cached"]
+    assert "not cached" in calibrate.rate_source(info1)
+    assert not (tmp_path / "host-flops.json").exists()
+
+
 def test_dilation_from_host_rate(monkeypatch):
     monkeypatch.delenv("OASES_EMULATE_DILATION", raising=False)
     monkeypatch.setenv("OASES_HOST_FLOPS", "1e11")
