@@ -186,11 +186,11 @@ def _cached_rate(key, field, measure, threads, method, refresh):
     return value, dict(entry, key=key, cached=False)
 
 
-def rate_source(info, cached="cached"):
+def rate_source(info, cached="cached", measured="measured now"):
     """Where a rate came from, for the reports: the cache, or measured now (and why not kept)."""
     if info["cached"]:
         return cached
-    return "measured now" + (f"; {info['not_cached']}" if info.get("not_cached") else "")
+    return measured + (f"; {info['not_cached']}" if info.get("not_cached") else "")
 
 
 def host_flops(threads=None, refresh=False, measure=measure_host_flops):

@@ -129,13 +129,13 @@ def host_rates(cuda=False):
         threads = torch.get_num_threads()
         if not flops:
             flops, info = calibrate.host_flops(threads)
-            sources[0] = "cache" if info["cached"] else "measured"
+            sources[0] = calibrate.rate_source(info, cached="cache", measured="measured")
         if not mem and cuda:
             mem = calibrate.measure_memory_bandwidth(device="cuda")
             sources[1] = "measured on cuda"
         elif not mem:
             mem, info = calibrate.host_memory_bandwidth(threads)
-            sources[1] = "cache" if info["cached"] else "measured"
+            sources[1] = calibrate.rate_source(info, cached="cache", measured="measured")
     if distributed:
         t = torch.tensor([flops or 0.0, mem or 0.0], dtype=torch.float64)
         c10d.broadcast(t, src=0)  # torch's own function: the emulator is not installed yet
