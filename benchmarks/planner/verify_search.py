@@ -42,6 +42,14 @@ RECOMPUTE_WORDS = {
 }
 
 
+def _degrees_word(row):
+    """``, every layer at degree 1`` / ``, degrees [1, 2]`` where the plan's layers run below TP."""
+    degrees, tp = row.get("degrees"), row.get("tp")
+    if not degrees or tp is None or degrees == [tp]:
+        return ""
+    return f", every layer at degree {degrees[0]}" if len(degrees) == 1 else f", degrees {degrees}"
+
+
 def write_report(out, out_dir):
     """``verify_search.md`` from the JSON result (``--report-only`` rebuilds it)."""
     rho_top, rho_all = out["spearman_top5"], out["spearman_all"]
@@ -65,7 +73,8 @@ def write_report(out, out_dir):
         tag = " (rule of thumb)" if r.get("rule_of_thumb") else ""
         got = f"{1e3 * r['measured_s']:.2f}" if "measured_s" in r else r["status"]
         lines.append(f"| {r['name']}{tag} | {r['schedule']}, {RECOMPUTE_WORDS[r['recompute']]} recompute"
-                     f"{', sequence chunks' if r['split'] == 'sequence' else ''} | "
+                     f"{', sequence chunks' if r['split'] == 'sequence' else ''}"
+                     f"{_degrees_word(r)} | "
                      f"{1e3 * r['predicted_s']:.2f} | {got} |")  # fmt: skip
     fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
     lines += [

@@ -131,6 +131,13 @@ def load_plan(path, num_layers=None, tensor_model_parallel_size=None):
     return validate_plan(plan, num_layers, tensor_model_parallel_size, source=str(path))
 
 
+def needs_plan_file(plan):
+    """Whether a run of ``plan`` needs ``--oases-plan``: some layer runs below T (the launch flags
+    alone give every layer T, so a plan of every layer at 1 under T = 2 is not stock TP2)."""
+    T = int(plan["tensor_model_parallel_size"])
+    return any(int(d) != T for d in plan["degrees"])
+
+
 def uniform_plan(
     num_layers,
     tensor_model_parallel_size,

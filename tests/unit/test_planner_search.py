@@ -130,6 +130,41 @@ def test_the_chosen_layout_is_the_lowest_predicted_whatever_order_the_rows_ran_i
         assert out["spearman"] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize(
+    "degrees, needs_file", [([1] * 4, True), ([2, 1, 2, 2], True), ([2] * 4, False)]
+)
+def test_a_plan_with_layers_below_tp_runs_with_its_file(tmp_path, degrees, needs_file):
+    """Every layer at degree 1 under TP2 is not stock TP2: the verify run and the printed launch
+    line carry ``--oases-plan`` (they did only where the degrees differed between layers, so the
+    grid measured stock TP2 PP2 against the prediction for degree 1: +45 %)."""
+    from megatron_oases.formats.plan import uniform_plan
+    from megatron_oases.planner.cluster.cli import run_with_line
+    from megatron_oases.planner.cluster.verify import candidate_flags
+
+    plan = dict(uniform_plan(4, 2, schedule="off"), degrees=degrees)
+    plan["launch_flags"] = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
+    cand = {"name": "TP2 PP2 DP1 mb2", "launch_flags": plan["launch_flags"]}
+    flags = candidate_flags(cand, plan, str(tmp_path))
+    line = run_with_line(plan, "plan.json")
+    assert ("--oases-plan" in flags) is needs_file
+    assert line.endswith("--oases-plan plan.json") is needs_file
+    if needs_file:
+        written = json.loads(open(flags[flags.index("--oases-plan") + 1]).read())
+        assert written["degrees"] == degrees
+
+
+def test_a_run_is_dilated_for_the_layer_shape_it_computes():
+    """D of a verify run follows the layer a rank computes: every layer at 1 under TP2 with
+    micro-batch 2 is a full-width layer of one sample (D of TP1 mb1, not of TP2 mb2)."""
+    from megatron_oases.planner.cluster.verify import layer_shape
+
+    layout = {"tp": 2, "micro_batch": 2}
+    assert layer_shape(layout) == (2, 2)
+    assert layer_shape(layout, {"degrees": [1, 1, 1, 1]}) == (1, 1)
+    assert layer_shape(layout, {"degrees": [2, 1, 2, 2]}) == (2, 2)
+    assert layer_shape(layout, {"degrees": [2, 1, 2, 1]}) == (1, 1)
+
+
 def test_stage_splits_are_the_ones_megatron_takes():
     from megatron_oases.planner.cluster.stage_split import split_flags, stage_splits
 

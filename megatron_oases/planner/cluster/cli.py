@@ -60,6 +60,17 @@ def add_search_flags(p):
     )
 
 
+def run_with_line(plan, out=None):
+    """``run with: FLAGS``, plus ``--oases-plan`` where a layer runs below the layout's TP (the
+    runtime reads those degrees from the plan file; the flags alone would run stock)."""
+    from ...formats.plan import needs_plan_file
+
+    hint = ""
+    if needs_plan_file(plan):
+        hint = f" --oases-plan {out or 'PLAN_JSON (write it with --out)'}"
+    return f"run with: {plan['launch_flags']}{hint}"
+
+
 def search_main(args):
     """``--gpus N``: the cluster-wide search (:mod:`.search`)."""
     from ...formats.plan import save_plan
@@ -108,9 +119,7 @@ def search_main(args):
     print(f"\nwhy: {why_first(result)}")
     print("\n".join(verdict(result)))
     plan = result["winner_plan"]
-    per_layer = len(set(plan["degrees"])) > 1  # the runtime reads the degrees from the plan file
-    hint = f" --oases-plan {args.out or 'PLAN_JSON (write it with --out)'}" if per_layer else ""
-    print(f"run with: {plan['launch_flags']}{hint}")
+    print(run_with_line(plan, args.out))
     if args.verify_top:
         import os
         import tempfile

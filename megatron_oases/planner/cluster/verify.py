@@ -45,6 +45,29 @@ def _slug(name):
     return name.replace(" ", "-").lower()
 
 
+def candidate_flags(cand, plan, out_dir):
+    """A candidate's launch flags as run: its launch line, plus ``--oases-plan`` (the plan written
+    into ``out_dir``) where a layer runs below the layout's TP: the line alone would run stock."""
+    from ...formats.plan import needs_plan_file, save_plan
+
+    flags = cand["launch_flags"].split()
+    if plan is not None and needs_plan_file(plan):
+        path = os.path.join(out_dir, f"{_slug(cand['name'])}.plan.json")
+        save_plan(plan, path)
+        flags += ["--oases-plan", path]
+    return flags
+
+
+def layer_shape(layout, plan=None):
+    """``(degree, samples)`` of the layer a rank of this candidate computes, which fixes its D: a
+    layer at degree d < TP runs its share of the micro-batch (mb × d / TP samples) at d. Where
+    the plan's degrees differ, the degree of the most layers (the smaller on a tie)."""
+    tp, mb = layout["tp"], layout["micro_batch"]
+    degrees = plan["degrees"] if plan is not None else [tp]
+    d = min(set(degrees), key=lambda x: (-degrees.count(x), x))
+    return d, mb * d // tp
+
+
 def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, progress=print):
     """Run ``result``'s first ``k`` candidates (:func:`.search.search`); returns
     ``{'rows': [...], 'spearman', 'dilation', 'best_measured', 'chosen_gap'}`` and adds
@@ -52,7 +75,6 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
     from ...compare.cli import emulation_info
     from ...compare.runner import run_variant
     from ...compare.variants import Variant
-    from ...formats.plan import save_plan
     from ...profiler.model_config import model_argv
     from ...testbed.clusters import load_cluster
 
@@ -70,19 +92,15 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     for i, cand in enumerate(result["candidates"][:k], 1):
-        flags = cand["launch_flags"].split()
         plan = result.get("plans", {}).get(cand["name"])
-        if plan is not None and len(set(plan["degrees"])) > 1:  # per-layer degrees: the file
-            path = os.path.join(out_dir, f"{_slug(cand['name'])}.plan.json")
-            save_plan(plan, path)
-            flags += ["--oases-plan", path]
+        flags = candidate_flags(cand, plan, out_dir)
         variant = Variant(
             name=_slug(cand["name"]), flags=tuple(flags), label=cand["name"], paper=""
         )
         # D of this candidate's layer shape (TP degree, micro-batch): one per candidate
         cargs = copy.copy(margs)
         lay = cand["layout"]
-        cargs.tensor_model_parallel_size, cargs.micro_batch_size = lay["tp"], lay["micro_batch"]
+        cargs.tensor_model_parallel_size, cargs.micro_batch_size = layer_shape(lay, plan)
         env = {}
         emulation = emulation_info(profile, 1, env, gpus, cargs)
         progress(f"verify {i}/{k}: {cand['name']} {cand['schedule']} on {gpus} emulated ranks")
@@ -103,6 +121,8 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
             "schedule": cand["schedule"],
             "recompute": cand["recompute"],
             "split": cand["split"],
+            "degrees": cand.get("degrees"),
+            "tp": lay["tp"],
             "predicted_s": cand["device_time_s"],
             "status": run["status"],
             "dilation": emulation["dilation"],
@@ -136,7 +156,10 @@ def verify_table(verified):
     lines = [f"{'candidate':<22} {'setting':<10} {'predicted ms':>13} {'measured ms':>12}"]
     for r in verified["rows"]:
         got = f"{1e3 * r['measured_s']:>12.2f}" if "measured_s" in r else f"  {r['status']}"
-        lines.append(f"{r['name']:<22} {r['schedule']:<10} {1e3 * r['predicted_s']:>13.2f} {got}")
+        setting = r["schedule"]
+        if r.get("degrees") and r["degrees"] != [r.get("tp")]:  # layers below TP: the plan file
+            setting += f" degrees {r['degrees']}"
+        lines.append(f"{r['name']:<22} {setting:<10} {1e3 * r['predicted_s']:>13.2f} {got}")
     rho, gap = verified.get("spearman"), verified.get("chosen_gap")
     lines.append(
         f"Spearman {'n/a' if rho is None else f'{rho:.2f}'}; the best measured: "
