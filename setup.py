@@ -21,7 +21,7 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "scipy", "black", "isort"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "scipy", "black", "isort"],
         # GPU-only extras: install your own CUDA torch first.
         "gpu": ["transformer-engine", "apex"],
     },

@@ -14,10 +14,29 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 #: that keep them compiled. ``run_distributed``'s ranks follow the value of the moment.
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 #: Megatron's mock-data indices, shared by the session's runs (``helpers.runs.with_data_cache``).
+#: Under pytest-xdist each worker has its own (inside the controller's): two workers building
+#: the same index files at once would read each other's half-written ones.
 _DATA_CACHE = None
 if "OASES_TEST_DATA_CACHE" not in os.environ:
     _DATA_CACHE = tempfile.mkdtemp(prefix="oases-test-data-cache-")
     os.environ["OASES_TEST_DATA_CACHE"] = _DATA_CACHE
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _worker_cache = os.path.join(
+        os.environ["OASES_TEST_DATA_CACHE"], os.environ["PYTEST_XDIST_WORKER"]
+    )
+    os.makedirs(_worker_cache, exist_ok=True)
+    os.environ["OASES_TEST_DATA_CACHE"] = _worker_cache
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """For ``-n 2 --dist loadgroup`` (the README's command): each module's tests on one worker
+    (its module-scoped fixtures, a 4-rank job matrix or a SLURM cluster, are set up once) unless
+    the module names a group of its own; modules of one group run on one worker, one after the
+    other (the two SLURM clusters). Without xdist the mark does nothing."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 def pytest_sessionfinish(session, exitstatus):
