@@ -50,6 +50,13 @@ def _degrees_word(row):
     return f", every layer at degree {degrees[0]}" if len(degrees) == 1 else f", degrees {degrees}"
 
 
+def _dilations(out):
+    """``755-934``: the range of the candidates' D (one per layer shape)."""
+    ds = [r["dilation"] for r in out["rows"] if r.get("dilation")] or [out["dilation"]]
+    lo, hi = min(ds), max(ds)
+    return f"{lo:.0f}" if round(lo) == round(hi) else f"{lo:.0f}-{hi:.0f}"
+
+
 def write_report(out, out_dir):
     """``verify_search.md`` from the JSON result (``--report-only`` rebuilds it)."""
     rho_top, rho_all = out["spearman_top5"], out["spearman_all"]
@@ -62,7 +69,7 @@ def write_report(out, out_dir):
         "",
         "`python benchmarks/planner/verify_search.py` (do not edit by hand). **An emulation on a "
         "2-CPU host, not GPUs**: 4 ranks of `oases train` under `--emulate-link rtx3090-pcie` "
-        f"(D per candidate's layer shape, the first {out['dilation']:.3g}); measured = median timed iteration ÷ D. Model: GPT "
+        f"(D per candidate's layer shape: {_dilations(out)}); measured = median timed iteration ÷ D. Model: GPT "
         "H=512, 8 layers, 8 heads, seq 512, vocabulary 1024, global batch 8; searched without the "
         "host term (the emulator does not reproduce the target host).",
         "",
