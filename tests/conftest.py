@@ -28,15 +28,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OASES_TEST_DATA_CACHE"] = _worker_cache
 
 
-@pytest.hookimpl(tryfirst=True)
+#: Files run first, in this order, and last: the suite runs two files at a time (``-n 2 --dist
+#: loadfile``). First the longest (docs/testing.md's table), so that the short ones even out the
+#: two workers' ends; the two files that start a SLURM cluster take turns
+#: (``helpers.slurm.LOCK``), apart in the order so that neither waits for the other.
+FIRST = (
+    "test_two_hosts_e2e.py",
+    "test_schedule_parity.py",
+    "test_sequence_parallel.py",
+    "test_faults_e2e.py",
+    "test_gpu_check.py",
+    "test_schedule_behaviour.py",
+)
+LAST = ("test_slurm.py",)
+
+
 def pytest_collection_modifyitems(config, items):
-    """For ``-n 2 --dist loadgroup`` (the README's command): each module's tests on one worker
-    (its module-scoped fixtures, a 4-rank job matrix or a SLURM cluster, are set up once) unless
-    the module names a group of its own; modules of one group run on one worker, one after the
-    other (the two SLURM clusters). Without xdist the mark does nothing."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    def rank(item):
+        name = item.path.name
+        return FIRST.index(name) if name in FIRST else len(FIRST) + (name in LAST)
+
+    items.sort(key=rank)  # stable: the order within each file and among the others is kept
 
 
 def pytest_sessionfinish(session, exitstatus):

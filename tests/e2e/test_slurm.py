@@ -18,8 +18,6 @@ import pytest
 from helpers.paths import LAUNCHER, REPO
 from helpers.slurm import alive, ensure_slurm_installed, node_name, single_node
 
-pytestmark = pytest.mark.xdist_group("slurm")  # one SLURM cluster at a time (tests/conftest.py)
-
 COMPARE = os.path.join(REPO, "launch_scripts", "compare_vs_megatron.sh")
 
 

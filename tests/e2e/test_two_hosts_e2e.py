@@ -44,7 +44,6 @@ from megatron_oases.training.checkpoint_check import check_tracker
 _WHY_NOT = why_not_available()
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.xdist_group("slurm"),  # one SLURM cluster at a time (tests/conftest.py)
     pytest.mark.timeout(1200),  # the first test sets up the chain of four 4-rank jobs
     pytest.mark.skipif(
         _WHY_NOT is not None, reason=f"two hosts need network namespaces: {_WHY_NOT}"

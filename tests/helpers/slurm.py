@@ -323,8 +323,40 @@ class SlurmCluster:
             os.kill(pid, signal.SIGKILL)
 
 
+#: One SLURM cluster at a time on this machine: the suite runs two test files at once
+#: (pytest-xdist), and both files that start a cluster could be among them.
+LOCK = os.path.join(tempfile.gettempdir(), "oases-test-slurm.lock")
+
+
+@contextlib.contextmanager
+def one_cluster_at_a_time():
+    """Hold :data:`LOCK` (another file's cluster first stops)."""
+    import fcntl
+
+    with open(LOCK, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @contextlib.contextmanager
 def single_node(root):
+    """:func:`_single_node`, once no other cluster of the suite runs."""
+    with one_cluster_at_a_time(), _single_node(root) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def two_nodes(root, hosts):
+    """:func:`_two_nodes`, once no other cluster of the suite runs."""
+    with one_cluster_at_a_time(), _two_nodes(root, hosts) as cluster:
+        yield cluster
+
+
+@contextlib.contextmanager
+def _single_node(root):
     """One SLURM node, this host (:func:`node_name`) on 127.0.0.1, free ports; files in ``root``."""
     cluster = SlurmCluster(root)
     try:
@@ -364,7 +396,7 @@ def single_node(root):
 
 
 @contextlib.contextmanager
-def two_nodes(root, hosts):
+def _two_nodes(root, hosts):
     """Two SLURM nodes, one per host of ``hosts`` (:class:`helpers.netns.TwoHosts`): slurmctld and
     node0's slurmd on host 0, node1's on host 1; munged, whose socket is a file, serves both.
     slurmctld's host name is the machine's own (both namespaces share it), at host 0's address;
