@@ -109,6 +109,51 @@ def run_variant(
 ):
     """Run one variant; returns its result dict (status ok/failed, timings, losses, trace metrics)."""
     vdir = os.path.join(out_dir, variant.name, *([subdir] if subdir else []))
+    _fresh_variant_dir(vdir, out_dir)
+    cmd, launch_env = train_command(
+        variant, train_argv, vdir, nproc, warmup + iters, emulate_link, one_rank=one_rank
+    )
+    result = {
+        "name": variant.name,
+        "label": variant.label,
+        "paper": variant.paper,
+        "flags": list(variant.flags),
+        "command": cmd,
+        "dir": vdir,
+        "status": "failed",
+    }
+    watch = _OutputWatcher(variant.name, warmup, progress)
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}), **launch_env)
+    rc, result["wall_s"] = _run_logged(cmd, full_env, vdir, out_dir, variant.name, watch, timeout)
+    if watch.cpu_shares:
+        result["host_cpu_share"] = sum(watch.cpu_shares.values()) / len(watch.cpu_shares)
+    result["returncode"] = rc
+    if rc != 0:
+        why = f"timed out after {timeout}s" if rc is None else f"exit code {rc}"
+        cause = _first_error(watch.tail)
+        log = os.path.relpath(os.path.join(vdir, "log.txt"), out_dir)  # results.json: relative
+        result["error"] = f"oases train {why}{': ' + cause if cause else ''}; see {log}"
+        result["log_tail"] = watch.tail[-15:]
+        return result
+    golden_path = os.path.join(vdir, "golden.json")
+    try:
+        golden = read_golden(golden_path)
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else exc  # an OSError names the full path
+        result["error"] = f"no metrics in {os.path.relpath(golden_path, out_dir)}: {why}"
+        return result
+    result.update(status="ok", **_timings(golden, warmup, tokens))
+    files = trace_files(os.path.join(vdir, "trace.rank{rank}.json"))
+    traces = load_traces(files)
+    result["trace_files"] = files
+    result["trace"] = run_metrics(traces, comm_model) if traces else None
+    if not traces:
+        result["warning"] = "no trace written: exposed communication and efficiency unavailable"
+    return result
+
+
+def _fresh_variant_dir(vdir, out_dir):
+    """``vdir`` made, without an earlier run's traces and metrics; one line if it cannot be."""
     try:
         os.makedirs(vdir, exist_ok=True)
         for f in trace_files(os.path.join(vdir, "trace.rank{rank}.json")) + [
@@ -121,44 +166,41 @@ def run_variant(
             f"cannot write in {vdir} ({exc.strerror or exc}): free space in --out {out_dir} (or "
             "make it writable), or choose another --out"
         ) from None
-    total = warmup + iters
-    cmd, launch_env = train_command(
-        variant, train_argv, vdir, nproc, total, emulate_link, one_rank=one_rank
-    )
-    result = {
-        "name": variant.name,
-        "label": variant.label,
-        "paper": variant.paper,
-        "flags": list(variant.flags),
-        "command": cmd,
-        "dir": vdir,
-        "status": "failed",
-    }
-    tail = []
-    cpu_shares = {}
 
-    def on_line(line):
-        tail.append(line)
-        del tail[:-200]
+
+class _OutputWatcher:
+    """Reads a run's output line by line: keeps its last 200 lines, each rank's CPU share, and
+    reports iterations and ``[oases]`` lines as progress."""
+
+    def __init__(self, name, warmup, progress):
+        self.name, self.warmup, self.progress = name, warmup, progress
+        self.tail, self.cpu_shares = [], {}
+
+    def __call__(self, line):
+        self.tail.append(line)
+        del self.tail[:-200]
         share = _SHARE.search(line)
         if share:
-            cpu_shares[int(share.group(1))] = float(share.group(2))
+            self.cpu_shares[int(share.group(1))] = float(share.group(2))
         m = _ITER.search(line)
         if m:
             it, n, ms = int(m.group(1)), int(m.group(2)), float(m.group(3))
-            phase = "warm-up" if it <= warmup else "timed"
-            progress(f"  [{variant.name}] iteration {it}/{n} ({phase}): {ms:.1f} ms")
+            phase = "warm-up" if it <= self.warmup else "timed"
+            self.progress(f"  [{self.name}] iteration {it}/{n} ({phase}): {ms:.1f} ms")
         elif line.startswith("[oases]"):
-            progress(f"  [{variant.name}] {line[8:]}")
+            self.progress(f"  [{self.name}] {line[8:]}")
 
+
+def _run_logged(cmd, env, vdir, out_dir, name, on_line, timeout):
+    """Run ``cmd`` in its own process group, its output to ``vdir/log.txt`` and ``on_line``;
+    ``(returncode or None on timeout, wall seconds)``. Killed whole on a timeout or Ctrl-C."""
     t0 = time.time()
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}), **launch_env)
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=full_env,
+        env=env,
         start_new_session=True,
     )
     log_failed = []
@@ -183,34 +225,22 @@ def run_variant(
         exc = log_failed[0]
         raise OasesConfigError(
             f"cannot write {os.path.join(vdir, 'log.txt')} ({exc.strerror or exc}); the run of "
-            f"{variant.name} was stopped: free space in --out {out_dir} (or make it writable), "
+            f"{name} was stopped: free space in --out {out_dir} (or make it writable), "
             "or choose another --out"
         )
-    result["wall_s"] = time.time() - t0
-    if cpu_shares:
-        result["host_cpu_share"] = sum(cpu_shares.values()) / len(cpu_shares)
-    result["returncode"] = rc
-    if rc != 0:
-        why = f"timed out after {timeout}s" if rc is None else f"exit code {rc}"
-        cause = _first_error(tail)
-        log = os.path.relpath(os.path.join(vdir, "log.txt"), out_dir)  # results.json: relative
-        result["error"] = f"oases train {why}{': ' + cause if cause else ''}; see {log}"
-        result["log_tail"] = tail[-15:]
-        return result
-    golden_path = os.path.join(vdir, "golden.json")
-    try:
-        golden = read_golden(golden_path)
-    except (OSError, ValueError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) else exc  # an OSError names the full path
-        result["error"] = f"no metrics in {os.path.relpath(golden_path, out_dir)}: {why}"
-        return result
+    return rc, time.time() - t0
+
+
+def _timings(golden, warmup, tokens=None):
+    """The result's timing fields from a run's metrics: the iterations after ``warmup`` timed
+    (the last one where there are no more); ``tokens`` per iteration (default: global batch ×
+    sequence length, from Megatron's own throughput)."""
     times = golden["iteration-time"]["values"]
     timed = times[warmup:] or times[-1:]
     if tokens is None:  # global batch × seq length
         tokens = golden["tokens-per-sec"]["values"][0] * times[0]
     mean_t = statistics.fmean(timed)
-    result.update(
-        status="ok",
+    return dict(
         iteration_time_s=times,
         timed_iterations=len(timed),
         mean_iteration_s=mean_t,
@@ -220,10 +250,3 @@ def run_variant(
         tokens_per_sec=tokens / mean_t,
         losses=golden["lm loss"]["values"],
     )
-    files = trace_files(os.path.join(vdir, "trace.rank{rank}.json"))
-    traces = load_traces(files)
-    result["trace_files"] = files
-    result["trace"] = run_metrics(traces, comm_model) if traces else None
-    if not traces:
-        result["warning"] = "no trace written: exposed communication and efficiency unavailable"
-    return result

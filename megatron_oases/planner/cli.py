@@ -34,23 +34,31 @@ def build_parser():
         "--profile", default=None, help="profile.json from `oases profile` (not with --gpus)"
     )
     add_search_flags(p)
-    p.add_argument(
+    _add_run_flags(p.add_argument_group("the run to plan for"))
+    _add_solve_flags(p.add_argument_group("the solve"))
+    _add_output_flags(p.add_argument_group("what to print and write"))
+    return p
+
+
+def _add_run_flags(g):
+    """Batch, memory, schedule, recompute and split: the Megatron run the plan is for."""
+    g.add_argument(
         "--global-batch-size", type=int, help="global batch (required unless --evaluate)"
     )
-    p.add_argument(
+    g.add_argument(
         "--micro-batch-size",
         type=int,
         default=None,
         help="per TMP domain; default: global batch / DP (no accumulation)",
     )
-    p.add_argument(
+    g.add_argument(
         "--memory",
         type=float,
         default=None,
         metavar="GB",
         help="device memory per rank in GB (1e9 bytes); default: the profile's cluster",
     )
-    p.add_argument(
+    g.add_argument(
         "--schedule",
         choices=SCHEDULES + ("auto",),
         default=None,
@@ -61,7 +69,7 @@ def build_parser():
         "for cross-pass and oases) and keep the fastest that fits --memory (the plan's "
         "launch_flags say how to run it)",
     )
-    p.add_argument(
+    g.add_argument(
         "--recompute",
         choices=RECOMPUTE_MODES,
         default=None,
@@ -70,7 +78,7 @@ def build_parser():
         "--recompute-modules core_attn; off/overlap); selective+ln also the two norms' outputs "
         "(--recompute-modules core_attn layernorm); full recomputes each layer",
     )
-    p.add_argument(
+    g.add_argument(
         "--recompute-num-layers",
         type=int,
         default=None,
@@ -79,24 +87,24 @@ def build_parser():
         "others keep their activations (Megatron's --recompute-method block "
         "--recompute-num-layers N); --schedule auto tries every N that fits itself",
     )
-    p.add_argument(
+    g.add_argument(
         "--no-recompute",
         action="store_true",
         help="the same as --recompute none",
     )
-    p.add_argument(
+    g.add_argument(
         "--grad-sync",
         action="store_true",
         help="add each layer's exposed data-parallel gradient all-reduce (params/d over "
         "D·T/d replicas) to the objective; not in the paper's eq. 5; analytic profiles",
     )
-    p.add_argument(
+    g.add_argument(
         "--distributed-optimizer",
         action="store_true",
         help="memory model: Adam state sharded over each layer's data-parallel replicas "
         "(Megatron --use-distributed-optimizer)",
     )
-    p.add_argument(
+    g.add_argument(
         "--sequence-parallel",
         action="store_true",
         help="Megatron's --sequence-parallel: all-gathers/reduce-scatters instead of all-reduces "
@@ -104,7 +112,7 @@ def build_parser():
         "planned at T and the result is that plan's prediction (time, memory, fits); needs a "
         "profile made with `oases profile --sequence-parallel`",
     )
-    p.add_argument(
+    g.add_argument(
         "--split",
         choices=SPLITS,
         default=None,
@@ -114,54 +122,58 @@ def build_parser():
         "as the runtime runs chunks with uniform TMP only). --schedule auto plans both unless "
         "this is given",
     )
-    p.add_argument(
+    g.add_argument(
         "--allow-unsplit",
         action="store_true",
         help="allow degrees whose group gets 1 sample per micro-batch (no sub-batch "
         "overlap for those layers; the runtime must support it)",
     )
-    p.add_argument("--degrees", default=None, help="candidate degrees, e.g. 1,2,4 (default: all)")
-    p.add_argument(
+
+
+def _add_solve_flags(g):
+    """Degrees, pins, solver, memory margin and host term: how the plan is solved."""
+    g.add_argument("--degrees", default=None, help="candidate degrees, e.g. 1,2,4 (default: all)")
+    g.add_argument(
         "--pin",
         action="append",
         default=[],
         metavar="LAYERS=DEGREE",
         help="fix layers to a degree, e.g. 0-3=4 (repeatable, or comma list)",
     )
-    p.add_argument(
+    g.add_argument(
         "--max-switches",
         type=int,
         default=None,
         help="at most K degree changes along the layer chain",
     )
-    p.add_argument(
+    g.add_argument(
         "--solver",
         choices=("dp", "ilp"),
         default="dp",
         help="dp: exact dynamic program over the layer chain (default, fast); ilp: eq. 5–6 "
         "in PuLP/CBC (slow on large memory-bound instances; see --time-limit)",
     )
-    p.add_argument(
+    g.add_argument(
         "--verify",
         action="store_true",
         help="run both the ILP and the DP; fail unless their objectives agree",
     )
-    p.add_argument(
+    g.add_argument(
         "--margin",
         type=float,
         default=DEFAULT_MARGIN,
         help=f"memory safety margin (default {DEFAULT_MARGIN:.2f} = predicted × 1.10)",
     )
-    p.add_argument(
+    g.add_argument(
         "--granule-mb",
         type=float,
         default=1.0,
         help="memory discretisation in MiB (rounded up; default 1)",
     )
-    p.add_argument(
+    g.add_argument(
         "--time-limit", type=float, default=DEFAULT_TIME_LIMIT_S, help="ILP time limit in seconds"
     )
-    p.add_argument(
+    g.add_argument(
         "--host-us-per-call",
         type=float,
         default=None,
@@ -170,22 +182,25 @@ def build_parser():
         "the device's and the host's timelines (default: the analytic profile's cluster's "
         "host_us_per_call; none for a measured profile; 0 = no host term)",
     )
-    p.add_argument("--out", default=None, help="write the plan JSON here")
-    p.add_argument(
+
+
+def _add_output_flags(g):
+    """Where the plan goes (or which plan ``--evaluate`` predicts) and what is printed."""
+    g.add_argument("--out", default=None, help="write the plan JSON here")
+    g.add_argument(
         "--evaluate",
         default=None,
         metavar="PLAN",
         help="predict an existing plan file instead of solving",
     )
-    p.add_argument(
+    g.add_argument(
         "--max-rows",
         type=int,
         default=40,
         help="explanation rows (layers near degree changes are kept); 0 = all",
     )
-    p.add_argument("--quiet", action="store_true", help="no table, only the summary")
-    p.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
-    return p
+    g.add_argument("--quiet", action="store_true", help="no table, only the summary")
+    g.add_argument("--json", action="store_true", help="print the plan JSON to stdout")
 
 
 def _evaluate(args):

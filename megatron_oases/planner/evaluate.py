@@ -67,17 +67,51 @@ def evaluate_plan(plan, profile, flags=EvaluateFlags(), plan_path="plan", profil
 def evaluated_run(plan, profile, flags, plan_path="plan", profile_path="profile"):
     """The run that ``--evaluate`` predicts, as a :class:`~.settings.PlanSettings`: the plan's
     settings, the flags' where the plan records none (memory, margin and host cost: the flags',
-    else the plan's or the profile's). Where the plan, the profile and the flags describe different models or runs, one
-    line naming both values and the fix (a prediction of another run is a silent wrong answer);
-    and where the plan's own batch or degrees do not fit the profile, a line naming the plan
-    (the planner's messages name the flags of a solve, which the user did not pass)."""
-    path, prof = plan_path, profile_path
+    else the plan's or the profile's). Where the plan, the profile and the flags describe
+    different models or runs, one line naming both values and the fix (a prediction of another
+    run is a silent wrong answer); and where the plan's own batch or degrees do not fit the
+    profile, a line naming the plan (the planner's messages name the flags of a solve, which the
+    user did not pass). The checks run in this order; each raises :class:`OasesConfigError`."""
+    fix = _replan_hint(plan, plan_path, profile_path)
+    pp = _check_same_model(plan, profile, plan_path, profile_path, fix)
+    _check_flags_agree(plan, flags, plan_path)
+    run = _resolve(plan, flags, plan_path)
+    _check_batch(run, profile.dp, profile_path, fix)
+    _check_recompute_layers(run, len(plan["degrees"]) // pp)
+    _check_split(run, plan["degrees"], profile.tp, plan_path)
+    _check_degrees_fit(run, plan["degrees"], profile.dp, profile.tp, plan_path)
+    predicted = plan.get("predicted")
+    grad_sync = isinstance(predicted, dict) and bool(predicted.get("grad_sync_included"))
+    return PlanSettings(
+        global_batch_size=run.gbs,
+        micro_batch_size=run.m,
+        memory_gb=flags.memory_gb or plan.get("memory_gb") or profile.data.get("memory_gb"),
+        schedule=run.schedule,
+        recompute=run.recompute,
+        recompute_layers=run.layers,
+        split=run.split,
+        sequence_parallel=run.sequence_parallel,
+        distributed_optimizer=bool(plan.get("distributed_optimizer", flags.distributed_optimizer)),
+        grad_sync=flags.grad_sync or grad_sync,
+        allow_unsplit=run.allow_unsplit,
+        margin=flags.margin,
+        degrees=sorted(set(plan["degrees"])),
+        host_us_per_call=flags.host_us_per_call,
+    )
+
+
+def _replan_hint(plan, path, prof):
+    """The fix a plan-versus-profile message ends with."""
     made = plan.get("profile")
-    fix = (
+    return (
         f"evaluate it with the profile it was made from ({made})"
         if made and made != prof
         else "evaluate it with a profile of the model and parallel sizes it was made for"
     ) + f", or make a plan for this profile with `oases plan --profile {prof} ...`"
+
+
+def _check_same_model(plan, profile, path, prof, fix):
+    """The plan's layers and parallel sizes are the profile's; returns the pipeline size."""
     degrees, T = plan["degrees"], profile.tp
     if len(degrees) != profile.num_layers:
         raise OasesConfigError(
@@ -94,7 +128,11 @@ def evaluated_run(plan, profile, flags, plan_path="plan", profile_path="profile"
             raise OasesConfigError(
                 f"plan {path} is for a {what} of {plan[key]} but profile {prof} has {ours}; {fix}"
             )
-    recompute_flag = flags.recompute
+    return pp
+
+
+def _check_flags_agree(plan, flags, path):
+    """No flag the user passed contradicts what the plan records."""
     given = (  # (plan key, the flag's value in the plan's terms or None: not given, the flag)
         (
             "global_batch_size",
@@ -109,7 +147,7 @@ def evaluated_run(plan, profile, flags, plan_path="plan", profile_path="profile"
         ("schedule", flags.schedule, f"--schedule {flags.schedule}"),
         (
             "recompute",
-            recompute_flag,
+            flags.recompute,
             "--no-recompute" if flags.no_recompute else f"--recompute {flags.recompute}",
         ),
         (
@@ -132,6 +170,27 @@ def evaluated_run(plan, profile, flags, plan_path="plan", profile_path="profile"
                 f"{flag} contradicts plan {path}, made for {key} {json.dumps(plan[key])}; drop "
                 f"the flag to evaluate the plan as made, or re-plan with {flag}"
             )
+
+
+@dataclass(frozen=True)
+class _Run:
+    """The run's settings, each the plan's or the flags' (``*_src``: which, for messages)."""
+
+    gbs: int
+    gbs_src: str
+    m: int
+    m_src: str
+    schedule: str
+    recompute: str
+    layers: int
+    layers_src: str
+    split: str
+    sequence_parallel: bool
+    allow_unsplit: bool
+
+
+def _resolve(plan, flags, path):
+    """Each setting from the plan where it records one, else from the flags (or the default)."""
     gbs, gbs_src = flags.global_batch_size, "--global-batch-size"
     if gbs is None:
         gbs, gbs_src = plan.get("global_batch_size"), f"plan {path}'s global_batch_size"
@@ -146,82 +205,94 @@ def evaluated_run(plan, profile, flags, plan_path="plan", profile_path="profile"
             f"--evaluate predicts one schedule and plan {path} records none; pass --schedule "
             "off, overlap, cross-pass or oases"
         )
-    recompute = recompute_mode(plan.get("recompute", recompute_flag), f"{path}")
-    layers_src = "--recompute-num-layers"
-    layers = flags.recompute_num_layers
+    recompute = recompute_mode(plan.get("recompute", flags.recompute), f"{path}")
+    layers, layers_src = flags.recompute_num_layers, "--recompute-num-layers"
     if "recompute_num_layers" in plan:
         layers, layers_src = plan["recompute_num_layers"], f"plan {path}'s recompute_num_layers"
-    split = plan.get("split") or flags.split or "batch"
-    sequence_parallel = plan.get("sequence_parallel", flags.sequence_parallel)
-    allow_unsplit = bool(plan.get("allow_unsplit")) or flags.allow_unsplit
-    D = profile.dp
-    if gbs_src != "--global-batch-size" and gbs % D:
+    return _Run(
+        gbs=gbs,
+        gbs_src=gbs_src,
+        m=m,
+        m_src=m_src,
+        schedule=schedule,
+        recompute=recompute,
+        layers=layers,
+        layers_src=layers_src,
+        split=plan.get("split") or flags.split or "batch",
+        sequence_parallel=plan.get("sequence_parallel", flags.sequence_parallel),
+        allow_unsplit=bool(plan.get("allow_unsplit")) or flags.allow_unsplit,
+    )
+
+
+def _check_batch(run, D, prof, fix):
+    """The plan's global batch splits over the profile's data-parallel size, its micro-batch
+    divides each TMP domain's share (a flag's value is the planner's to check)."""
+    if run.gbs_src != "--global-batch-size" and run.gbs % D:
         raise OasesConfigError(
-            f"global batch {gbs} ({gbs_src}) is not a multiple of the data-parallel size {D} of "
-            f"profile {prof}; {fix}"
+            f"global batch {run.gbs} ({run.gbs_src}) is not a multiple of the data-parallel size "
+            f"{D} of profile {prof}; {fix}"
         )
-    per_domain = gbs // D if gbs > 0 else 0
-    if m_src != "--micro-batch-size" and per_domain and per_domain % m:
+    per_domain = run.gbs // D if run.gbs > 0 else 0
+    if run.m_src != "--micro-batch-size" and per_domain and per_domain % run.m:
         raise OasesConfigError(
-            f"micro-batch {m} ({m_src}) does not divide the {per_domain} samples per TMP domain "
-            f"(global batch {gbs} from {gbs_src} / data-parallel size {D} of profile {prof}); "
-            f"{fix}"
+            f"micro-batch {run.m} ({run.m_src}) does not divide the {per_domain} samples per TMP "
+            f"domain (global batch {run.gbs} from {run.gbs_src} / data-parallel size {D} of "
+            f"profile {prof}); {fix}"
         )
-    if layers is not None and layers_src != "--recompute-num-layers":
-        if recompute != "full" or not 1 <= layers <= len(degrees) // pp:
-            raise OasesConfigError(
-                f"{layers_src} {layers} needs full recompute of 1 to {len(degrees) // pp} layers "
-                f"per pipeline stage (the plan records recompute {recompute!r}); edit the plan"
-            )
-    if split == "sequence" and schedule not in SPLIT_SCHEDULES:
+
+
+def _check_recompute_layers(run, per_stage):
+    """A plan's recompute_num_layers is full recompute of 1 to a stage's layers."""
+    if run.layers is None or run.layers_src == "--recompute-num-layers":
+        return
+    if run.recompute != "full" or not 1 <= run.layers <= per_stage:
         raise OasesConfigError(
-            f"plan {path} splits micro-batches into sequence chunks, which schedule {schedule} "
-            "does not; edit its schedule (overlap, cross-pass or oases) or its split"
+            f"{run.layers_src} {run.layers} needs full recompute of 1 to {per_stage} layers "
+            f"per pipeline stage (the plan records recompute {run.recompute!r}); edit the plan"
         )
-    if (split == "sequence" or sequence_parallel) and set(degrees) != {T}:
-        what = "sequence chunks" if split == "sequence" else "sequence parallelism"
+
+
+def _check_split(run, degrees, T, path):
+    """Sequence chunks need a split schedule; chunks and SP run every layer at T."""
+    if run.split == "sequence" and run.schedule not in SPLIT_SCHEDULES:
+        raise OasesConfigError(
+            f"plan {path} splits micro-batches into sequence chunks, which schedule "
+            f"{run.schedule} does not; edit its schedule (overlap, cross-pass or oases) or its "
+            "split"
+        )
+    if (run.split == "sequence" or run.sequence_parallel) and set(degrees) != {T}:
+        what = "sequence chunks" if run.split == "sequence" else "sequence parallelism"
         raise OasesConfigError(
             f"plan {path} runs {what}, which the runtime runs with every layer at T={T}, but has "
             f"degrees {sorted(set(degrees))}; set every degree to {T} or re-plan"
         )
-    micro = m or per_domain
-    if micro and per_domain % micro == 0:
-        need = 2 if schedule in SPLIT_SCHEDULES and split != "sequence" and not allow_unsplit else 1
-        src = m_src if m else f"global batch {gbs} / data-parallel size {D}, the default"
-        for i, d in enumerate(degrees):
-            n = micro * d / T
-            if n != int(n) or n < need:
-                why = ""
-                if n == 1 and need == 2:
-                    why = (
-                        f" (schedule {schedule} splits it into two sub-batches; the plan does not "
-                        "allow unsplit layers)"
-                    )
-                raise OasesConfigError(
-                    f"plan {path}: layer {i} at degree {d} gets {n:g} samples per group of the "
-                    f"micro-batch of {micro} ({src}) over T={T}{why}; edit the plan's degrees"
-                    + (
-                        " or pass another --micro-batch-size"
-                        if m_src == "--micro-batch-size" and m
-                        else " or micro_batch_size"
-                    )
-                    + ", or re-plan"
+
+
+def _check_degrees_fit(run, degrees, D, T, path):
+    """Every layer's groups get a whole share of the micro-batch, two where it is split."""
+    per_domain = run.gbs // D if run.gbs > 0 else 0
+    micro = run.m or per_domain
+    if not micro or per_domain % micro:
+        return
+    split_in_two = run.schedule in SPLIT_SCHEDULES and run.split != "sequence"
+    need = 2 if split_in_two and not run.allow_unsplit else 1
+    src = run.m_src if run.m else f"global batch {run.gbs} / data-parallel size {D}, the default"
+    for i, d in enumerate(degrees):
+        n = micro * d / T
+        if n != int(n) or n < need:
+            why = ""
+            if n == 1 and need == 2:
+                why = (
+                    f" (schedule {run.schedule} splits it into two sub-batches; the plan does not "
+                    "allow unsplit layers)"
                 )
-    predicted = plan.get("predicted")
-    grad_sync = isinstance(predicted, dict) and bool(predicted.get("grad_sync_included"))
-    return PlanSettings(
-        global_batch_size=gbs,
-        micro_batch_size=m,
-        memory_gb=flags.memory_gb or plan.get("memory_gb") or profile.data.get("memory_gb"),
-        schedule=schedule,
-        recompute=recompute,
-        recompute_layers=layers,
-        split=split,
-        sequence_parallel=sequence_parallel,
-        distributed_optimizer=bool(plan.get("distributed_optimizer", flags.distributed_optimizer)),
-        grad_sync=flags.grad_sync or grad_sync,
-        allow_unsplit=allow_unsplit,
-        margin=flags.margin,
-        degrees=sorted(set(degrees)),
-        host_us_per_call=flags.host_us_per_call,
-    )
+            raise OasesConfigError(
+                f"plan {path}: layer {i} at degree {d} gets {n:g} samples per group of the "
+                f"micro-batch of {micro} ({src}) over T={T}{why}; edit the plan's degrees"
+                + (
+                    " or pass another --micro-batch-size"
+                    if run.m_src == "--micro-batch-size" and run.m
+                    else " or micro_batch_size"
+                )
+                + ", or re-plan"
+            )
