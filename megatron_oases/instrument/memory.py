@@ -76,9 +76,12 @@ class LiveTensorMeter(TorchDispatchMode):
                 return True
         return False
 
-    def _drop(self, key):
-        self.current_bytes -= self._live.pop(key)[0]
-        self._labels.pop(key, None)
+    def _drop(self, key, entry):
+        """Stop counting ``entry`` if it is still ``key``'s (a finalizer may have dropped it)."""
+        if self._live.get(key) is entry:
+            del self._live[key]
+            self.current_bytes -= entry[0]
+            self._labels.pop(key, None)
 
     def _track(self, t):
         storage = _storage(t)
@@ -87,7 +90,7 @@ class LiveTensorMeter(TorchDispatchMode):
             return
         entry = self._live.get(key)
         if entry is not None and not self._holds(key, entry):  # its storage was freed via .data
-            self._drop(key)
+            self._drop(key, entry)
             entry = None
         if entry is None:
             entry = self._live[key] = [storage.nbytes(), []]
@@ -97,8 +100,11 @@ class LiveTensorMeter(TorchDispatchMode):
         entry[1].append(weakref.ref(t))
         weakref.finalize(t, self._release, key, entry)
         if self.current_bytes > self.peak_bytes:
-            for stale in [k for k, e in self._live.items() if not self._holds(k, e)]:
-                self._drop(stale)
+            # The collector may run inside this scan, and the finalizers of what it frees drop
+            # entries (_release): scan a copy, and drop only what is still the same entry.
+            stale = [(k, e) for k, e in list(self._live.items()) if not self._holds(k, e)]
+            for k, e in stale:
+                self._drop(k, e)
             if self.current_bytes > self.peak_bytes:
                 if self.breakdown:
                     self._snapshot()
@@ -106,7 +112,7 @@ class LiveTensorMeter(TorchDispatchMode):
 
     def _snapshot(self):
         groups = {}
-        for key, entry in self._live.items():
+        for key, entry in list(self._live.items()):
             label = self._labels.get(key, ("?", (), "?"))
             g = groups.setdefault(label, [0, 0])
             g[0] += entry[0]
@@ -122,7 +128,7 @@ class LiveTensorMeter(TorchDispatchMode):
             return
         entry[1] = [r for r in entry[1] if r() is not None]
         if not self._holds(key, entry):
-            self._drop(key)
+            self._drop(key, entry)
 
 
 _OWN = (os.sep + "megatron" + os.sep, os.sep + "megatron_oases" + os.sep)

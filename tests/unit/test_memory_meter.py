@@ -100,3 +100,46 @@ def test_no_breakdown_unless_asked():
     with LiveTensorMeter() as meter:
         a = torch.randn(N)
     assert meter.peak_bytes == MB4 and meter.live_at_peak == [] and a.numel() == N
+
+
+
+class _Cycle:
+    """A tensor reachable only through a reference cycle: freed when the collector runs."""
+
+    def __init__(self, t):
+        self.t, self.me = t, self
+
+
+def test_a_collection_during_the_stale_scan_changes_nothing_it_reads(monkeypatch):
+    """The collector may run at any point of the meter's scan for stale storages, and the
+    finalizers of the tensors it frees drop entries from the live table (a CI failure:
+    "dictionary changed size during iteration"). The scan must survive it and count nothing
+    twice."""
+    holds = LiveTensorMeter._holds
+    armed = []
+
+    def holds_then_collect(key, entry):
+        if armed:
+            armed.clear()
+            gc.collect()  # what Python's collector did inside the scan
+        return holds(key, entry)
+
+    monkeypatch.setattr(LiveTensorMeter, "_holds", staticmethod(holds_then_collect))
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with LiveTensorMeter() as meter:
+            garbage = [_Cycle(torch.randn(N // 4) * 1.0) for _ in range(8)]
+            held = torch.randn(N) * 1.0
+            assert meter.current_bytes == 3 * MB4
+            del garbage  # unreachable now, but only the collector frees it
+            armed.append(True)
+            big = torch.randn(2 * N) * 1.0  # a new peak: the scan runs, the collector inside it
+            assert not armed, "the scan did not run"
+            assert meter.current_bytes == MB4 + 2 * MB4, meter.current_bytes  # held + big
+        assert meter.peak_bytes >= meter.current_bytes
+        del held, big
+    finally:
+        if was_enabled:
+            gc.enable()
