@@ -216,7 +216,7 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     from megatron_oases.planner.choose import RECOMPUTE_FLAGS
     from megatron_oases.planner.prediction import predict
     from megatron_oases.recompute_settings import block_argv
-    from megatron_oases.training.measure import activation_peaks
+    from helpers.runs import activation_peaks
 
     flags = (
         "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -279,7 +279,7 @@ def test_memory_model_pipeline_stages(measured, tmp_path):
     from megatron_oases.formats.profile import Profile
     from megatron_oases.launch import run_distributed
     from megatron_oases.planner.prediction import predict
-    from megatron_oases.training.measure import activation_peaks
+    from helpers.runs import activation_peaks
 
     data = copy.deepcopy(measured["profile"].data)
     data["pipeline_model_parallel_size"] = 2

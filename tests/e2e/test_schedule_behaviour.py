@@ -296,7 +296,7 @@ def test_oases_activation_memory_close_to_stock_full_recompute():
         ("stock-block", BLOCK.format(n=2) + "--oases-schedule off"),
         ("oases-block", BLOCK.format(n=2) + "--oases-schedule oases"),
     ]
-    from megatron_oases.training.measure import activation_peaks
+    from helpers.runs import activation_peaks
 
     configs = [(name, MEMORY_BASE + " " + extra) for name, extra in variants]
     peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
@@ -329,7 +329,7 @@ def test_sequence_chunks_fit_where_one_sample_per_micro_batch_fits():
         ),
         ("oases-mb2", mb(2) + RECOMPUTE + "--oases-schedule oases"),
     ]
-    from megatron_oases.training.measure import activation_peaks
+    from helpers.runs import activation_peaks
 
     configs = [(name, base + " " + extra) for name, extra in variants]
     peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
@@ -350,7 +350,7 @@ def test_norm_recompute_frees_what_stock_frees():
         ("overlap", sel + "--oases-schedule overlap"),
         ("overlap-ln", SELECTIVE_LN + "--oases-schedule overlap"),
     ]
-    from megatron_oases.training.measure import activation_peaks
+    from helpers.runs import activation_peaks
 
     configs = [(name, MEMORY_BASE + " " + extra) for name, extra in variants]
     peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]
@@ -366,7 +366,7 @@ def test_norm_recompute_frees_what_stock_frees():
 def _peaks_by_tail_pieces(configs):
     """Activation peaks with the forward's last block in TAIL_PIECES runs and in one."""
     from megatron_oases.schedule import engine
-    from megatron_oases.training.measure import activation_peaks
+    from helpers.runs import activation_peaks
 
     peaks = {}
     for n in (1, TAIL_PIECES):

@@ -316,7 +316,7 @@ def test_sequence_parallel_activation_memory():
         ("overlap-keep", "--oases-schedule overlap"),
         ("stock-keep", "--oases-schedule off"),
     ]
-    from megatron_oases.training.measure import activation_peaks
+    from helpers.runs import activation_peaks
 
     configs = [(name, base + " " + extra) for name, extra in variants]
     peaks = run_distributed(activation_peaks, 2, configs, timeout=280)[0]

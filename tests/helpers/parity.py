@@ -29,6 +29,8 @@ from megatron_oases.layer_degrees.shards import global_param_names
 from megatron_oases.patching import Patch
 from megatron_oases.training.pretrain import run_in_process
 
+from .runs import prepared
+
 
 def _modules(model):
     """The model chunks without their wrappers (DDP, and ``Float16Module`` under ``--bf16``)."""
@@ -85,7 +87,8 @@ def steps_worker(base, variants):
     for name, extra in variants:
         record = {"losses": [], "grads": [], "params": []}
         t0 = time.monotonic()
-        record.update(run_in_process(f"{base} {extra}", extra_patches=[_steps_patch(record)]))
+        argv = prepared(f"{base} {extra}")
+        record.update(run_in_process(argv, extra_patches=[_steps_patch(record)]))
         record["seconds"] = time.monotonic() - t0
         out[name] = record
     return out
