@@ -42,6 +42,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -326,6 +327,8 @@ def _fake_group(world):
 def one_rank_job(argv, iters, profile_at=None, trace_path=None):
     """One Megatron job on the current fake group; iteration times (s) and the profile record
     (``trace_path``: also the profiled step's Chrome trace)."""
+    from helpers.runs import prepared
+
     from megatron_oases.instrument.host_calls import profiled_step_patch
     from megatron_oases.training.pretrain import run_in_process
 
@@ -335,7 +338,7 @@ def one_rank_job(argv, iters, profile_at=None, trace_path=None):
         argv = list(argv) + ["--train-iters", str(iters), "--log-interval", "1"]
         argv += ["--log-json", path, "--fake-process-group"] + KERNEL_FLAGS
         extra = [profiled_step_patch(record, profile_at, trace_path)] if profile_at else []
-        run_in_process(argv, demo=True, extra_patches=extra)
+        run_in_process(prepared(argv), demo=True, extra_patches=extra)
         with open(path) as f:
             times = json.load(f)["iteration-time"]["values"]
     return {"iteration_s": times, "median_s": statistics.median(times[1:] or times), **record}
@@ -513,6 +516,8 @@ def step_python(dry, save=None):
     if dry:
         variants = variants[:3]
     _fake_group(2)
+    from helpers.runs import prepared
+
     from megatron_oases.errors import last_line
     from megatron_oases.instrument.host_calls import python_time_patch
     from megatron_oases.training.pretrain import run_in_process
@@ -526,7 +531,8 @@ def step_python(dry, save=None):
                 argv = layers_argv(s, "host", layers, name, extra) + KERNEL_FLAGS
                 argv += ["--train-iters", "9", "--log-interval", "1", "--fake-process-group"]
                 record = {}
-                run_in_process(argv, demo=True, extra_patches=[python_time_patch(record, 2, 4)])
+                patch = python_time_patch(record, 2, 4)
+                run_in_process(prepared(argv), demo=True, extra_patches=[patch])
                 per[layers] = record
         except Exception as exc:  # noqa: BLE001
             out[label] = {"error": last_line(exc)[:400]}
@@ -1449,6 +1455,20 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
     t_start = time.time()
+    # Every in-process job of every step (helpers.runs.prepared): Megatron's mock-data indices
+    # built once per shape, not per job and split, and its parser's docstrings read once per
+    # step process: host seconds a GPU waits through between jobs.
+    data_cache = None
+    if "OASES_TEST_DATA_CACHE" not in os.environ:
+        data_cache = os.environ["OASES_TEST_DATA_CACHE"] = tempfile.mkdtemp(prefix="gpu-check-")
+    try:
+        return _run_steps(args, argv, names, t_start)
+    finally:
+        if data_cache:
+            shutil.rmtree(data_cache, ignore_errors=True)
+
+
+def _run_steps(args, argv, names, t_start):
     date = datetime.date.today().isoformat()
     import torch
 

@@ -211,12 +211,13 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     never more than 5 % below the LiveTensorMeter peak of a real forward+backward, per plan and
     schedule, sequence chunks included (state excluded on both sides: it is counted exactly from
     parameter counts)."""
+    from helpers.runs import activation_peaks
+
     from megatron_oases.formats.plan import save_plan, uniform_plan
     from megatron_oases.launch import run_distributed
     from megatron_oases.planner.choose import RECOMPUTE_FLAGS
     from megatron_oases.planner.prediction import predict
     from megatron_oases.recompute_settings import block_argv
-    from helpers.runs import activation_peaks
 
     flags = (
         "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
@@ -276,10 +277,11 @@ def test_memory_model_pipeline_stages(measured, tmp_path):
     the per-stage predictions never under-predict the measured per-stage peak by > 5 %."""
     import copy
 
+    from helpers.runs import activation_peaks
+
     from megatron_oases.formats.profile import Profile
     from megatron_oases.launch import run_distributed
     from megatron_oases.planner.prediction import predict
-    from helpers.runs import activation_peaks
 
     data = copy.deepcopy(measured["profile"].data)
     data["pipeline_model_parallel_size"] = 2

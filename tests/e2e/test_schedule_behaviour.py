@@ -365,8 +365,9 @@ def test_norm_recompute_frees_what_stock_frees():
 
 def _peaks_by_tail_pieces(configs):
     """Activation peaks with the forward's last block in TAIL_PIECES runs and in one."""
-    from megatron_oases.schedule import engine
     from helpers.runs import activation_peaks
+
+    from megatron_oases.schedule import engine
 
     peaks = {}
     for n in (1, TAIL_PIECES):

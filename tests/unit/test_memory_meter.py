@@ -102,7 +102,6 @@ def test_no_breakdown_unless_asked():
     assert meter.peak_bytes == MB4 and meter.live_at_peak == [] and a.numel() == N
 
 
-
 class _Cycle:
     """A tensor reachable only through a reference cycle: freed when the collector runs."""
 
