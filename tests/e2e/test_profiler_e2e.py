@@ -173,21 +173,21 @@ def test_measured_profile_is_cached_and_plannable(measured, capsys):
     assert p["verify"]["agree"] is True and p["profile_kind"] == "measured"
 
 
+#: (degrees, schedule, recompute[, recomputed layers]): each schedule × recompute setting once,
+#: with per-layer degrees where they run, and block recompute per schedule. Each configuration is
+#: a Megatron job on 2 ranks; 9 more were dropped for the suite's time (2026-11-28), each a
+#: repeat of a setting kept here with a wider margin when last measured (predicted above
+#: measured by: 1111-off-full +25.8 %, 1221-off-selective +15.8, 2222-overlap-full +27.1,
+#: 2222-overlap-selective +10.3, 2222-cross-pass-full +29.6, 2222-oases-full +22.5, 1111-oases-full
+#: +51.4, sequence overlap-full +31.6, sequence cross-pass-full +34.4).
 MEMORY_PLANS = [
-    ([1, 1, 1, 1], "off", "full"),
     ([2, 2, 2, 2], "off", "full"),
     ([2, 2, 2, 2], "off", "none"),
     ([1, 2, 2, 1], "off", "none"),
     ([2, 2, 2, 2], "off", "selective"),
-    ([1, 2, 2, 1], "off", "selective"),
-    ([2, 2, 2, 2], "overlap", "full"),
     ([2, 1, 1, 2], "overlap", "full"),
-    ([2, 2, 2, 2], "overlap", "selective"),
     ([2, 1, 1, 2], "overlap", "selective"),
-    ([2, 2, 2, 2], "cross-pass", "full"),
     ([1, 1, 2, 2], "cross-pass", "full"),
-    ([2, 2, 2, 2], "oases", "full"),
-    ([1, 1, 1, 1], "oases", "full"),
     ([2, 1, 1, 2], "oases", "full"),
     # Megatron's block recompute: only the first N of the 4 layers recomputed
     ([2, 2, 2, 2], "off", "full", 2),
@@ -199,8 +199,6 @@ MEMORY_PLANS = [
 SEQUENCE_PLANS = [
     ("overlap", "none"),
     ("overlap", "selective"),
-    ("overlap", "full"),
-    ("cross-pass", "full"),
     ("oases", "full"),
 ]
 
