@@ -25,8 +25,9 @@ the distributed optimizer, so they, not only the parameters, are compared.
 
 Left out (runtime; at DP=1 in fp32 they are in ``test_schedule_parity.py`` and
 ``test_sequence_parallel.py``): PP>1, the LLaMA-style layers, selective and block recomputation,
-sequence parallelism, and dropout at bf16. Runtime on 2 CPU cores: 2-2.5 minutes for the DP job
-(13 variants on 4 ranks), 0.5-1 minute for the TP job.
+sequence parallelism, and dropout at bf16. Runtime on 2 CPU cores (2026-11-28): the DP job (13
+variants on 4 ranks) 28-89 s, by what runs beside it (two test files at a time); the TP
+job 10-20 s.
 """
 
 import pytest
