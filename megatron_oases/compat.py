@@ -20,6 +20,7 @@ Differences between the releases, each handled here and nowhere else:
   so the parse-then-``pretrain()`` order of :mod:`megatron_oases.training.pretrain` does not fit it.
 """
 
+import functools
 import inspect
 import os
 from importlib import metadata
@@ -95,28 +96,20 @@ MEGATRON_ALIASES = (
 )
 
 
-_SOURCES = {}
-
-
 def _source(fn):
-    """``fn``'s source (unwrapped), or None where Python has none (builtins). Read once per
-    function and process: every job's patches check the same ~100 functions, and a process that
-    runs many jobs (measurement ranks, ``oases compare``'s passes) paid ~75 ms a job re-reading
-    them."""
-    fn = getattr(fn, "__wrapped__", fn)
+    """``fn``'s source (unwrapped), or None where Python has none (builtins)."""
+    return _read_source(getattr(fn, "__wrapped__", fn))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_source(fn):
+    """Read once per function and process: every job's patches check the same ~100 functions,
+    and a process that runs many jobs (measurement ranks, ``oases compare``'s passes) paid ~75 ms
+    a job re-reading them."""
     try:
-        return _SOURCES[fn]
-    except (KeyError, TypeError):  # TypeError: an unhashable callable, read every time
-        pass
-    try:
-        source = inspect.getsource(fn)
+        return inspect.getsource(fn)
     except (OSError, TypeError):
-        source = None
-    try:
-        _SOURCES[fn] = source
-    except TypeError:
-        pass
-    return source
+        return None
 
 
 def require_call(fn, text):
