@@ -73,11 +73,17 @@ def init_fake_process_group(world_size):
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 
-#: What the fork server imports once for every rank it starts: torch and Megatron-Core. Not
-#: ``megatron.training``: ranks forked after importing it failed to compile Megatron's fused
+#: What the fork server imports once for every rank it starts: torch and Megatron-Core, after
+#: the entry point's warning filters (``training.quiet_fork_server``, named here, not imported).
+#: Not ``megatron.training``: ranks forked after importing it failed to compile Megatron's fused
 #: cross-entropy (an inductor assertion, ``any_leaf != all_leaf``; spawned ranks compile it), so
 #: each rank imports the training loop itself (seconds, against the ~8 s saved).
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron.core"]
+FORKSERVER_PRELOAD = [
+    "megatron_oases.training.quiet_fork_server",
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+]
 
 
 def _start_context():

@@ -11,7 +11,13 @@ so any other warning — one that means something — still shows. The entry poi
 """
 
 import logging
+import os
 import warnings
+
+#: Carries an entry point's choice (``cpu``: with the CPU-only filters, ``gpu``: without) to the
+#: processes it starts: :mod:`.quiet_fork_server` applies it in
+#: :func:`megatron_oases.launch.run_distributed`'s fork server, which imports Megatron-Core.
+ENV = "OASES_QUIET"
 
 #: Filtered everywhere: about our own choices, or optional packages that change nothing for us.
 ALWAYS = (
@@ -51,6 +57,7 @@ def install(cuda=None):
         import torch
 
         cuda = torch.cuda.is_available()
+    os.environ[ENV] = "gpu" if cuda else "cpu"
     patterns = ALWAYS if cuda else ALWAYS + CPU_ONLY
     for pattern in patterns:
         warnings.filterwarnings("ignore", message=pattern)
