@@ -1,11 +1,9 @@
 import os
 import shutil
-import sys
 import tempfile
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 #: Megatron's fused functions (its ``jit_fuser``: ``torch.compile``) run eagerly in the tests
 #: unless a test asks for them compiled (the ``torch_compile`` fixture): inductor compiling them

@@ -19,8 +19,8 @@ defer   :class:`deferred_tmp_comm`: ``executor.         :func:`make_deferred_red
 early   the same, with the micro-batch's                :func:`make_column_forward`: the call's
         ``EarlyReductions`` (engine)                    ``tp_group`` is a :class:`ReducingGroup`
 supply  :func:`supplied_reduction`, in                  :func:`make_deferred_reduction`: the next
-        ``stage.EmbeddingEnd._finish``                  reduction returns it, once
-cut     :func:`cut_at_scatter`, in ``stage.             :func:`make_scatter`, and under SP
+        ``stage_ends.EmbeddingEnd._finish``             reduction returns it, once
+cut     :func:`cut_at_scatter`, in ``stage_ends.        :func:`make_scatter`, and under SP
         EmbeddingEnd._backward_to_scatter``             :func:`make_deferred_reduction`: cut there
 ======  ==============================================  ===========================================
 
