@@ -11,9 +11,16 @@ before a solve, a measured profile or a compare run is spent on it (never a trac
 Missing parent directories are not an error: the commands create them when they write
 (:func:`make_parent`, ``os.makedirs``), as ``oases profile`` and ``oases compare`` always did; the
 check is that they can be created (the nearest existing ancestor is a writable directory).
+
+A directory written by a whole run belongs to one live run at a time (:func:`lock_dir`): training's
+``--save`` and ``oases compare --out``.
 """
 
+import json
 import os
+import socket
+import sys
+import time
 
 from .errors import OasesConfigError
 
@@ -59,6 +66,8 @@ def check_output_file(path, flag="--out", example="out.json"):
                 f"{flag} {path} exists and is not writable (permission denied); choose another "
                 "path or make it writable"
             )
+        if os.path.isfile(full):  # replaced whole (formats.write_atomic): written beside it
+            _check_location(os.path.dirname(full), flag, path)
         return
     _check_location(os.path.dirname(full), flag, path)
 
@@ -81,3 +90,75 @@ def make_parent(path):
     """Create the missing parent directories of the file ``path`` (checked by
     :func:`check_output_file`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+#: The run lock's file inside a locked directory (:func:`lock_dir`).
+LOCK_FILE = ".oases-lock"
+
+
+def _holder(path):
+    """Who holds the lock at ``path``, as its file names it (for the error line)."""
+    try:
+        with open(path) as f:
+            h = json.load(f)
+        return f"pid {h['pid']} on {h['host']}, started {h['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def lock_dir(directory, flag):
+    """Take ``directory``'s run lock for this process: an advisory ``fcntl.flock`` on
+    ``directory/.oases-lock``, which the kernel releases when the process ends (so a killed run
+    leaves no stale lock: a lock file whose process is gone is simply taken over); the file names
+    the holder (host, pid, start time) for the error line. Returns the open file (closing it
+    releases the lock), or None (with a warning) where the file system has no locks. Raises
+    :class:`OasesConfigError` naming ``flag`` when another live run (or another open of this
+    process) holds it.
+
+    A holder may remove the file as it ends (``oases compare`` does, so that its results carry
+    no lock file): a lock taken on a file no longer at ``path`` is no lock, so it is taken anew."""
+    path = os.path.join(directory, LOCK_FILE)
+    while True:
+        f = _flock(path, directory, flag)
+        if f is None:
+            return None
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    f.seek(0)
+    f.truncate()
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": started}, f)
+    f.flush()
+    return f
+
+
+def _flock(path, directory, flag):
+    """``path`` opened (created if missing) and locked for this process: the open file, or None
+    where the file system has no locks; refused when another holds it."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    f = os.fdopen(fd, "r+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(path)
+        f.close()
+        raise OasesConfigError(
+            f"{flag} {directory} is in use by another run ({holder}); wait for it to end, stop "
+            f"it, or choose another {flag} directory"
+        ) from None
+    except OSError as exc:  # a file system without flock (some Lustre/NFS mounts): say so
+        f.close()
+        print(
+            f"oases: warning: {flag} {directory} cannot be locked on this file system "
+            f"({exc.strerror or exc}): a second live run into it would not be detected",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    return f

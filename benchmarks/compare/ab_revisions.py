@@ -101,6 +101,14 @@ def main():
     if not compare_args:
         p.error("give the oases compare arguments after --")
     out = os.path.abspath(args.out)
+    done = [
+        f"{side}{k}"
+        for k in range(1, args.pairs + 1)
+        for side in ("old", "new")
+        if os.path.exists(os.path.join(out, f"{side}{k}", "results.json"))
+    ]
+    if done and not args.report_only:  # an old revision's compare would write over them
+        p.error(f"--out {args.out} holds runs ({', '.join(done)}); choose another --out")
     lines = [
         f"# A/B: {args.old} (old) against {args.new} (new), {args.pairs} alternated pairs",
         "",

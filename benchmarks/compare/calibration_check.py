@@ -72,6 +72,7 @@ def measure(out_dir):
         "2",
         "--out",
         out_dir,
+        "--force",  # a new measurement replaces the committed one
         "--",
         *SHAPE,
     ]

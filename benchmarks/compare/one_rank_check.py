@@ -56,6 +56,7 @@ def compare_argv(args, mode, pair):
         str(args.iters),
         "--out",
         out,
+        "--force",  # a new check replaces the committed runs
     ]
     if args.threads_per_rank:
         argv += ["--threads-per-rank", str(args.threads_per_rank)]

@@ -118,6 +118,7 @@ def compare_argv(profile, shape, args):
         str(args.repeats),
         "--out",
         os.path.join(OUT, config_name(profile, shape)),
+        "--force",  # a row's run replaces its committed results
     ]
     if shape in ONE_RANK:
         argv.append("--one-rank")

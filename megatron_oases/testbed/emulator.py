@@ -42,12 +42,14 @@ read wall − CPU as contention (``runq_us``; ``external_cpu_us`` for the other 
 shape ÷ its time on the target GPU, both from the roofline of :mod:`megatron_oases.device_model`
 (GEMM FLOPs at the GEMM rate plus memory-bound bytes at the memory bandwidth). The target runs the
 layer in the profile's dtype with the core attention Megatron's ``--attention-backend`` picks on
-CUDA; the host in the run's dtype with the attention it picks on the host.
+CUDA; the host in the run's dtype with the attention it picks on the host. ``oases compare``
+computes D with the same function before it launches the variants (:func:`emulation_info`) and
+hands it to every variant's ranks in their environment (:func:`dilation_env`), so that all run
+with the identical D.
 
-Environment overrides (used by ``oases compare`` to give every variant the identical emulator):
-``OASES_EMULATE_DILATION`` (D itself), ``OASES_HOST_FLOPS`` (the host's FLOP/s) and
-``OASES_HOST_MEM_GBS`` (the host's memory bandwidth, GB/s; the one-rank GPU emulator sets both to
-the GPU's measured rates).
+Environment overrides: ``OASES_EMULATE_DILATION`` (D itself; also how a launcher hands D to its
+ranks), ``OASES_HOST_FLOPS`` (the host's FLOP/s) and ``OASES_HOST_MEM_GBS`` (the host's memory
+bandwidth, GB/s; the one-rank GPU emulator sets both to the GPU's measured rates).
 """
 
 import os
@@ -99,6 +101,12 @@ def core_attention_kind(backend, cuda):
     return "unfused" if choose_core_attention(backend, cuda=cuda, te=False) == STOCK else "fused"
 
 
+#: The environment variable that hands D to the launched ranks (``oases compare``, the planner's
+#: ``--verify-top``): :func:`dilation_env` sets it, :func:`resolve_dilation` reads it; a user may
+#: set it to force D.
+DILATION_ENV = "OASES_EMULATE_DILATION"
+
+
 def _env_rate(name):
     value = os.environ.get(name)
     if not value:
@@ -112,30 +120,46 @@ def _env_rate(name):
     return rate
 
 
-def host_rates(cuda=False):
-    """The emulating host's (FLOP/s, bytes/s) of one process alone, and where each came from:
-    ``$OASES_HOST_FLOPS`` / ``$OASES_HOST_MEM_GBS`` (GB/s), else the cached CPU calibration
-    (:mod:`.calibrate`); on CUDA without ``$OASES_HOST_MEM_GBS`` the device's bandwidth is measured
-    now. Taken on global rank 0 and broadcast, so that every rank uses the same D."""
+def threads_per_rank(given, nproc, cpus=None):
+    """Torch threads per rank process: ``given`` (``--threads-per-rank``), else a rank's share of
+    the ``cpus`` (default: those this process may use). Also under ``--one-rank``: rank 0 alone
+    runs with the threads it has in the all-ranks job (not the whole host), so that its compute
+    and D are the same in both (issue 42: with every CPU it was calibrated at a 2-thread rate its
+    unfused ops did not reach, and ran ``oases`` 1.73x where all ranks ran 1.41x)."""
+    if given:
+        return given
+    if cpus is None:
+        from .calibrate import host_cpus
+
+        cpus = host_cpus()
+    return max(1, cpus // nproc)
+
+
+def host_rates(threads=None, cuda=False):
+    """The emulating host's (FLOP/s, bytes/s) of one process alone with ``threads`` torch threads
+    (default: the current count), and where each came from: ``$OASES_HOST_FLOPS`` /
+    ``$OASES_HOST_MEM_GBS`` (GB/s), else the cached CPU calibration (:mod:`.calibrate`); on CUDA
+    without ``$OASES_HOST_MEM_GBS`` the device's bandwidth is measured now. In a process group,
+    taken on global rank 0 and broadcast, so that every rank uses the same D."""
     from . import calibrate
 
     flops, mem = _env_rate("OASES_HOST_FLOPS"), _env_rate("OASES_HOST_MEM_GBS")
-    sources = ["OASES_HOST_FLOPS" if flops else "calibrate", "OASES_HOST_MEM_GBS" if mem else ""]
+    sources = ["OASES_HOST_FLOPS" if flops else "", "OASES_HOST_MEM_GBS" if mem else ""]
     mem = mem * 1e9 if mem else None
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if flops and mem:
         return flops, mem, sources
     if not distributed or dist.get_rank() == 0:
-        threads = torch.get_num_threads()
+        threads = int(threads or torch.get_num_threads())
         if not flops:
             flops, info = calibrate.host_flops(threads)
-            sources[0] = calibrate.rate_source(info, cached="cache", measured="measured")
+            sources[0] = calibrate.rate_source(info, cached="cached calibration")
         if not mem and cuda:
             mem = calibrate.measure_memory_bandwidth(device="cuda")
             sources[1] = "measured on cuda"
         elif not mem:
             mem, info = calibrate.host_memory_bandwidth(threads)
-            sources[1] = calibrate.rate_source(info, cached="cache", measured="measured")
+            sources[1] = calibrate.rate_source(info, cached="cached calibration")
     if distributed:
         t = torch.tensor([flops or 0.0, mem or 0.0], dtype=torch.float64)
         c10d.broadcast(t, src=0)  # torch's own function: the emulator is not installed yet
@@ -144,27 +168,36 @@ def host_rates(cuda=False):
     return flops, mem, sources
 
 
-def resolve_dilation(profile, link=None, log=None):
+def resolve_dilation(profile, link=None, ranks=None, threads=None, cuda=None, explain=False):
     """D for ``profile`` at the layer shape of ``link`` (the run's
-    :class:`~megatron_oases.config.EmulatedLink`): ``$OASES_EMULATE_DILATION``,
-    else the roofline :func:`roofline_dilation` with the host's rates (:func:`host_rates`), both
-    the rates of one process alone, scaled by :func:`.calibrate.oversubscription_share` when this
-    host runs more ranks × threads than it has CPUs. Without a shape (``link`` or its ``shape`` None) the layer is
-    GEMMs only, i.e. D = profile ÷ host FLOP/s.
+    :class:`~megatron_oases.config.EmulatedLink`): the one place D is computed, in the launched
+    ranks and in ``oases compare`` before it launches them.
 
-    Returns ``(dilation, info)``; ``info["roofline"]`` is the
+    ``$OASES_EMULATE_DILATION`` (:data:`DILATION_ENV`) if set, else the roofline
+    :func:`~megatron_oases.device_model.roofline_dilation` with the host's rates
+    (:func:`host_rates`) of one process alone, scaled by
+    :func:`.calibrate.oversubscription_share` when this host runs more ``ranks`` × ``threads``
+    than it has CPUs (defaults: ``$LOCAL_WORLD_SIZE`` and the current torch threads). Without a
+    shape (``link`` or its ``shape`` None) the layer is GEMMs only, i.e. D = profile ÷ host
+    FLOP/s. ``cuda`` (default: whether CUDA is available): the host is a GPU (its attention and
+    memory bandwidth). With ``explain`` the roofline and its rates are computed even where the
+    variable forces D (for a report); a rank handed D skips them.
+
+    Returns ``(dilation, info)``: ``info["source"]`` (of D where forced, else of the FLOP rate),
+    the rates (per rank, and ``*_alone``), the share, and ``info["roofline"]``, the
     :class:`~megatron_oases.device_model.Dilation` (its parts) when computed.
     """
-    env_d = _env_rate("OASES_EMULATE_DILATION")
-    if env_d:
-        return env_d, {"source": "OASES_EMULATE_DILATION", "host_flops": None}
+    forced = _env_rate(DILATION_ENV)
+    if forced and not explain:
+        return forced, {"source": DILATION_ENV, "host_flops": None}
     from ..device_model import DeviceRates, Work, dilation, roofline_dilation
     from .calibrate import oversubscription_share
 
-    cuda = torch.cuda.is_available()
-    flops, mem, sources = host_rates(cuda)
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    share = oversubscription_share(ranks, torch.get_num_threads())
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    threads = int(threads or torch.get_num_threads())
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks is None else ranks
+    flops, mem, sources = host_rates(threads, cuda)
+    share = oversubscription_share(ranks, threads)
     host = DeviceRates(flops * share, mem * share, "host")
     if link is None or link.shape is None:
         dl = dilation(Work(1.0, 0.0), host, DeviceRates.from_profile(profile))
@@ -180,14 +213,55 @@ def resolve_dilation(profile, link=None, log=None):
             host_attention=core_attention_kind(link.attention_backend, cuda),
         )
     info = {
-        "source": sources[0],
+        "source": DILATION_ENV if forced else sources[0],
         "memory_source": sources[1],
         "host_flops": flops * share,
         "host_memory_bytes_per_s": mem * share,
+        "host_flops_alone": flops,
+        "host_memory_bytes_per_s_alone": mem,
         "oversubscription_share": share,
+        "threads": threads,
         "roofline": dl,
     }
-    return dl.d, info
+    return forced or dl.d, info
+
+
+def emulation_info(profile, link, processes, threads):
+    """The emulation every variant of ``oases compare`` shares (its results.json ``emulation``):
+    D of ``link``'s layer shape (:func:`resolve_dilation`, ``processes`` on this host × ``threads``
+    each, CPU host), the rates it came from and the roofline's parts. The ranks get D through
+    :func:`dilation_env`, so that every variant runs with the identical D."""
+    d, info = resolve_dilation(
+        profile, link, ranks=processes, threads=threads, cuda=False, explain=True
+    )
+    dl, share = info["roofline"], info["oversubscription_share"]
+    return {
+        "profile": profile.name,
+        "gpu": profile.gpu,
+        "dtype": profile.dtype,
+        "dtype_bytes": profile.dtype_bytes,
+        "target_tflops": profile.sustained_tflops,
+        "target_memory_gbs": profile.memory_bandwidth_gbs,
+        "host_gflops": info["host_flops"] / 1e9,
+        "host_gflops_alone": info["host_flops_alone"] / 1e9,
+        "host_memory_gbs": info["host_memory_bytes_per_s"] / 1e9,
+        "host_memory_source": info["memory_source"],
+        "oversubscription_share": share,
+        "host_source": info["source"],
+        "threads_per_rank": threads,
+        "target_gemm_ms": dl.target.gemm_s * 1e3,
+        "target_memory_ms": dl.target.memory_s * 1e3,
+        "host_gemm_ms": dl.host.gemm_s * 1e3,
+        "host_memory_ms": dl.host.memory_s * 1e3,
+        "roofline_dilation": dl.d,
+        "dilation": d,
+    }
+
+
+def dilation_env(d):
+    """The environment that hands D to the launched ranks (their :func:`resolve_dilation` reads
+    it back): the only way D crosses the process boundary."""
+    return {DILATION_ENV: repr(d)}
 
 
 class EmulatorPatch(Patch):

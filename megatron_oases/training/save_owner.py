@@ -8,17 +8,13 @@ tracker file) is written only by a run that resumes from it (``--load`` the same
 told to start over (``--oases-start-over``). See ``docs/checkpoints.md``.
 """
 
-import json
 import os
-import socket
-import sys
-import time
 
 from ..errors import OasesConfigError
+from ..outputs import lock_dir
 from ..patching import REGISTRY, Patch
 from .safe_save import TRACKER
 
-LOCK_FILE = ".oases-lock"
 PATCH_NAME = "save-dir-lock"
 
 
@@ -46,48 +42,11 @@ def check_not_overwriting(args, start_over):
     )
 
 
-def _holder(path):
-    try:
-        with open(path) as f:
-            h = json.load(f)
-        return f"pid {h['pid']} on {h['host']}, started {h['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
-
-
 def lock_save_dir(save):
-    """Take ``save``'s run lock for this process (the job's rank 0); an open file whose closing
-    releases it, or None (with a warning) where the file system has no locks. Raises
-    :class:`OasesConfigError` when another live run holds it."""
-    import fcntl
-
-    path = os.path.join(save, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    f = os.fdopen(fd, "r+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(path)
-        f.close()
-        raise OasesConfigError(
-            f"--save {save} is in use by another run ({holder}); wait for it to end, stop it, or "
-            "choose another --save directory"
-        ) from None
-    except OSError as exc:  # a file system without flock (some Lustre/NFS mounts): say so
-        f.close()
-        print(
-            f"oases: warning: --save {save} cannot be locked on this file system "
-            f"({exc.strerror or exc}): a second live run into it would not be detected",
-            file=sys.stderr,
-            flush=True,
-        )
-        return None
-    f.seek(0)
-    f.truncate()
-    started = time.strftime("%Y-%m-%d %H:%M:%S")
-    json.dump({"host": socket.gethostname(), "pid": os.getpid(), "started": started}, f)
-    f.flush()
-    return f
+    """Take ``save``'s run lock for this process (the job's rank 0): :func:`..outputs.lock_dir`
+    (an open file whose closing releases it, or None with a warning where the file system has no
+    locks); raises :class:`OasesConfigError` when another live run holds it."""
+    return lock_dir(save, "--save")
 
 
 def is_job_rank_0():

@@ -56,6 +56,7 @@ def test_compare_end_to_end_tiny_model(tmp_path):
         assert (out / name).exists(), name
     for png in ("throughput.png", "timeline-megatron.png", "timeline-oases.png"):
         assert (out / png).read_bytes().startswith(PNG)
+    assert not (out / ".oases-lock").exists()  # the run's lock on --out goes with it
     report = json.loads((out / "results.json").read_text())
     # D: the roofline of one layer of TINY's shape (device_model), printed with its parts
     emu = report["emulation"]

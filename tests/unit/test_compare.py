@@ -241,7 +241,7 @@ def test_memory_variants_validate():
 def test_code_version_is_dirty_only_for_code_changes(tmp_path):
     """A run's own results (and the report, written before the version is asked) do not make
     the recorded commit ``+dirty``; a changed source file does."""
-    from megatron_oases.compare.cli import _code_version
+    from megatron_oases.compare.session import code_version as _code_version
 
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
@@ -278,3 +278,155 @@ def test_reanalyze_without_the_raw_traces_is_one_line(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps(report))
     with pytest.raises(OasesConfigError, match="megatron/trace.rank0.json is not there"):
         reanalyze(str(tmp_path))
+
+
+# ------------------------------------------------ issue 54 item 5: one --out, one comparison
+_HOLD = (
+    "import sys, time\n"
+    "from megatron_oases.outputs import lock_dir\n"
+    "held = lock_dir(sys.argv[1], '--out')\n"
+    "print('held', flush=True)\n"
+    "time.sleep(float(sys.argv[2]))\n"
+)
+
+
+def _holder(out, seconds):
+    """Another process that takes ``out``'s run lock (and keeps it ``seconds``)."""
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(out), str(seconds)], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_run_into_an_out_with_results_is_refused_before_running(
+    tmp_path, capsys, monkeypatch
+):
+    """Two runs into one --out both said "wrote results.md" and only the second's report, logs
+    and traces remained: a directory holding another comparison's results is refused, one line
+    before any run, and left as it was."""
+    import megatron_oases.compare.runner as runner
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a variant ran into an --out that holds results")
+
+    monkeypatch.setattr(runner, "run_variant", must_not_run)
+    out = tmp_path / "cmp"
+    (out / "megatron").mkdir(parents=True)
+    (out / "results.json").write_text('{"first": "run"}')
+    argv = ["--variants", "megatron", "--no-host-pass", "--out", str(out), "--", *TINY]
+    err = _one_line_error(capsys, argv)
+    assert err == (
+        f"oases compare: error: --out {out} holds the results of another comparison "
+        "(results.json); choose another --out directory, or add --force to write over them"
+    )
+    assert (out / "results.json").read_text() == '{"first": "run"}'
+    assert sorted(p.name for p in out.iterdir()) == ["megatron", "results.json"]  # no lock left
+
+
+def test_out_results_are_written_over_only_with_force(tmp_path):
+    from megatron_oases.compare.session import claim_out_dir
+    from megatron_oases.outputs import LOCK_FILE
+
+    out = tmp_path / "cmp"
+    with claim_out_dir(str(out)):  # new: created and held
+        assert (out / LOCK_FILE).is_file()
+    assert list(out.iterdir()) == []  # the lock file goes with the run
+    (out / "notes.txt").write_text("mine")  # what compare does not write is no result
+    with claim_out_dir(str(out)):
+        pass
+    (out / "oases").mkdir()  # a variant's logs of an unfinished run
+    with pytest.raises(OasesConfigError, match=r"\(oases, an unfinished run's logs\); choose"):
+        with claim_out_dir(str(out)):
+            pytest.fail("claimed an --out with another run's logs")
+    (out / "results.json").write_text("{}")
+    with pytest.raises(OasesConfigError, match=r"\(results.json\)"):
+        with claim_out_dir(str(out), force=False):
+            pytest.fail("claimed an --out with results")
+    with claim_out_dir(str(out), force=True) as claimed:  # --force: proceeds
+        assert claimed == str(out) and (out / LOCK_FILE).is_file()
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_an_out_in_use_by_a_live_run_is_refused_even_with_force(tmp_path):
+    import os
+
+    from megatron_oases.compare.session import claim_out_dir
+    from megatron_oases.outputs import lock_dir
+
+    out = str(tmp_path / "cmp")
+    os.makedirs(out)
+    held = lock_dir(out, "--out")  # a live run in this process
+    try:
+        with pytest.raises(OasesConfigError) as err:
+            with claim_out_dir(out, force=True):
+                pytest.fail("claimed an --out in use")
+    finally:
+        held.close()
+    assert str(err.value).startswith(f"--out {out} is in use by another run (pid {os.getpid()} on ")
+    assert str(err.value).endswith("wait for it to end, stop it, or choose another --out directory")
+    other = _holder(out, 60)  # a live run in another process
+    try:
+        with pytest.raises(OasesConfigError, match=f"in use by another run \\(pid {other.pid} on "):
+            with claim_out_dir(out, force=True):
+                pytest.fail("claimed an --out in use")
+    finally:
+        other.kill()
+        other.wait()
+    with claim_out_dir(out):  # that run is gone: its lock went with it
+        pass
+
+
+def test_a_lock_left_by_a_dead_run_is_taken_over(tmp_path):
+    """A run killed before it could remove its lock file leaves it behind: the next run takes
+    it over (the kernel released the lock with the process) and names itself in it."""
+    import json
+    import os
+
+    from megatron_oases.compare.session import claim_out_dir
+    from megatron_oases.outputs import LOCK_FILE
+
+    out = tmp_path / "cmp"
+    out.mkdir()
+    dead = _holder(out, 0)
+    dead.wait()
+    stale = json.loads((out / LOCK_FILE).read_text())
+    assert stale["pid"] == dead.pid != os.getpid()
+    with pytest.raises(ProcessLookupError):
+        os.kill(dead.pid, 0)
+    with claim_out_dir(str(out)):
+        assert json.loads((out / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert not (out / LOCK_FILE).exists()
+
+
+def test_a_lock_on_a_file_its_run_removed_is_taken_anew(tmp_path, monkeypatch):
+    """A comparison removes its lock file as it ends; a run that opened the file just before and
+    locks it just after holds a lock on no file. It must lock the file at the path instead, or a
+    third run could take that one too."""
+    import fcntl
+    import os
+
+    from megatron_oases import outputs
+
+    real = outputs._flock
+    path = tmp_path / outputs.LOCK_FILE
+    path.write_text("{}")
+    late = open(path, "r+")  # opened while the first run held it
+    path.unlink()  # the first run ends: file removed, then its lock released
+    fcntl.flock(late, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    calls = []
+
+    def first_the_late_lock(*args):
+        calls.append(args)
+        return late if len(calls) == 1 else real(*args)
+
+    monkeypatch.setattr(outputs, "_flock", first_the_late_lock)
+    held = outputs.lock_dir(str(tmp_path), "--out")
+    assert len(calls) == 2 and late.closed
+    assert os.path.samestat(os.fstat(held.fileno()), os.stat(path))
+    monkeypatch.setattr(outputs, "_flock", real)
+    with pytest.raises(OasesConfigError, match="in use by another run"):
+        outputs.lock_dir(str(tmp_path), "--out")
+    held.close()

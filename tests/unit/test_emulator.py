@@ -163,6 +163,39 @@ def test_dilation_is_per_shape_roofline(monkeypatch):
     assert abs(wide - 420) < abs(d - 420)
 
 
+def test_compare_and_the_ranks_get_d_from_one_function(monkeypatch):
+    """``oases compare`` fixes D before it launches the variants and hands it to their ranks:
+    both sides compute it with :func:`resolve_dilation` (the rates of the same threads, the same
+    oversubscription), and the value crosses the process boundary exactly (review 11-28: the host
+    rates were resolved twice, in compare/cli.py and here)."""
+    from megatron_oases.testbed.emulator import DILATION_ENV, dilation_env, emulation_info
+
+    monkeypatch.delenv(DILATION_ENV, raising=False)
+    monkeypatch.setenv("OASES_HOST_FLOPS", "1e11")
+    monkeypatch.setenv("OASES_HOST_MEM_GBS", "10")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(calibrate, "host_cpus", lambda: 2)
+    prof, link = load_cluster("rtx3090-pcie"), _megatron_args()
+    emulation = emulation_info(prof, link, processes=4, threads=1)  # 4 ranks on 2 CPUs
+    assert emulation["oversubscription_share"] == 0.5
+    assert emulation["host_gflops"] == 50.0 and emulation["host_gflops_alone"] == 100.0
+    # a launched rank: its local world and threads, the same rates
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    d, info = resolve_dilation(prof, link)
+    assert d == emulation["dilation"] == emulation["roofline_dilation"]
+    assert info["roofline"].d == d and info["oversubscription_share"] == 0.5
+    # handed over: the rank reads back the same float and computes nothing
+    for k, v in dilation_env(d).items():
+        monkeypatch.setenv(k, v)
+    assert resolve_dilation(prof, link) == (d, {"source": DILATION_ENV, "host_flops": None})
+    # a D forced by the user: compare still reports the roofline it replaces
+    monkeypatch.setenv(DILATION_ENV, "7.5")
+    forced = emulation_info(prof, link, processes=4, threads=1)
+    assert forced["dilation"] == 7.5 and forced["host_source"] == DILATION_ENV
+    assert forced["roofline_dilation"] == pytest.approx(d)
+
+
 def test_memory_bandwidth_is_cached_beside_the_flops(tmp_path, monkeypatch):
     monkeypatch.setenv("OASES_CACHE_DIR", str(tmp_path))
     calls = []

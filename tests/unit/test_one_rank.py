@@ -43,7 +43,7 @@ def test_one_rank_refuses_what_it_cannot_stand_for(capsys):
 
 def test_one_rank_runs_with_a_ranks_share_of_the_cpus():
     """Issue 42: rank 0 alone gets the threads a rank of the all-ranks job gets (the same D)."""
-    from megatron_oases.compare.cli import threads_per_rank
+    from megatron_oases.testbed.emulator import threads_per_rank
 
     assert threads_per_rank(None, 2, cpus=2) == 1  # both modes: 1 thread per rank process
     assert threads_per_rank(None, 8, cpus=2) == 1

@@ -72,11 +72,12 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
     """Run ``result``'s first ``k`` candidates (:func:`.search.search`); returns
     ``{'rows': [...], 'spearman', 'dilation', 'best_measured', 'chosen_gap'}`` and adds
     ``measured_s`` to each run candidate."""
-    from ...compare.cli import emulation_info
     from ...compare.runner import run_variant
     from ...compare.variants import Variant
+    from ...config import EmulatedLink
     from ...profiler.model_config import model_argv
     from ...testbed.clusters import load_cluster
+    from ...testbed.emulator import dilation_env, emulation_info
 
     if k < 1:
         raise OasesConfigError("--verify-top must be ≥ 1")
@@ -101,8 +102,8 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
         cargs = copy.copy(margs)
         lay = cand["layout"]
         cargs.tensor_model_parallel_size, cargs.micro_batch_size = layer_shape(lay, plan)
-        env = {}
-        emulation = emulation_info(profile, 1, env, gpus, cargs)
+        emulation = emulation_info(profile, EmulatedLink.from_args(cluster, cargs), gpus, 1)
+        env = dilation_env(emulation["dilation"])
         progress(f"verify {i}/{k}: {cand['name']} {cand['schedule']} on {gpus} emulated ranks")
         run = run_variant(
             variant,
