@@ -86,8 +86,8 @@ def test_gpu_check_dry_run_runs_every_step(tmp_path):
     assert "## Host time per layer by package" in md
     assert "dry run on the CPU" in md and "## Parity against stock" in md and "## Host floor" in md
     assert "## CUDA graphs" in md
-    # within the budget it was given (each step also has its own limit in check.py); its wall
-    # time is no yardstick beside another test on the 2 CPUs (the suite runs two at a time)
+    # within the budget it was given (each step also has its own limit, its module's LIMIT_S);
+    # its wall time is no yardstick beside another test on the 2 CPUs (the suite runs two at a time)
     assert elapsed < 880, f"dry run took {elapsed:.0f} s"
 
 

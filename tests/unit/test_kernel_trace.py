@@ -2,8 +2,9 @@
 on a synthetic trace of known answers and on a trace recorded on the H100 (2026-11-26), and the
 GPU check's faithful step's own logic (rows, budget, micro-batch doubling) without Megatron."""
 
-import importlib.util
+import importlib
 import os
+import sys
 
 import pytest
 from helpers.paths import REPO
@@ -55,25 +56,27 @@ def test_an_empty_trace_has_no_figures():
 
 
 @pytest.fixture(scope="module")
-def check():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_check", os.path.join(REPO, "benchmarks", "gpu", "check.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def faithful():
+    """The GPU check's faithful step (benchmarks/gpu/steps/faithful.py; its package ``steps``
+    sits beside the driver, check.py)."""
+    gpu = os.path.join(REPO, "benchmarks", "gpu")
+    sys.path.insert(0, gpu)
+    try:
+        return importlib.import_module("steps.faithful")
+    finally:
+        sys.path.remove(gpu)
 
 
-def test_rows_parse_and_refuse(check):
-    assert check.parse_rows("rtx4090-pcie:4:64, h100-nvlink:16:256:1") == [
+def test_rows_parse_and_refuse(faithful):
+    assert faithful.parse_rows("rtx4090-pcie:4:64, h100-nvlink:16:256:1") == [
         ("rtx4090-pcie", 4, 64, None),
         ("h100-nvlink", 16, 256, 1.0),
     ]
     for bad in ("rtx4090-pcie:4", "x:0:2", "x:2:two", "x:2:2:0"):
         with pytest.raises(ValueError, match="profile:TP:micro-batch"):
-            check.parse_rows(bad)
+            faithful.parse_rows(bad)
     # the issue's priority order, the two-node H100 row last with no dilation
-    rows = check.parse_rows(",".join(check.FAITHFUL_ROWS))
+    rows = faithful.parse_rows(",".join(faithful.FAITHFUL_ROWS))
     assert rows[0] == ("rtx4090-pcie", 4, 64, None) and rows[-1] == ("h100-nvlink", 16, 256, 1.0)
 
 
@@ -91,18 +94,18 @@ def check_busy_min():
     return 0.85
 
 
-def test_faithful_keeps_the_priority_order_within_its_budget(check, monkeypatch):
+def test_faithful_keeps_the_priority_order_within_its_budget(faithful, monkeypatch):
     """Rows run in order until the next would not fit; a row below the busy minimum is rerun
     once at twice the micro-batch, and the report says so."""
     clock = [0.0]
-    monkeypatch.setattr(check.time, "time", lambda: clock[0])
+    monkeypatch.setattr(faithful.time, "time", lambda: clock[0])
     busy = {("rtx4090-pcie", 64): 0.6, ("rtx4090-pcie", 128): 0.9}
     monkeypatch.setattr(
-        check, "faithful_row", _fake_row(lambda p, mb: busy.get((p, mb), 0.95), 100, clock)
+        faithful, "faithful_row", _fake_row(lambda p, mb: busy.get((p, mb), 0.95), 100, clock)
     )
-    monkeypatch.setattr(check, "_fake_group", lambda tp: None)
+    monkeypatch.setattr(faithful, "fake_group", lambda tp: None)
     saved = []
-    out = check.step_faithful(
+    out = faithful.run(
         False,
         save=saved.append,
         rows="rtx4090-pcie:4:64,rtx3090-pcie:2:32,rtx4090-pcie:2:32,nope-pcie:2:2,l40s-pcie:2:32",
