@@ -12,9 +12,16 @@ import io
 import os
 import sys
 
-from .config import OasesConfig
+from .config import OasesConfig, transformer_engine_installed
 from .errors import OasesConfigError
-from .validation import CUDA_GRAPH_MODES, SCHEDULES, SPLITS, SUB_BATCHES, check_model_shape
+from .validation import (
+    CUDA_GRAPH_MODES,
+    SCHEDULES,
+    SPLITS,
+    SUB_BATCHES,
+    check_model_shape,
+    check_transformer_impl,
+)
 
 #: Added when absent on a machine without CUDA: Megatron's defaults there need APEX/TE kernels.
 CPU_DEFAULTS = (
@@ -187,11 +194,10 @@ def with_defaults(argv, demo=False, cuda=None):
     cuda = torch.cuda.is_available() if cuda is None else cuda
     argv = list(argv)
     impl = flag_value(argv, "--transformer-impl")
-    if impl not in (None, "local"):
-        raise OasesConfigError(
-            f"--transformer-impl {impl} is not supported: TE linears do their own TP "
-            "communication; use --transformer-impl local (or leave the flag out)"
-        )
+    if impl not in (None, "local"):  # before the defaults below, which assume the local spec
+        schedule = flag_value(argv, "--oases-schedule") or "off"
+        plan = bool(flag_value(argv, "--oases-plan"))
+        check_transformer_impl(impl, schedule, plan, te_installed=transformer_engine_installed())
     groups = [ALWAYS_DEFAULTS, LOOP_DEFAULTS]
     if not cuda:
         groups.append(CPU_DEFAULTS)
@@ -241,6 +247,28 @@ def _one_line(exc):
     return f"{frame.line} ({os.path.basename(frame.filename)}:{frame.lineno})"
 
 
+#: Megatron's sharded data parallelism: its checks refuse ``CUDA_DEVICE_MAX_CONNECTIONS=1``.
+FSDP_FLAGS = ("--use-torch-fsdp2", "--use-megatron-fsdp")
+MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
+#: Set where :func:`default_max_connections` chose the value (jobs run one after another in one
+#: process, e.g. ``oases compare``'s passes, each get the value of their own flags).
+_MAX_CONNECTIONS_OURS = "OASES_DEFAULT_MAX_CONNECTIONS"
+
+
+def default_max_connections(argv):
+    """Megatron's own rule for ``CUDA_DEVICE_MAX_CONNECTIONS`` where the environment does not set
+    it: 1 (Megatron asks for it with TP > 1 before Blackwell, and the split schedules need launch
+    order = issue order on GPUs), but unset under FSDP, whose checks refuse 1 (Megatron then only
+    warns about TP; docs/megatron-lm.md says what it costs)."""
+    if os.environ.get(_MAX_CONNECTIONS_OURS) == "1":  # an earlier job of this process set it
+        os.environ.pop(MAX_CONNECTIONS, None)
+        os.environ.pop(_MAX_CONNECTIONS_OURS)
+    if MAX_CONNECTIONS in os.environ or any(a.split("=", 1)[0] in FSDP_FLAGS for a in argv):
+        return
+    os.environ[MAX_CONNECTIONS] = "1"
+    os.environ[_MAX_CONNECTIONS_OURS] = "1"
+
+
 def parse_megatron_args(argv, prog="oases-pretrain-gpt", world_size=None, set_globals=False):
     """Megatron-LM's parse + validate of ``argv`` (defaults already added), then ours; the
     parsed args (:func:`parse_args_and_config` also gives the checked :class:`OasesConfig`)."""
@@ -256,8 +284,7 @@ def parse_args_and_config(argv, prog="oases-pretrain-gpt", world_size=None, set_
     """
     from megatron.training import arguments as margs
 
-    # Megatron asks for it with TP > 1; on GPUs the overlap needs launch order = issue order.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    default_max_connections(argv)
     with _argv(prog, argv):
         err = io.StringIO()
         try:

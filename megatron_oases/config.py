@@ -13,6 +13,7 @@ from .validation import (
     SUB_BATCHES,
     check_before_megatron,
     check_oases_args,
+    check_sharded_data_parallel,
     plan_differences,
     split_kind,
     sub_batches,
@@ -72,8 +73,8 @@ class OasesConfig:
     path pattern. ``emulate_link``: :class:`EmulatedLink` or None. ``log_json``: the golden-values
     file. ``start_over``: ``--oases-start-over``. Megatron's: ``tensor_model_parallel_size`` (the
     TMP domain a plan's degrees divide), ``attention_backend``, ``half_precision``,
-    ``reset_attention_mask``, ``sequence_parallel``, ``recompute_granularity`` and
-    ``recompute_modules``."""
+    ``reset_attention_mask``, ``sequence_parallel``, ``recompute_granularity``,
+    ``recompute_modules`` and ``distributed_optimizer`` (``--use-distributed-optimizer``)."""
 
     schedule: Schedule = Schedule.OFF
     sub_batches: int = SUB_BATCHES
@@ -92,6 +93,7 @@ class OasesConfig:
     sequence_parallel: bool = False
     recompute_granularity: Optional[str] = None
     recompute_modules: tuple = ()
+    distributed_optimizer: bool = False
 
     @property
     def overlapped(self):
@@ -112,8 +114,12 @@ class OasesConfig:
         ``validate_megatron(args)``: Megatron's own checks, run after the rules they would mask
         with a less helpful message and before the rest (which read what Megatron derives);
         None where Megatron already ran them (Megatron-LM's ``pretrain_gpt.py``)."""
+        import torch
+
         schedule = Schedule(args.oases_schedule)  # argparse checked it against SCHEDULES
-        check_before_megatron(args, schedule)
+        check_sharded_data_parallel(args, schedule, cuda_available=torch.cuda.is_available())
+        te_installed = transformer_engine_installed()
+        check_before_megatron(args, schedule, te_installed=te_installed)
         if validate_megatron is not None:
             validate_megatron(args)
         plan, path = None, getattr(args, "oases_plan", None)
@@ -125,14 +131,17 @@ class OasesConfig:
                 num_layers=args.num_layers,
                 tensor_model_parallel_size=args.tensor_model_parallel_size,
             )
-        import torch
-
-        check_oases_args(args, schedule, plan=plan, cuda_available=torch.cuda.is_available())
+        cuda = torch.cuda.is_available()
+        check_oases_args(args, schedule, plan, cuda_available=cuda, te_installed=te_installed)
         if plan is not None:
             _warn_plan_differences(path, plan, args, schedule)
         _warn_nothing_to_overlap(schedule, args)
         backend = getattr(args, "attention_backend", "auto")
         link = getattr(args, "emulate_link", None)
+        if link:  # read and checked now, before any process group or model (a bad one: one line)
+            from .testbed.clusters import load_cluster
+
+            load_cluster(link)
         return cls(
             schedule=schedule,
             sub_batches=sub_batches(args),
@@ -151,7 +160,16 @@ class OasesConfig:
             sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
             recompute_granularity=getattr(args, "recompute_granularity", None),
             recompute_modules=tuple(getattr(args, "recompute_modules", None) or ()),
+            distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
         )
+
+
+def transformer_engine_installed():
+    """Whether Transformer Engine is installed (found, not imported: importing it sets up CUDA).
+    The rules of :mod:`.validation` that depend on it take the answer as an argument."""
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def _half(args):
@@ -159,11 +177,14 @@ def _half(args):
 
 
 def _warn_plan_differences(path, plan, args, schedule):
-    """Once per job (rank 0): the plan was made for another run than this command line's."""
+    """Once per job (rank 0): the plan was made for another run than this command line's (the
+    plan's recorded run read as the planner reads it, :meth:`PlanSettings.from_plan`)."""
     import os
     import sys
 
-    differences = plan_differences(plan, args, schedule)
+    from .planner.settings import PlanSettings
+
+    differences = plan_differences(PlanSettings.from_plan(plan, path=path), args, schedule)
     if not differences or int(os.environ.get("RANK", "0")) != 0:
         return
     theirs = ", ".join(f"{flag} {planned}" for flag, planned, _ in differences)

@@ -7,6 +7,7 @@ Pure functions of plain values and parsed args: no Megatron, no torch, no files.
 """
 
 from .errors import OasesConfigError
+from .megatron_flags import NO_TE, NOT_INSTALLED, REFUSED, refusals
 from .recompute_settings import recompute_mode_of
 
 #: ``--oases-schedule`` values; ``off`` is stock Megatron.
@@ -47,6 +48,15 @@ def check_schedule_recompute(
         raise OasesConfigError(
             f"{flag} {schedule} merges recompute with backward; {fix} or use {flag} overlap"
         )
+
+
+def samples_per_group(micro_batch, degree, domain):
+    """The one samples-per-group rule: a TMP domain of T = ``domain`` ranks runs a layer of TMP
+    degree d as T/d groups of d ranks, and each group takes m·d/T of the domain's micro-batch of
+    m = ``micro_batch`` samples. An int where that share is whole, else the fraction (a float,
+    for messages: ``n != int(n)`` tells them apart)."""
+    share, rest = divmod(micro_batch * degree, domain)
+    return micro_batch * degree / domain if rest else share
 
 
 def check_splittable(samples, what=None, need=None, parts=SUB_BATCHES):
@@ -147,12 +157,55 @@ def check_sequence_split(args, plan=None):
         )
 
 
-def check_transformer_impl(impl):
-    if impl != "local":
+def check_transformer_impl(impl, schedule=None, plan=False, te_installed=None):
+    """``--transformer-impl``: the local spec only, for the reason of the case. Under a split
+    schedule (``schedule`` None: one of them) or a per-layer plan, TE's linears would do their own
+    TP communication; under ``off`` the package still builds and prepares the local spec only,
+    or TE is not installed (``te_installed`` False)."""
+    if impl == "local":
+        return
+    if schedule != "off" or plan:
+        what = f"--oases-schedule {schedule}" if schedule else "--oases-schedule"
+        what = "--oases-plan" if schedule == "off" else what
         raise OasesConfigError(
-            f"--transformer-impl {impl} is not supported: TE linears do their own TP "
-            "communication; use --transformer-impl local"
+            f"--transformer-impl {impl} is not supported by {what}: TE linears do their own TP "
+            "communication, which the schedule cannot defer; use --transformer-impl local"
         )
+    if te_installed is False:
+        raise OasesConfigError(
+            f"--transformer-impl {impl} needs Transformer Engine, which is not installed here; "
+            "use --transformer-impl local (the default)"
+        )
+    raise OasesConfigError(
+        f"--transformer-impl {impl} is not supported: this package builds and prepares "
+        "Megatron's local layer spec only (its attention choice and patches act on local "
+        "modules); use --transformer-impl local (the default)"
+    )
+
+
+def check_megatron_flags(args, schedule, plan=False, te_installed=None, after_megatron=False):
+    """Megatron's flags this run cannot honour: the refused verdicts of :mod:`.megatron_flags`
+    (docs/reliability.md's table), each one line naming the fix. ``plan``: a per-layer plan is
+    given; ``te_installed``: whether Transformer Engine is (None: not known, its rules skipped);
+    ``after_megatron``: the rules that read what Megatron's checks derive, else those run before
+    them (whose messages would mislead, or which they let through)."""
+    split = schedule != "off"
+    what = f"--oases-schedule {schedule}" if split or not plan else "--oases-plan"
+    te = NOT_INSTALLED if te_installed is False else ""
+    for rule in refusals():
+        refusal = rule.refusal
+        if refusal.after_megatron != after_megatron:
+            continue
+        verdict = rule.verdict(schedule)
+        if not (
+            verdict == REFUSED
+            or (verdict == NO_TE and te_installed is False)
+            or (plan and refusal.plan)
+        ):
+            continue
+        given = refusal.given(args)
+        if given:
+            raise OasesConfigError(refusal.message.format(what=what, given=given, te=te))
 
 
 #: Numeric flags and the smallest value each may take (Megatron checks these only where it uses
@@ -254,7 +307,8 @@ def check_plan_fits_model(plan, args, schedule):
         )
     T = args.tensor_model_parallel_size
     for layer, d in enumerate(plan["degrees"]):
-        if args.micro_batch_size % (T // d):
+        samples = samples_per_group(args.micro_batch_size, d, T)
+        if samples != int(samples):
             raise OasesConfigError(
                 f"layer {layer}: degree {d} splits the micro-batch over {T // d} groups, but "
                 f"--micro-batch-size {args.micro_batch_size} is not divisible by {T // d}"
@@ -262,7 +316,7 @@ def check_plan_fits_model(plan, args, schedule):
         if schedule != "off":
             parts = sub_batches(args)
             check_splittable(
-                args.micro_batch_size * d // T,
+                samples,
                 what=f"layer {layer}: degree {d}",
                 need=parts * T // d,
                 parts=parts,
@@ -393,35 +447,49 @@ def check_cuda_graphs(args, schedule, cuda_available):
         )
 
 
-def check_before_megatron(args, schedule):
+def check_sharded_data_parallel(args, schedule, cuda_available):
+    """Megatron's two sharded data-parallel wrappers (``--use-torch-fsdp2``,
+    ``--use-megatron-fsdp``): what runs where (docs/megatron-lm.md, sharded data parallelism)."""
+    torch_fsdp2 = getattr(args, "use_torch_fsdp2", False)
+    megatron_fsdp = getattr(args, "use_megatron_fsdp", False)
+    if megatron_fsdp and not cuda_available:
+        raise OasesConfigError(
+            "--use-megatron-fsdp needs CUDA (Megatron-FSDP's buffers, streams and events are "
+            "CUDA's); without a GPU use --use-torch-fsdp2 (with --untie-embeddings-and-output-"
+            "weights) for sharded data parallelism"
+        )
+    if (torch_fsdp2 or megatron_fsdp) and (schedule != "off" or getattr(args, "oases_plan", None)):
+        flag = "--use-torch-fsdp2" if torch_fsdp2 else "--use-megatron-fsdp"
+        what = f"--oases-schedule {schedule}" if schedule != "off" else "--oases-plan"
+        raise OasesConfigError(
+            f"{what} does not run under {flag} yet (FSDP gathers a layer's parameters in hooks "
+            f"the split schedules bypass); use --oases-schedule off with {flag}, or drop {flag}"
+        )
+
+
+def check_before_megatron(args, schedule, te_installed=None):
     """The ``--oases-*`` rules that Megatron's own checks would mask with a less helpful message
-    (run before them by :meth:`~.config.OasesConfig.from_args`). ``schedule``: the parsed
-    ``--oases-schedule``."""
-    check_transformer_impl(getattr(args, "transformer_impl", "local"))
+    (run before them by :meth:`~.config.OasesConfig.from_args`), and Megatron's flags the run
+    cannot honour (:func:`check_megatron_flags`). ``schedule``: the parsed ``--oases-schedule``;
+    ``te_installed``: whether Transformer Engine is (None: not known)."""
     plan_path = getattr(args, "oases_plan", None)
-    if schedule == "off" and not plan_path:
-        return
-    what = f"--oases-schedule {schedule}" if schedule != "off" else "--oases-plan"
+    impl = getattr(args, "transformer_impl", "local")
+    check_transformer_impl(impl, schedule, plan=bool(plan_path), te_installed=te_installed)
+    check_megatron_flags(args, schedule, plan=bool(plan_path), te_installed=te_installed)
     if getattr(args, "sequence_parallel", False) and plan_path:
         raise OasesConfigError(
             "--oases-plan does not support --sequence-parallel (per-layer degrees would "
             "re-shard the sequence between layers); drop one of them"
         )
-    if (getattr(args, "context_parallel_size", 1) or 1) != 1:
-        raise OasesConfigError(f"{what} does not support --context-parallel-size > 1")
-    if getattr(args, "num_experts", None):
-        raise OasesConfigError(f"{what} does not support MoE layers; drop --num-experts")
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        raise OasesConfigError(
-            f"{what} does not support the interleaved pipeline schedule; drop "
-            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank"
-        )
 
 
-def check_oases_args(args, schedule, plan=None, cuda_available=None):
+def check_oases_args(args, schedule, plan=None, cuda_available=None, te_installed=None):
     """The other ``--oases-*`` rules, on Megatron-validated args. ``schedule``: the parsed
     ``--oases-schedule``; ``plan``: the loaded ``--oases-plan``; ``cuda_available``: whether the
-    run has a CUDA GPU (None: not known, the GPU rules skipped)."""
+    run has a CUDA GPU (None: not known, the GPU rules skipped); ``te_installed``: whether
+    Transformer Engine is (None: not known)."""
+    planned = plan is not None or bool(getattr(args, "oases_plan", None))
+    check_megatron_flags(args, schedule, planned, te_installed, after_megatron=True)
     check_megatron_features(schedule, args)
     check_hybrid(schedule, args, plan)
     check_schedule_recompute(schedule, args.recompute_granularity == "full")
@@ -450,28 +518,46 @@ def check_oases_args(args, schedule, plan=None, cuda_available=None):
     return args
 
 
-def plan_differences(plan, args, schedule):
-    """Where the run the plan was made for (its recorded ``schedule``, ``micro_batch_size``,
-    ``global_batch_size``, ``recompute``, ``recompute_num_layers``) differs from this command
-    line: ``[(flag, plan's value, this run's value)]``. The degrees still run; the plan's
-    prediction describes the other run."""
+def plan_differences(planned, args, schedule):
+    """Where the run a plan was made for differs from this command line: ``[(flag, plan's value,
+    this run's value)]``. ``planned``: the plan's recorded run, read by
+    :meth:`~megatron_oases.planner.settings.PlanSettings.from_plan` (its ``recorded(field)`` says
+    what the plan records; a hand-written or uniform plan records little). Compared: the
+    schedule, the batch sizes, the recompute setting, the pipeline and data-parallel sizes,
+    sequence parallelism and the distributed optimizer (on/off). The degrees still run; the
+    plan's prediction describes the other run."""
     recompute_layers = None
     if getattr(args, "recompute_method", None) == "block":
         recompute_layers = getattr(args, "recompute_num_layers", None)
-    ours = {
-        "schedule": ("--oases-schedule", str(schedule)),
-        "micro_batch_size": ("--micro-batch-size", getattr(args, "micro_batch_size", None)),
-        "global_batch_size": ("--global-batch-size", getattr(args, "global_batch_size", None)),
-        "recompute": ("--recompute-granularity", recompute_mode_of(args)),
-        "recompute_num_layers": ("--recompute-num-layers (block)", recompute_layers),
-    }
+    ours = [  # (the run's field, the flag, this run's value)
+        ("schedule", "--oases-schedule", str(schedule)),
+        ("micro_batch_size", "--micro-batch-size", getattr(args, "micro_batch_size", None)),
+        ("global_batch_size", "--global-batch-size", getattr(args, "global_batch_size", None)),
+        ("recompute", "--recompute-granularity", recompute_mode_of(args)),
+        ("recompute_layers", "--recompute-num-layers (block)", recompute_layers),
+        (
+            "pipeline_model_parallel_size",
+            "--pipeline-model-parallel-size",
+            getattr(args, "pipeline_model_parallel_size", None) or 1,
+        ),
+        ("sequence_parallel", "--sequence-parallel", bool(getattr(args, "sequence_parallel", 0))),
+        (
+            "distributed_optimizer",
+            "--use-distributed-optimizer",
+            bool(getattr(args, "use_distributed_optimizer", False)),
+        ),
+    ]
+    if getattr(args, "data_parallel_size", None) is not None:  # Megatron derives it
+        ours.append(("data_parallel_size", "data-parallel size", args.data_parallel_size))
     out = []
-    for key, (flag, value) in ours.items():
-        planned = plan.get(key)
-        if key == "recompute" and isinstance(planned, bool):  # older plans: True is full
-            planned = "full" if planned else "none"
-        if planned is None or (key == "recompute_num_layers" and "recompute" not in plan):
+    for name, flag, value in ours:
+        theirs = getattr(planned, name)
+        if theirs is None or not planned.recorded(name):
             continue  # not recorded (a hand-written or uniform plan)
-        if planned != value:
-            out.append((flag, planned, value))
+        if name == "recompute_layers" and not planned.recorded("recompute"):
+            continue
+        if theirs != value:
+            if isinstance(value, bool):
+                theirs, value = ("on" if theirs else "off"), ("on" if value else "off")
+            out.append((flag, theirs, value))
     return out

@@ -11,6 +11,7 @@ from dataclasses import fields
 import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import _fork_rng
 from megatron.core.transformer.spec_utils import build_module
 
 from .shards import full_tensor, take_shard
@@ -51,13 +52,18 @@ def apply_plan(model, degrees, groups):
         d = degrees[layer.layer_number - 1]
         stage_degrees.append(d)
         if d != groups.domain_size:
-            new = build_module(
-                decoder.submodules.layer_specs[i],
-                config=decoder.config,
-                layer_number=i + 1,
-                pg_collection=_with_tp(layer.pg_collection, groups.tp_group(d)),
-                vp_stage=decoder.vp_stage,
-            )
+            # Megatron's RNG states put back after: the rebuilt layer's initialisation is
+            # overwritten by the copied weights, and must not shift what Megatron draws for the
+            # model chunks built after this one (the interleaved pipeline builds a rank's
+            # chunks one after another, each prepared before the next is built)
+            with _fork_rng():
+                new = build_module(
+                    decoder.submodules.layer_specs[i],
+                    config=decoder.config,
+                    layer_number=i + 1,
+                    pg_collection=_with_tp(layer.pg_collection, groups.tp_group(d)),
+                    vp_stage=decoder.vp_stage,
+                )
             assert new.layer_number == layer.layer_number
             _copy_weights(layer, new, d, groups, decoder.config)
             decoder.layers[i] = new

@@ -16,6 +16,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.utils import get_attr_wrapped_model
 from megatron.training import get_args, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
@@ -118,9 +119,13 @@ def _restore_rng_before_data():
 
 
 def forward_step(data_iterator, model):
+    """One micro-batch through one model chunk. ``model`` arrives wrapped (DDP, ``Float16Module``):
+    the chunk's ``vp_stage`` is read on the chunk inside, as Megatron-LM's ``pretrain_gpt.py``
+    does; read on the wrapper it is None, and under the interleaved schedule a middle chunk of
+    the first or last rank would take itself for a stage that reads data."""
     _restore_rng_before_data()  # once per run, before its first forward (a no-op on CUDA)
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(
-        data_iterator, getattr(model, "vp_stage", None)
+        data_iterator, get_attr_wrapped_model(model, "vp_stage")
     )
     output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
