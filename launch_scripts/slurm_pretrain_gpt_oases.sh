@@ -59,7 +59,8 @@ if [[ "${DEVICE}" == auto ]]; then
         DEVICE=cpu
     fi
 fi
-export CUDA_DEVICE_MAX_CONNECTIONS=1  # launch order of TP communication kernels (Megatron-LM)
+# CUDA_DEVICE_MAX_CONNECTIONS: the entry points apply Megatron's rule where it is unset (1, or
+# unset under --use-torch-fsdp2 / --use-megatron-fsdp: docs/megatron-lm.md).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [[ "${DEVICE}" == cuda ]]; then
     GPUS_PER_NODE=${GPUS_PER_NODE:-8}

@@ -8,7 +8,7 @@ import os
 import sys
 
 from .. import patches
-from ..arguments import ALWAYS_DEFAULTS, add_oases_args
+from ..arguments import ALWAYS_DEFAULTS, add_oases_args, default_max_connections
 from ..config import OasesConfig
 from ..errors import OasesConfigError, report_once
 
@@ -52,10 +52,12 @@ def extra_args_provider(existing=None):
 
     Call it before Megatron parses (the patch does, in the call's arguments): without CUDA it
     installs the CPU platform shims (a no-op with CUDA) and, as ``oases-pretrain-gpt`` does, sets
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` unless the environment sets it.
+    ``CUDA_DEVICE_MAX_CONNECTIONS`` by Megatron's rule unless the environment sets it
+    (:func:`megatron_oases.arguments.default_max_connections`).
     """
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from ..launch import die_with_launcher
+
+    default_max_connections(sys.argv[1:])
 
     die_with_launcher()  # a launcher killed with SIGKILL leaves no orphan ranks
     _install_cpu_shims()

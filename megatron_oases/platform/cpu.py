@@ -43,6 +43,12 @@ Replaced symbol                             Why / what the shim does
                                             ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which we set).
 ``megatron.training.training.``             ``pretrain`` calls it without ``allow_no_cuda``: the same
   ``initialize_megatron``                   function with ``allow_no_cuda=True``.
+``megatron.core.distributed.``              ``--use-torch-fsdp2`` builds its device mesh with
+  ``torch_fully_sharded_data_parallel.``    ``DeviceMesh.from_group(group, "cuda")``, and torch's
+  ``DeviceMesh``                            ``fully_shard`` then asks ``torch.cuda`` for the
+                                            device index: a mesh of the same group on ``cpu``
+                                            (FSDP2's own CPU path; sharding and collectives as
+                                            on GPUs).
 ``megatron.training.training.``             its JIT warm-up draws ``torch.rand`` tensors shaped by
   ``set_jit_fusion_options``                ``--micro-batch-size`` (and dropout masks) from the
                                             "CUDA" generator, here the CPU one that then initialises
@@ -257,6 +263,33 @@ def _training_shims():
     return shims
 
 
+class _CpuDeviceMesh:
+    """Megatron's FSDP2 wrapper builds a ``"cuda"`` mesh of its data-parallel group; the same
+    group's mesh on the CPU instead (the one call it makes, ``from_group``)."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+
+        device_type = "cpu" if device_type == "cuda" else device_type
+        return DeviceMesh.from_group(group, device_type, *args, **kwargs)
+
+
+def _fsdp2_shims():
+    """``{(module, attr): replacement}`` for ``--use-torch-fsdp2`` (torch's ``fully_shard``)."""
+    module = "megatron.core.distributed.torch_fully_sharded_data_parallel"
+    try:
+        fsdp2 = importlib.import_module(module)
+    except ImportError:
+        return {}
+    if not getattr(fsdp2, "HAVE_FSDP", False):  # a torch without FSDP2: Megatron refuses it
+        return {}
+    from ..compat import require_call
+
+    require_call(fsdp2.TorchFullyShardedDataParallel.__init__, "DeviceMesh.from_group(")
+    return {(module, "DeviceMesh"): _CpuDeviceMesh}
+
+
 #: The registry name of the CPU shim patch.
 PATCH_NAME = "cpu-shims"
 
@@ -287,7 +320,7 @@ def make_patch():
         (mrandom, "_set_cuda_rng_state", _cpu_set_rng_state),
         (mrandom, "CudaRNGStatesTracker", _make_cpu_tracker_class()),
     ]
-    for (module, name), new in _training_shims().items():
+    for (module, name), new in {**_training_shims(), **_fsdp2_shims()}.items():
         replacements.append((importlib.import_module(module), name, new))
     for name in _FACTORIES:
         replacements.append((torch, name, _cpu_device_factory(getattr(torch, name))))

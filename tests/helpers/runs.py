@@ -40,6 +40,7 @@ def parse_config(argv, world_size=None, demo=True):
 def _capture_patch(record, grads):
     """Wrap ``train_step`` (by name in ``megatron.training.training``) to record its results."""
     from megatron.training import training
+    from torch.distributed.tensor import DTensor
 
     original = training.train_step
 
@@ -49,7 +50,10 @@ def _capture_patch(record, grads):
             module = chunk.module if hasattr(chunk, "module") else chunk
             for name, p in global_param_names(module):
                 g = getattr(p, "main_grad", None)
-                g = (g if g is not None else p.grad).detach().clone()
+                g = (g if g is not None else p.grad).detach()
+                if isinstance(g, DTensor):  # --use-torch-fsdp2: this rank's shard of the average
+                    g = g.full_tensor()
+                g = g.clone()
                 out[name] = full_tensor(g, p, name, module.config) if grads == "full" else g
         return out
 
