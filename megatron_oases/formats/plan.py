@@ -21,7 +21,7 @@ import json
 
 from ..errors import OasesConfigError
 from ..validation import SPLITS, check_schedule
-from . import read_json
+from . import is_finite, read_json, write_atomic
 from .profile import sha256_of
 
 PLAN_VERSION = 1
@@ -29,6 +29,16 @@ PLAN_VERSION = 1
 
 #: The keys every plan has (:func:`validate_plan`).
 REQUIRED_KEYS = ("version", "tensor_model_parallel_size", "degrees")
+#: The plan's counts (positive integers or null) that the runtime and ``--evaluate`` read.
+_COUNTS = (
+    "global_batch_size",
+    "micro_batch_size",
+    "recompute_num_layers",
+    "data_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers",
+    "num_microbatches",
+)
 _WRITE_ONE = "write one with `oases plan --out PLAN_JSON`"
 
 
@@ -83,6 +93,34 @@ def parse_degrees(text, T=None):
     return out
 
 
+#: The highest layer number a ``--pin`` may name: far beyond any model, so that a pin's range
+#: is always a short list (the planner checks it against the model's layers).
+MAX_PIN_LAYER = (1 << 16) - 1
+
+
+def parse_pins(specs):
+    """``["0-3=4", "7=2,9=1"]`` → ``[([0, 1, 2, 3], 4), ([7], 2), ([9], 1)]``."""
+    pins = []
+    for spec in specs or ():
+        for part in str(spec).split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                layers, degree = part.split("=")
+                first, _, last = layers.partition("-")
+                first, last = int(first), int(last or first)
+                if not 0 <= first <= last <= MAX_PIN_LAYER:
+                    raise ValueError
+                pins.append((list(range(first, last + 1)), int(degree)))
+            except ValueError:
+                raise OasesConfigError(
+                    f"bad --pin {part!r}; use LAYER=DEGREE or FIRST-LAST=DEGREE, e.g. 0-3=4 "
+                    f"(layers 0 to {MAX_PIN_LAYER})"
+                ) from None
+    return pins
+
+
 def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source="plan"):
     """Check a plan dict; return it. Every problem is one :class:`OasesConfigError` line."""
     if not isinstance(plan, dict):
@@ -119,10 +157,23 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
     split = plan.get("split")
     if split is not None and split not in SPLITS:
         _fail(source, f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    for key in ("global_batch_size", "micro_batch_size", "recompute_num_layers"):
+    for key in _COUNTS:
         v = plan.get(key)
         if v is not None and (not _is_int(v) or v < 1):
             _fail(source, f"{key} must be a positive integer or null, got {v!r}")
+    for key in ("sequence_parallel", "allow_unsplit", "distributed_optimizer"):
+        v = plan.get(key)
+        if v is not None and not isinstance(v, bool):
+            _fail(source, f"{key} must be true, false or null, got {v!r}")
+    for key, positive in (("memory_gb", True), ("memory_margin", False)):
+        v = plan.get(key)
+        if v is not None and not (is_finite(v) and (v > 0 if positive else v >= 0)):
+            kind = "a finite positive number" if positive else "a finite number >= 0"
+            _fail(source, f"{key} must be {kind} or null, got {v!r}")
+    if plan.get("profile") is not None and not isinstance(plan["profile"], str):
+        _fail(source, f"profile must be a path or null, got {plan['profile']!r}")
+    if plan.get("predicted") is not None and not isinstance(plan["predicted"], dict):
+        _fail(source, f"predicted must be a mapping or null, got {plan['predicted']!r}")
     return plan
 
 
@@ -309,7 +360,8 @@ def _dumps(obj, indent=0):
 
 
 def save_plan(plan, path):
+    """Validate ``plan`` and write it to ``path`` whole or not at all: serialised first, then
+    :func:`write_atomic` (an interrupted save leaves the old plan as it was, never a cut one)."""
     validate_plan(plan, source=str(path))
-    with open(path, "w") as f:
-        f.write(_dumps(plan) + "\n")
+    write_atomic(path, _dumps(plan) + "\n", "plan file")
     return path

@@ -57,9 +57,10 @@ to ``d2 > d1`` all-gathers over ranks ``0, d1, 2·d1, …`` (``d2/d1`` of them).
 import bisect
 import hashlib
 import json
+import math
 
 from ..errors import OasesConfigError
-from . import read_json
+from . import is_finite, read_json, write_atomic
 
 PROFILE_VERSION = 1
 PHASES = ("forward_s", "recompute_s", "backward_s")
@@ -347,7 +348,9 @@ class Profile:
 
 
 def _number(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite number (JSON spells NaN and infinity too: a profile holding them planned
+    "peak memory inf GB" and negative iterations)."""
+    return is_finite(x)
 
 
 def _positive_int(x):
@@ -355,35 +358,46 @@ def _positive_int(x):
 
 
 def _points(x):
+    """``[[x, y], ...]``, non-empty, every value finite, ``x > 0`` (samples or bytes) and
+    ``y >= 0`` (seconds or bytes)."""
     return (
         isinstance(x, list)
         and bool(x)
-        and all(isinstance(p, list) and len(p) == 2 and all(map(_number, p)) for p in x)
+        and all(
+            isinstance(p, list) and len(p) == 2 and all(map(_number, p)) and p[0] > 0 and p[1] >= 0
+            for p in x
+        )
     )
 
 
 def _numbers(value, path, bad):
-    """Every leaf of ``value`` a number (``*source`` notes may be text); the first other leaf's
-    dotted path goes to ``bad``."""
+    """Every leaf of ``value`` a finite number >= 0 (``*source`` and ``link`` notes may be text);
+    the first other leaf's dotted path goes to ``bad``."""
     if isinstance(value, dict):
         for k, v in value.items():
-            if isinstance(v, str) and str(k).endswith("source"):
+            if isinstance(v, str) and (str(k).endswith("source") or k == "link"):
                 continue
             _numbers(v, f"{path}.{k}", bad)
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _numbers(v, f"{path}[{i}]", bad)
-    elif not _number(value) and not bad:
+    elif not (_number(value) and value >= 0) and not bad:
         bad.append((path, value))
 
 
+#: What a time, byte or fit entry of a profile must be.
+_NON_NEGATIVE = "a number, finite and >= 0"
+
+
 def check_profile_types(d, where="profile"):
-    """The types the planner reads, so that a hand-edited or damaged profile is one line naming
-    the entry (never a ``ValueError`` from deep in the cost model)."""
+    """The profile format's validator: the types and ranges the planner reads, so that a
+    hand-edited or damaged profile is one line naming the entry (never a ``ValueError`` from deep
+    in the cost model, nor a plan made of NaN, infinite or negative times and bytes)."""
 
     def fail(path, value, expected):
+        got = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise OasesConfigError(
-            f"{where}: {path} must be {expected}, got {value!r}; fix the entry or re-create the "
+            f"{where}: {path} must be {expected}, got {got}; fix the entry or re-create the "
             "profile with `oases profile`"
         )
 
@@ -394,9 +408,21 @@ def check_profile_types(d, where="profile"):
             fail(f"model.{key}", d["model"][key], "a positive integer")
     if "num_layers" not in d["model"]:
         raise OasesConfigError(f"{where}: missing key 'model.num_layers'")
-    for key in ("tensor_model_parallel_size", "data_parallel_size", "dtype_bytes"):
+    for key, value in d["model"].items():
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"model.{key}", value, "a finite number")
+    for key in (
+        "tensor_model_parallel_size",
+        "data_parallel_size",
+        "pipeline_model_parallel_size",
+        "dtype_bytes",
+    ):
         if key in d and not _positive_int(d[key]):
             fail(key, d[key], "a positive integer")
+    if d.get("memory_gb") is not None and not (_number(d["memory_gb"]) and d["memory_gb"] > 0):
+        fail("memory_gb", d["memory_gb"], "a finite positive number or null")
+    if d.get("cluster") is not None and not isinstance(d["cluster"], str):
+        fail("cluster", d["cluster"], "a cluster profile's name or path, or null")
     if not isinstance(d.get("sequence_parallel", False), bool):
         fail("sequence_parallel", d["sequence_parallel"], "true or false")
     degrees = d["degrees"]
@@ -412,7 +438,11 @@ def check_profile_types(d, where="profile"):
                 fail(f"compute.{block}.{deg}", phases, "a mapping phase -> points")
             for phase, pts in phases.items():
                 if not _points(pts):
-                    fail(f"compute.{block}.{deg}.{phase}", pts, "a list of [samples, seconds]")
+                    fail(
+                        f"compute.{block}.{deg}.{phase}",
+                        pts,
+                        "a list of [samples, seconds], finite, samples > 0 and seconds >= 0",
+                    )
     for section in ("comm", "memory"):
         if not isinstance(d[section], dict):
             fail(section, d[section], "a mapping")
@@ -421,24 +451,32 @@ def check_profile_types(d, where="profile"):
     if grad_sync is not None:
         if not isinstance(grad_sync, dict):
             fail("grad_sync", grad_sync, "a mapping")
-        fit_sections.append(("grad_sync.all_reduce", grad_sync.get("all_reduce", {})))
+        for kind in ("all_reduce", "reduce_scatter"):
+            fit_sections.append((f"grad_sync.{kind}", grad_sync.get(kind, {})))
+    if d.get("pipeline_p2p"):
+        fit_sections.append(("", {"pipeline_p2p": d["pipeline_p2p"]}))
     for where_fits, fits in fit_sections:
         if not isinstance(fits, dict):
             fail(where_fits, fits, "a mapping ranks -> fit")
         for key, fit in fits.items():
+            at = f"{where_fits}.{key}".lstrip(".")
             if not isinstance(fit, dict):
-                fail(f"{where_fits}.{key}", fit, "a mapping with alpha_s and beta_s_per_byte")
+                fail(at, fit, "a mapping with alpha_s and beta_s_per_byte")
             for name in ("alpha_s", "beta_s_per_byte"):
-                if not _number(fit.get(name)):
-                    fail(f"{where_fits}.{key}.{name}", fit.get(name), "a number")
+                value = fit.get(name)
+                if not (_number(value) and value >= 0):
+                    fail(f"{at}.{name}", value, _NON_NEGATIVE)
+            if "points" in fit and not _points(fit["points"]):
+                fail(f"{at}.points", fit["points"], "a list of [bytes, seconds], finite, >= 0")
     numeric = {"memory": d["memory"], "fixed_compute": d.get("fixed_compute") or {}}
     if grad_sync is not None:
-        numeric["grad_sync.bytes_per_layer"] = grad_sync.get("bytes_per_layer", {})
+        for key in ("bytes_per_layer", "param_bytes_per_layer"):
+            numeric[f"grad_sync.{key}"] = grad_sync.get(key, {})
     for section, value in numeric.items():
         bad = []
         _numbers(value, section, bad)
         if bad:
-            fail(bad[0][0], bad[0][1], "a number")
+            fail(bad[0][0], bad[0][1], _NON_NEGATIVE)
 
 
 def load_profile(path):
@@ -447,10 +485,9 @@ def load_profile(path):
 
 
 def save_profile(data, path):
+    """Validate ``data`` and write it to ``path`` whole or not at all (:func:`write_atomic`)."""
     Profile(data, path=path)  # validate
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n", "profile")
 
 
 def fit_alpha_beta(points):

@@ -10,9 +10,8 @@ a list gives several values.
 
 import math
 import os
+import reprlib
 import shlex
-
-import yaml
 
 from .. import resources
 from ..errors import OasesConfigError
@@ -22,26 +21,12 @@ FLAG_SECTIONS = ("model", "parallel", "training")
 
 
 def read_yaml(path, what="config file"):
-    """The YAML document in ``path``; a missing, unreadable, binary or malformed file is one
+    """The YAML document in ``path`` (:func:`megatron_oases.formats.read_yaml`: bounded,
+    ``safe_load`` only); a missing, unreadable, binary, oversized or malformed file is one
     :class:`OasesConfigError` line naming it (and, for a syntax error, the line)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return yaml.safe_load(f)
-    except FileNotFoundError:
-        raise OasesConfigError(f"no such {what}: {path}") from None
-    except IsADirectoryError:
-        raise OasesConfigError(f"{what} {path} is a directory, not a YAML file") from None
-    except UnicodeDecodeError:
-        raise OasesConfigError(f"{what} {path} is not a text file (binary content)") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise OasesConfigError(
-            f"{what} {path} is not valid YAML ({problem}{where}); fix the file"
-        ) from None
-    except OSError as exc:
-        raise OasesConfigError(f"cannot read {what} {path} ({exc.strerror})") from None
+    from ..formats import read_yaml as read
+
+    return read(path, what)
 
 
 def _load_yaml(path):
@@ -65,12 +50,28 @@ def model_config_path(name_or_path):
     return path
 
 
+def check_flag_values(flags, source):
+    """The model-config rule for flag values (``flags``: flag name -> value): a number, string,
+    true/false/null or a list of those; no NaN or infinity (YAML's ``.nan``, ``.inf``), which
+    Megatron's float flags would take as they are. One line naming ``source`` and the flag."""
+    for key, value in flags.items():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise OasesConfigError(f"{source}: {key} is {v}; give a finite number")
+            if not (v is None or isinstance(v, (bool, int, float, str))):
+                raise OasesConfigError(
+                    f"{source}: {key} must be a number, a string, true/false or a list of "
+                    f"those, got {type(v).__name__} {reprlib.repr(v)}"
+                )
+
+
 def load_model_config(name_or_path):
     path = model_config_path(name_or_path)
     data = _load_yaml(path)
     for section in FLAG_SECTIONS:
         if not isinstance(data.get(section) or {}, dict):
             raise OasesConfigError(f"{path}: section {section!r} must be a mapping of flags")
+        check_flag_values(data.get(section) or {}, f"{path}: {section}")
     data.setdefault("name", os.path.basename(path)[:-5])
     return data
 

@@ -166,7 +166,8 @@ def analytic_profile(args, cluster_name, degrees=None, overhead_bytes=GPU_OVERHE
             (n0, t0), (n1, t1) = pts[0], pts[-1]
             beta = (t1 - t0) / (n1 - n0)
             comm[kind][ranks_key(ranks)] = {
-                "alpha_s": t0 - beta * n0,
+                # max: at zero latency, rounding can leave α a hair below 0 (profiles hold α >= 0)
+                "alpha_s": max(0.0, t0 - beta * n0),
                 "beta_s_per_byte": beta,
                 "points": pts,
                 "link": _link_name(cluster, ranks),
@@ -251,7 +252,7 @@ def grad_sync_section(cluster, shape, tp, dp, degrees, dtype_bytes):
             t0, t1 = fn(n0, ranks), fn(n1, ranks)
             beta = (t1 - t0) / (n1 - n0)
             out[str(d)] = {
-                "alpha_s": t0 - beta * n0,
+                "alpha_s": max(0.0, t0 - beta * n0),
                 "beta_s_per_byte": beta,
                 "replicas": len(ranks),
                 "link": _link_name(cluster, ranks),
@@ -272,7 +273,7 @@ def pipeline_p2p_section(cluster, stride):
     t0, t1 = cluster.p2p_time(n0, 0, stride), cluster.p2p_time(n1, 0, stride)
     beta = (t1 - t0) / (n1 - n0)
     return {
-        "alpha_s": t0 - beta * n0,
+        "alpha_s": max(0.0, t0 - beta * n0),
         "beta_s_per_byte": beta,
         "link": _link_name(cluster, [0, stride]),
     }

@@ -23,7 +23,7 @@ import platform as _platform
 import time
 
 from ..errors import OasesConfigError
-from ..formats.profile import gather_ranks, load_profile, ranks_key, sha256_of
+from ..formats.profile import gather_ranks, load_profile, ranks_key, save_profile, sha256_of
 from .analytic import candidate_degrees
 from .assemble import assemble
 from .model_config import shape_of
@@ -137,6 +137,10 @@ def measured_profile(
             "--one-rank needs --emulate-link PROFILE: the virtual ranks' collectives take no "
             "time otherwise"
         )
+    if emulate_link:  # a bad cluster profile: one line here, not a traceback in every rank
+        from ..testbed.clusters import load_cluster
+
+        load_cluster(emulate_link)
     fp = hardware_fingerprint(world, emulate_link, one_rank)
     settings = {
         "shape": shape,
@@ -205,6 +209,5 @@ def measured_profile(
         return None
     data = assemble(margs, shape, T, degrees, result, fp, cache_key, emulate_link)
     os.makedirs(cache_dir, exist_ok=True)
-    with open(cache_path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+    save_profile(data, cache_path)  # whole or not at all: a cut cache is never read back
     return data

@@ -93,7 +93,7 @@ def read_model_file(spec):
             f"model file {spec!r} not found; pass --model PATH.yaml[:NAME] or a packaged model "
             f"({', '.join(available_models())})"
         )
-    from ..megatron_lm.configs import read_yaml
+    from ..megatron_lm.configs import check_flag_values, read_yaml
 
     raw = read_yaml(path, "model file") or {}
     if not isinstance(raw, dict):
@@ -102,6 +102,9 @@ def read_model_file(spec):
         )
     if "models" in raw:
         models = raw["models"]
+        if not isinstance(models, dict) or not models:
+            raise OasesConfigError(f"model file {path}: 'models' must map names to models")
+        models = {str(k): v for k, v in models.items()}
         if name is None:
             raise OasesConfigError(
                 f"{path} holds several models; pick one with --model {path}:NAME "
@@ -112,6 +115,10 @@ def read_model_file(spec):
                 f"no model {name!r} in {path}; choose one of {', '.join(models)}"
             )
         raw = models[name]
+        if not isinstance(raw, dict):
+            raise OasesConfigError(
+                f"model file {path}: model {name!r} must be a mapping of Megatron-LM argument names"
+            )
     elif name is not None:
         raise OasesConfigError(f"{path} holds one model; drop ':{name}'")
     if any(isinstance(raw.get(sec), dict) for sec in FLAG_SECTIONS):
@@ -120,9 +127,10 @@ def read_model_file(spec):
             if not isinstance(value, dict) and key not in ("name", "source", "description"):
                 flat[str(key).replace("-", "_")] = value
         flat["name"] = raw.get("name") or name or os.path.splitext(os.path.basename(path))[0]
-        return flat
-    flat = _flatten(raw)
-    flat.setdefault("name", name or os.path.splitext(os.path.basename(path))[0])
+    else:
+        flat = _flatten(raw)
+        flat.setdefault("name", name or os.path.splitext(os.path.basename(path))[0])
+    check_flag_values(flat, f"model file {path}")
     return flat
 
 

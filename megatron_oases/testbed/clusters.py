@@ -6,9 +6,8 @@ intra-node group uses the intra-node (PCIe) link — a ring is as slow as its sl
 """
 
 import os
+import reprlib
 from dataclasses import dataclass, field
-
-import yaml
 
 from .. import resources
 from ..errors import OasesConfigError
@@ -82,8 +81,35 @@ def available():
     return resources.available_clusters()
 
 
+#: The fix a damaged cluster profile's line names.
+_FIX = "fix the entry (see megatron_oases/configs/clusters/*.yaml)"
+_READ_FIX = "pass a packaged name or a YAML file like megatron_oases/configs/clusters/*.yaml"
+#: Top-level keys of a cluster profile (:func:`cluster_from_dict`).
+KEYS = (
+    "name",
+    "gpu",
+    "peak_tflops",
+    "sustained_tflops",
+    "dtype",
+    "dtype_bytes",
+    "memory_gb",
+    "gpus_per_node",
+    "intra_node",
+    "inter_node",
+    "nvlink",
+    "nvlink_pairs",
+    "comm_sms",
+    "host_us_per_call",
+    "memory_bandwidth_gbs",
+)
+REQUIRED = ("name", "gpu", "peak_tflops", "memory_gb", "gpus_per_node", "intra_node", "inter_node")
+
+
 def load_cluster(name_or_path):
-    """Load a profile by path (a user's own YAML wins) or by packaged name (``rtx3090-pcie``)."""
+    """Load a profile by path (a user's own YAML wins) or by packaged name (``rtx3090-pcie``);
+    read through the bounded reader and checked by :func:`cluster_from_dict`."""
+    from ..formats import read_yaml
+
     path = name_or_path
     if not os.path.exists(path):
         path = resources.cluster_profile(name_or_path)
@@ -92,24 +118,88 @@ def load_cluster(name_or_path):
             f"unknown cluster profile {name_or_path!r}; choose one of {', '.join(available())} "
             "or pass a YAML path"
         )
-    with open(path) as f:
-        raw = yaml.safe_load(f)
+    raw = read_yaml(path, "cluster profile", _READ_FIX)
+    return cluster_from_dict(raw, f"cluster profile {path}")
+
+
+def cluster_from_dict(raw, source="cluster profile"):
+    """The cluster-profile format's one validator: a :class:`ClusterProfile` from the mapping
+    ``raw``, or one :class:`OasesConfigError` line naming ``source`` and the field. Rates,
+    bandwidths and memory are finite and positive, latencies and host costs finite and not
+    negative (a zero bandwidth divided by zero in every link time, a negative one gave negative
+    times that the planner and ``oases compare`` reported as they were)."""
+    import difflib
+    import math
+
+    def fail(key, value, expected):
+        got = reprlib.repr(value)  # bounded: YAML aliases can nest a list a billion deep
+        raise OasesConfigError(f"{source}: {key} must be {expected}, got {got}; {_FIX}")
+
+    if not isinstance(raw, dict):
+        raise OasesConfigError(f"{source}: a cluster profile must be a YAML mapping; {_FIX}")
+    for key in raw:
+        if key not in KEYS:
+            near = difflib.get_close_matches(str(key), KEYS, n=1, cutoff=0.75)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise OasesConfigError(
+                f"{source}: unknown key {key!r}{hint}; the keys are {', '.join(KEYS)}"
+            )
+    missing = [k for k in REQUIRED if raw.get(k) is None]
+    if missing:
+        raise OasesConfigError(f"{source}: missing {', '.join(missing)}; {_FIX}")
+
+    def number(key, value, positive=True):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < 0 or (positive and value == 0):
+            fail(key, value, "a finite positive number" if positive else "a finite number >= 0")
+        return float(value)
+
+    def count(key, value):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            fail(key, value, "a positive integer")
+        return value
+
+    def text(key, value):
+        if not isinstance(value, str):
+            fail(key, value, "a string")
+        return value
+
+    def link(key):
+        value = raw[key]
+        if not isinstance(value, dict) or set(value) != {"bandwidth_gbs", "latency_us"}:
+            fail(key, value, "a mapping {bandwidth_gbs: GB/s, latency_us: us}")
+        return Link(
+            bandwidth_gbs=number(f"{key}.bandwidth_gbs", value["bandwidth_gbs"]),
+            latency_us=number(f"{key}.latency_us", value["latency_us"], positive=False),
+        )
+
+    gpus = count("gpus_per_node", raw["gpus_per_node"])
+    pairs = raw.get("nvlink_pairs") or []
+    if not isinstance(pairs, list) or not all(
+        isinstance(p, list) and p and all(isinstance(r, int) and 0 <= r < gpus for r in p)
+        for p in pairs
+    ):
+        fail("nvlink_pairs", pairs, f"a list of lists of local GPU indices (0..{gpus - 1})")
+    peak = number("peak_tflops", raw["peak_tflops"])
+    bandwidth = raw.get("memory_bandwidth_gbs")
     return ClusterProfile(
-        name=raw["name"],
-        gpu=raw["gpu"],
-        peak_tflops=float(raw["peak_tflops"]),
-        sustained_tflops=float(raw.get("sustained_tflops", raw["peak_tflops"])),
-        dtype_bytes=int(raw.get("dtype_bytes", 2)),
-        memory_gb=float(raw["memory_gb"]),
-        gpus_per_node=int(raw["gpus_per_node"]),
-        intra_node=Link(**raw["intra_node"]),
-        inter_node=Link(**raw["inter_node"]),
-        nvlink=Link(**raw["nvlink"]) if raw.get("nvlink") else None,
-        nvlink_pairs=tuple(tuple(p) for p in raw.get("nvlink_pairs") or ()),
-        dtype=raw.get("dtype", "fp16"),
-        comm_sms=int(raw.get("comm_sms", 2)),
-        host_us_per_call=float(raw.get("host_us_per_call", 12.0)),
+        name=text("name", raw["name"]),
+        gpu=text("gpu", raw["gpu"]),
+        peak_tflops=peak,
+        sustained_tflops=number("sustained_tflops", raw.get("sustained_tflops", peak)),
+        dtype_bytes=count("dtype_bytes", raw.get("dtype_bytes", 2)),
+        memory_gb=number("memory_gb", raw["memory_gb"]),
+        gpus_per_node=gpus,
+        intra_node=link("intra_node"),
+        inter_node=link("inter_node"),
+        nvlink=link("nvlink") if raw.get("nvlink") is not None else None,
+        nvlink_pairs=tuple(tuple(p) for p in pairs),
+        dtype=text("dtype", raw.get("dtype", "fp16")),
+        comm_sms=count("comm_sms", raw.get("comm_sms", 2)),
+        host_us_per_call=number(
+            "host_us_per_call", raw.get("host_us_per_call", 12.0), positive=False
+        ),
         memory_bandwidth_gbs=(
-            float(raw["memory_bandwidth_gbs"]) if raw.get("memory_bandwidth_gbs") else None
+            None if bandwidth is None else number("memory_bandwidth_gbs", bandwidth)
         ),
     )
