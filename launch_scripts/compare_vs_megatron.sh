@@ -10,7 +10,9 @@
 # Environment (all optional): MATRIX (name in the file; default: the file's `default`), MATRIX_FILE,
 # OUT_DIR, TRAIN_ITERS, GPUS_PER_NODE (default: the matrix's gpus-per-node), ENTRY, DEVICE,
 # EXTRA_ARGS (appended to every run), MASTER_PORT (base; run i uses base + i), PYTHON, OASES_ROOT.
-# Exit status: 0 when every run succeeded, 1 otherwise (the table is written either way).
+# Exit status: 0 when every run succeeded, 1 otherwise (the table is written either way); 2 for a
+# bad value (one line, before anything runs; every value is checked, never evaluated:
+# launch_scripts/env_checks.sh).
 #
 #SBATCH --job-name=oases-compare
 #SBATCH --nodes=1
@@ -23,14 +25,21 @@ set -uo pipefail  # no -e: one failed run must not stop the others
 
 OASES_ROOT=${OASES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
 if [[ ! -d "${OASES_ROOT}/megatron_oases/configs/models" ]]; then
-    echo "error: OASES_ROOT=${OASES_ROOT} has no megatron_oases/configs/models; submit from the" \
-        "megatron-oases checkout or set OASES_ROOT" >&2
+    printf 'error: OASES_ROOT=%q has no megatron_oases/configs/models; submit from the %s\n' \
+        "${OASES_ROOT}" "megatron-oases checkout or set OASES_ROOT" >&2
     exit 2
 fi
 export OASES_ROOT
 PYTHON=${PYTHON:-python3}
 export PYTHON PYTHONPATH="${OASES_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 cfg() { "${PYTHON}" -m megatron_oases.megatron_lm "$@"; }
+# The values this script reads from the environment, checked before anything runs (never
+# evaluated); the launcher checks the rest of each run's.
+source "${OASES_ROOT}/launch_scripts/env_checks.sh"
+master_port
+BASE_PORT=${MASTER_PORT}
+[[ -n "${TRAIN_ITERS:-}" ]] && positive_int TRAIN_ITERS "${TRAIN_ITERS}"
+[[ -n "${GPUS_PER_NODE:-}" ]] && positive_int GPUS_PER_NODE "${GPUS_PER_NODE}"
 
 LAUNCHER=${LAUNCHER:-${OASES_ROOT}/launch_scripts/slurm_pretrain_gpt_oases.sh}
 MATRIX_FILE=${MATRIX_FILE:-${OASES_ROOT}/megatron_oases/configs/compare_matrix.yaml}
@@ -42,8 +51,12 @@ TRAIN_ITERS=${TRAIN_ITERS:-$(cfg matrix "${MATRIX_FILE}" "${MATRIX}" --field tra
 GPUS_PER_NODE=${GPUS_PER_NODE:-$(cfg matrix "${MATRIX_FILE}" "${MATRIX}" --field gpus-per-node \
     --default 8)}
 RUN_LINES=$(cfg matrix "${MATRIX_FILE}" "${MATRIX}") || exit 2
+RUNS=$(grep -c . <<< "${RUN_LINES}")
+if ((BASE_PORT + RUNS - 1 > 65535)); then
+    bad "MASTER_PORT=${BASE_PORT}: its ${RUNS} runs use ports ${BASE_PORT} to" \
+        "$((BASE_PORT + RUNS - 1)), past 65535; choose a lower MASTER_PORT"
+fi
 OUT_DIR=${OUT_DIR:-${OASES_ROOT}/out/compare-${MATRIX_NAME}-${SLURM_JOB_ID:-local}}
-BASE_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-$$} % 20000))}
 mkdir -p "${OUT_DIR}"
 RUNS_TSV="${OUT_DIR}/runs.tsv"
 : > "${RUNS_TSV}"

@@ -21,8 +21,11 @@
 #   GPUS_PER_NODE    ranks per node (default 8 with GPUs, 2 on CPU); NUM_NODES (the allocation's)
 #   DEVICE           auto|cuda|cpu (cpu => --distributed-backend gloo; ENTRY=pretrain-gpt also gets
 #                    the other flags a CPU run needs, which the oases entries add by themselves)
-#   MASTER_ADDR, MASTER_PORT, DIST_TIMEOUT_MINUTES (10), PYTHON (python3), OASES_ROOT (repo root)
+#   MASTER_ADDR, MASTER_PORT (default 20000 + SLURM_JOB_ID % 20000), DIST_TIMEOUT_MINUTES (10),
+#   OMP_NUM_THREADS (1), PYTHON (python3), OASES_ROOT (repo root)
 #   DRY_RUN=1        print the command line and exit
+# Every value is checked before its use and never evaluated (launch_scripts/env_checks.sh); a bad
+# one is one line and exit status 2.
 #
 #SBATCH --job-name=oases-pretrain-gpt
 #SBATCH --nodes=1
@@ -36,22 +39,22 @@ set -euo pipefail
 # Under sbatch this file runs from a spool copy: find the repo from the submit directory.
 OASES_ROOT=${OASES_ROOT:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}}
 if [[ ! -d "${OASES_ROOT}/megatron_oases/configs/models" ]]; then
-    echo "error: OASES_ROOT=${OASES_ROOT} has no megatron_oases/configs/models; submit from the" \
-        "megatron-oases checkout or set OASES_ROOT" >&2
+    printf 'error: OASES_ROOT=%q has no megatron_oases/configs/models; submit from the %s\n' \
+        "${OASES_ROOT}" "megatron-oases checkout or set OASES_ROOT" >&2
     exit 2
 fi
 PYTHON=${PYTHON:-python3}
 export PYTHONPATH="${OASES_ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 cfg() { "${PYTHON}" -m megatron_oases.megatron_lm "$@"; }
-# A bad value is one line and exit 2 before anything runs (not a bash or Python traceback later).
-bad() {
-    echo "error: $*" >&2
-    exit 2
-}
-positive_int() { [[ "$2" =~ ^[1-9][0-9]*$ ]] || bad "$1=$2: must be a positive integer"; }
+# Every value from the environment is checked before its use, never evaluated; a bad one is one
+# line and exit 2 before anything runs (not a bash or Python traceback later, nor its code run).
+source "${OASES_ROOT}/launch_scripts/env_checks.sh"
+DRY_RUN=${DRY_RUN:-0}
+one_of DRY_RUN "${DRY_RUN}" 0 1
 
 # ------------------------------------------------------------------------------------- runtime
 DEVICE=${DEVICE:-auto}
+one_of DEVICE "${DEVICE}" auto cuda cpu
 if [[ "${DEVICE}" == auto ]]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         DEVICE=cuda
@@ -62,6 +65,7 @@ fi
 # CUDA_DEVICE_MAX_CONNECTIONS: the entry points apply Megatron's rule where it is unset (1, or
 # unset under --use-torch-fsdp2 / --use-megatron-fsdp: docs/megatron-lm.md).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+positive_int OMP_NUM_THREADS "${OMP_NUM_THREADS}"
 if [[ "${DEVICE}" == cuda ]]; then
     GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 else
@@ -77,9 +81,11 @@ if [[ -z "${MASTER_ADDR:-}" ]]; then
         MASTER_ADDR=127.0.0.1
     fi
 fi
-MASTER_PORT=${MASTER_PORT:-$((20000 + ${SLURM_JOB_ID:-$$} % 20000))}
+host MASTER_ADDR "${MASTER_ADDR}"
+master_port
 WORLD_SIZE=$((GPUS_PER_NODE * NUM_NODES))
 DIST_TIMEOUT_MINUTES=${DIST_TIMEOUT_MINUTES:-10}
+positive_int DIST_TIMEOUT_MINUTES "${DIST_TIMEOUT_MINUTES}"
 
 # ------------------------------------------------------------------------------------- program
 ENTRY=${ENTRY:-oases-train}
@@ -108,8 +114,7 @@ case "${ENTRY}" in
             exit 2
         fi
         if [[ ! -f "${MEGATRON_LM_DIR}/pretrain_gpt.py" ]]; then
-            echo "error: MEGATRON_LM_DIR=${MEGATRON_LM_DIR} has no pretrain_gpt.py" >&2
-            exit 2
+            bad "MEGATRON_LM_DIR=$(shown "${MEGATRON_LM_DIR}") has no pretrain_gpt.py"
         fi
         export PYTHONPATH="${MEGATRON_LM_DIR}:${PYTHONPATH}"
         PROGRAM=("${MEGATRON_LM_DIR}/pretrain_gpt.py")
@@ -119,8 +124,7 @@ case "${ENTRY}" in
         read -r -a PLATFORM_ARGS <<< "$(cfg defaults "${DEFAULTS_FOR[@]}")"
         ;;
     *)
-        echo "error: ENTRY=${ENTRY}: choose oases-train, pretrain-gpt-oases or pretrain-gpt" >&2
-        exit 2
+        bad "ENTRY=$(shown "${ENTRY}"): choose oases-train, pretrain-gpt-oases or pretrain-gpt"
         ;;
 esac
 DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer)
@@ -141,9 +145,8 @@ TRAIN_ITERS=${TRAIN_ITERS:-100}
 LR=${LR:-1.0e-4}
 positive_int GLOBAL_BATCH_SIZE "${GLOBAL_BATCH_SIZE}"
 positive_int TRAIN_ITERS "${TRAIN_ITERS}"
-positive_int DIST_TIMEOUT_MINUTES "${DIST_TIMEOUT_MINUTES}"
 [[ "${LR}" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] ||
-    bad "LR=${LR}: must be a number, e.g. LR=1.0e-4"
+    bad "LR=$(shown "${LR}"): must be a number, e.g. LR=1.0e-4"
 OASES_SCHEDULE=${OASES_SCHEDULE:-off}
 LOG_JSON=${LOG_JSON:-${OASES_ROOT}/out/${SLURM_JOB_NAME:-oases}-${SLURM_JOB_ID:-local}.json}
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
@@ -169,7 +172,7 @@ TRAINING_ARGS=(
     --global-batch-size "${GLOBAL_BATCH_SIZE}"
     --train-iters "${TRAIN_ITERS}"
     --lr "${LR}"
-    --min-lr "$("${PYTHON}" -c "print(float('${LR}') / 10)")"
+    --min-lr "$("${PYTHON}" -c 'import sys; print(float(sys.argv[1]) / 10)' "${LR}")"
     --weight-decay 0.1
     --adam-beta1 0.9
     --adam-beta2 0.95
@@ -196,7 +199,7 @@ echo "oases launch: entry=${ENTRY} model=${MODEL} device=${DEVICE} nodes=${NUM_N
     "master=${MASTER_ADDR}:${MASTER_PORT} json=${LOG_JSON}"
 printf -v CMD_LINE '%q ' "${CMD[@]}"
 echo "oases launch: ${CMD_LINE% }"
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
+if [[ "${DRY_RUN}" == 1 ]]; then
     exit 0
 fi
 mkdir -p "$(dirname "${LOG_JSON}")"

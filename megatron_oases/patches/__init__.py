@@ -6,7 +6,8 @@ every factory takes the checked :class:`~megatron_oases.config.OasesConfig`, ``c
 nothing of Megatron's ``args``, and returns None when its flag is not given):
 
 0. ``torch-norm-sp``: Megatron's torch norms under ``--sequence-parallel`` (local spec, no apex);
-   ``norm-recompute-without-te``: ``--recompute-modules layernorm`` without Transformer Engine.
+   ``norm-recompute-without-te``: ``--recompute-modules layernorm`` without Transformer Engine;
+   ``distopt-resume``: ``--use-distributed-optimizer`` resumes without Apex or TE, in fp32.
 1. ``emulate-link``: link emulation of every collective (``--emulate-link PROFILE``, testbed).
 2. ``oases-trace``: schedule tracer (``--oases-trace PATH``).
 3. ``golden-values``: per-iteration golden values from Megatron's loop (``--log-json PATH``).
@@ -24,6 +25,7 @@ def factories():
     moved module fails at import instead of turning its flag into a silent no-op."""
     from ..instrument.golden import make_patch as golden_values
     from ..instrument.trace_patch import make_patch as oases_trace
+    from ..platform.distopt_resume import make_patch as distopt_resume
     from ..platform.norm_recompute import make_patch as norm_recompute_without_te
     from ..platform.torch_norm import make_patch as torch_norm_sp
     from ..schedule.patch import make_patch as oases_schedule
@@ -32,6 +34,7 @@ def factories():
     return (
         ("torch-norm-sp", torch_norm_sp),
         ("norm-recompute-without-te", norm_recompute_without_te),
+        ("distopt-resume", distopt_resume),
         ("emulate-link", emulate_link),
         ("oases-trace", oases_trace),
         ("golden-values", golden_values),

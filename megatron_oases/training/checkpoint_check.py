@@ -7,10 +7,12 @@ tracker is switched atomically).
 ``--load``: a save that crashed between its final renames is undone (:func:`.safe_save.recover`);
 the tracker file must name an iteration whose directory is complete (every shard file as long as
 the checkpoint's own ``.metadata`` says — a truncated copy or a save killed by a full disk is
-refused); then Megatron's own ``check_checkpoint_args`` (layers, hidden size, heads, ...) runs on
-the checkpoint's saved arguments before any process group or model exists, plus the
-model-defining flags it does not compare (norm, MLP, attention groups, positions, biases,
-vocabulary) — which torch_dist would otherwise reject deep inside loading with a traceback.
+refused; ``.metadata`` is a pickle, read only for that iteration, the one torch loads; an older
+one offered instead is judged by its files alone); then Megatron's own ``check_checkpoint_args``
+(layers, hidden size, heads, ...) runs on the checkpoint's saved arguments before any process
+group or model exists, plus the model-defining flags it does not compare (norm, MLP, attention
+groups, positions, biases, vocabulary) — which torch_dist would otherwise reject deep inside
+loading with a traceback.
 A shard that is damaged inside (same size, other bytes) is found only by the real load, whose
 error becomes one line too (:func:`make_load_patch`).
 """
@@ -129,9 +131,14 @@ def _torch_file_problem(path, name):
     return None
 
 
-def _complete(path):
+def _complete(path, read_index=True):
     """Why the checkpoint directory ``path`` (torch_dist or ``--ckpt-format torch``) is
-    incomplete, or None if it is not."""
+    incomplete, or None if it is not.
+
+    ``read_index``: check every shard against the checkpoint's ``.metadata``, torch's index of
+    the shards: a pickle, and unpickling runs whatever code a crafted one holds. So only for the
+    checkpoint that will be loaded (torch's load unpickles it anyway); for any other, the files
+    the directory shows (:func:`_files_problem`)."""
     if not os.path.isdir(path):
         return "it is missing"
     torch_files = torch_format_files(path)
@@ -147,6 +154,8 @@ def _complete(path):
         if _backend(path) == "torch_dist":  # before torch's reader warns on every rank
             return ".metadata is missing (torch_dist's index of the shards)"
         return None  # another format: Megatron's own load checks it
+    if not read_index:
+        return _files_problem(path)
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -167,6 +176,24 @@ def _complete(path):
     return None
 
 
+def _files_problem(path):
+    """Why the torch_dist directory ``path`` is incomplete, from its files alone (nothing is
+    unpickled): an empty ``.metadata``, no shard file or an empty one, a ``common.pt`` cut
+    short; None otherwise. (A shard cut short is found only against ``.metadata``, when that
+    checkpoint is the one to load.)"""
+    if os.path.getsize(os.path.join(path, ".metadata")) == 0:
+        return ".metadata is empty"
+    shards = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
+    if not shards:
+        return "it holds no shard file (*.distcp)"
+    for name in shards:
+        if os.path.getsize(os.path.join(path, name)) == 0:
+            return f"{name} is empty"
+    if os.path.exists(os.path.join(path, "common.pt")):
+        return _torch_file_problem(path, "common.pt")
+    return None
+
+
 def _backend(path):
     """The ``sharded_backend`` that the checkpoint's ``metadata.json`` names (None: unreadable)."""
     import json
@@ -179,13 +206,18 @@ def _backend(path):
 
 
 def complete_iterations(load_dir):
-    """Iterations of ``load_dir`` whose directory is a complete checkpoint, ascending."""
+    """Iterations of ``load_dir`` whose directory looks complete (its files, :func:`_complete`
+    without reading ``.metadata``: these are only suggested, not loaded), ascending."""
     try:
         names = os.listdir(load_dir)
     except OSError:
         return []
     found = sorted(int(m[1]) for m in map(_ITER_DIR.match, names) if m)
-    return [it for it in found if _complete(os.path.join(load_dir, f"iter_{it:07d}")) is None]
+    return [
+        it
+        for it in found
+        if _complete(os.path.join(load_dir, f"iter_{it:07d}"), read_index=False) is None
+    ]
 
 
 def _older(load_dir, but=None):

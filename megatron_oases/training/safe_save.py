@@ -12,6 +12,14 @@ closed here by a reversible patch (installed for a run with ``--save``):
   ``iter_NNNNNNN.replaced``, which :func:`recover` puts back before a ``--load``).
 * The tracker is written with ``open(path, "w")``: a crash between truncation and write leaves it
   empty. Here it is written to a temporary file and renamed over the old one (atomic on POSIX).
+
+And one for ``--exit-signal-handler``: Megatron's checkpoint writer reports through a queue served
+by a ``multiprocessing`` manager process it starts at the first save. A SIGTERM sent to every
+process of the job (SLURM at the time limit, ``scancel``, a kill of the process group) stops that
+manager too, so the save the handler then makes failed on a broken pipe (and was blamed on free
+space or permissions). Here a save whose queue's manager is gone gets a new one
+(:func:`fresh_results_queue`); a save that the signal cuts short half-way says so
+(:func:`_failure_is_one_line`).
 """
 
 import contextlib
@@ -180,6 +188,58 @@ def _release(logger, held):
     held.records.clear()
 
 
+#: What a writer's helper process that a signal stopped leaves behind: a broken connection (the
+#: exception, or its class's name where Megatron's writer passes on only that).
+_BROKEN_CONNECTION = (BrokenPipeError, ConnectionError, EOFError)
+_BROKEN_NAMES = ("BrokenPipeError", "ConnectionResetError", "ConnectionRefusedError", "EOFError")
+
+
+def _exit_signal():
+    """The signal ``--exit-signal-handler`` waits for, when this rank has received it (Megatron's
+    handler), else None."""
+    try:
+        from megatron.training import global_vars
+    except ImportError:
+        return None
+    handler = getattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", None)
+    if handler is None or not getattr(handler, "_signal_received", False):
+        return None
+    import signal
+
+    try:
+        return signal.Signals(handler.sig).name
+    except (AttributeError, ValueError):
+        return str(getattr(handler, "sig", "the exit signal"))
+
+
+def _broken_connection(exc, logged=()):
+    """The name of the broken connection in ``exc`` (or the writer's log records), or None."""
+    for e in _causes(exc):
+        if isinstance(e, _BROKEN_CONNECTION):
+            return type(e).__name__
+    for text in [str(e) for e in _causes(exc)] + [r.getMessage() for r in logged]:
+        found = next((n for n in _BROKEN_NAMES if n in text), None)
+        if found:
+            return found
+    return None
+
+
+def _cut_short_by_signal(exc, target, previous, logged=()):
+    """The one line for a save that a signal (``--exit-signal-handler``'s) cut short, or None."""
+    name = _exit_signal()
+    if name is None:
+        return None
+    broken = _broken_connection(exc, logged)
+    if broken is None:
+        return None
+    save_dir = os.path.dirname(target)
+    return (
+        f"saving {os.path.basename(target)} to {save_dir} was cut short by {name} "
+        f"(--exit-signal-handler): the signal also stopped the checkpoint writer's helper process "
+        f"({broken}); {previous}: resume with --load {save_dir}"
+    )
+
+
 @contextlib.contextmanager
 def _failure_is_one_line(target, written, logged=()):
     """A save that fails on I/O (disk full, permissions, a rank's writer failing on an
@@ -192,6 +252,15 @@ def _failure_is_one_line(target, written, logged=()):
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if not isinstance(exc, Exception) and type(exc).__name__ != "CheckpointException":
             raise
+        save_dir = os.path.dirname(target)
+        try:
+            with open(os.path.join(save_dir, TRACKER)) as f:
+                previous = f"the previous checkpoint (iteration {f.read().strip()}) is intact"
+        except OSError:
+            previous = "no earlier checkpoint exists there"
+        signalled = _cut_short_by_signal(exc, target, previous, logged)
+        if signalled is not None:  # each rank that saw it (a rank that did not may be waiting)
+            raise TrainingStoppedOnIO(signalled) from None
         cause = _io_failure(exc, logged)
         if type(exc).__name__ == "CheckpointException" and not getattr(exc, "failures", None):
             # torch tells the coordinator (rank 0) which writes failed, the others only that
@@ -203,16 +272,10 @@ def _failure_is_one_line(target, written, logged=()):
         if errno and "[Errno" not in cause:  # the writer logged the OSError's text, not raised it
             cause = "OSError: [Errno" + errno[0].split("[Errno", 1)[1]
 
-        save_dir = os.path.dirname(target)
         if _rank() == 0 and type(exc).__name__ == "CheckpointException":
             # torch reports a write failure to every rank at once, so nobody writes any more;
             # after a failure of this rank alone, others may still be writing: leave it
             shutil.rmtree(written, ignore_errors=True)
-        try:
-            with open(os.path.join(save_dir, TRACKER)) as f:
-                previous = f"the previous checkpoint (iteration {f.read().strip()}) is intact"
-        except OSError:
-            previous = "no earlier checkpoint exists there"
         try:
             free = f", {shutil.disk_usage(save_dir).free / 1e9:.1f} GB free there"
         except OSError:
@@ -248,6 +311,30 @@ def guarded_save(real_save):
 
     save.__wrapped__ = real_save
     return save
+
+
+def _serving(queue):
+    """Whether the manager process behind the ``multiprocessing`` queue proxy ``queue`` answers."""
+    try:
+        queue.qsize()
+    except (OSError, EOFError):
+        return False
+    return True
+
+
+def fresh_results_queue(real, module):
+    """Megatron's ``get_write_results_queue`` (``module``: its ``filesystem_async``), with a new
+    queue when the manager process serving the one it keeps is gone (stopped by a signal to the
+    job's processes)."""
+
+    def get_write_results_queue(*args, **kwargs):
+        queue = getattr(module, "_results_queue", None)
+        if queue is not None and not _serving(queue):
+            module._results_queue = None  # the dead manager's proxy: Megatron makes a new one
+        return real(*args, **kwargs)
+
+    get_write_results_queue.__wrapped__ = real
+    return get_write_results_queue
 
 
 class _AtomicFile:
@@ -303,17 +390,30 @@ class _AtomicTracker:
 
 def make_patch():
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.training import checkpointing
 
     from ..compat import require_symbol
 
     require_symbol(dist_checkpointing, "save", called_by=(checkpointing.save_checkpoint,))
     require_symbol(checkpointing, "maybe_msc", called_by=(checkpointing.save_checkpoint,))
+    queue = require_symbol(
+        filesystem_async,
+        "get_write_results_queue",
+        called_by=(filesystem_async.FileSystemWriterAsync.prepare_write_data,),
+    )
+    if not hasattr(filesystem_async, "_results_queue"):
+        require_symbol(filesystem_async, "_results_queue")  # the one line: an unsupported version
     return Patch(
         PATCH_NAME,
         [
             (dist_checkpointing, "save", guarded_save(dist_checkpointing.save)),
             (checkpointing, "maybe_msc", _AtomicTracker(checkpointing.maybe_msc)),
+            (
+                filesystem_async,
+                "get_write_results_queue",
+                fresh_results_queue(queue, filesystem_async),
+            ),
         ],
     )
 

@@ -126,6 +126,21 @@ def test_stopped_rank_ends_the_job_within_the_distributed_timeout():
     print(f"stopped rank: job ended after {proc.elapsed:.0f} s")
 
 
+@pytest.mark.timeout(200)
+def test_sigterm_to_the_job_saves_with_the_exit_signal_handler(tmp_path):
+    """SIGTERM to every process of the job (SLURM's time limit): ``--exit-signal-handler`` saves
+    and exits. The signal had also stopped the manager process behind Megatron's writer queue
+    (started by the save of iteration 2), and the save failed on a broken pipe, blamed on "free
+    space, permissions"."""
+    ckpt = str(tmp_path / "ckpt")
+    argv = TINY + ["--num-workers", "0", "--exit-signal-handler", "--save", ckpt]
+    proc = launch(argv + ["--save-interval", "2"], fault="term:rank=1:iter=3", timeout=180)
+    assert errors(proc) == [], proc.stderr[-3000:]
+    assert "exiting program after receiving SIGTERM" in proc.stdout, proc.stdout[-2000:]
+    assert tracker(ckpt) == "3" and "iteration        4/" not in proc.stdout
+    assert not re.search(r"\[rank\d\]: Traceback", proc.stderr)  # torchrun prints its own
+
+
 # ------------------------------------------------------------------ saves that fail half-way
 
 

@@ -11,6 +11,8 @@ Never imported by the package: tests launch this file as the torchrun program
 * ``stop``: SIGSTOP rank R there instead (a hung rank: the others time out).
 * ``linkdown``: rank R takes its host's network interface (``GLOO_SOCKET_IFNAME``) down there: the
   host drops off the network (two-host tests, ``tests/helpers/netns.py``; needs root).
+* ``term``: rank R sends SIGTERM to every process of the job (its process group: the launcher,
+  every rank and their helper processes) there, as SLURM does at the time limit or on ``scancel``.
 * ``kill-save``: SIGKILL rank R while it writes its shard of the checkpoint of iteration N, after
   writing part of the shard file.
 * ``enospc``: that write fails as on a full disk (``OSError(ENOSPC)``), part of the file written.
@@ -36,6 +38,8 @@ def _die(kind):
         subprocess.run(["ip", "link", "set", os.environ["GLOO_SOCKET_IFNAME"], "down"], check=True)
     elif kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif kind == "term":
+        os.killpg(os.getpgid(0), signal.SIGTERM)
     else:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -93,7 +97,7 @@ def main():
     if spec:
         kind, rank, iteration = parse(spec)
         if int(os.environ.get("RANK", "0")) == rank:
-            if kind in ("kill", "stop", "linkdown"):
+            if kind in ("kill", "stop", "linkdown", "term"):
                 install_iteration_fault(kind, iteration)
             elif kind in ("kill-save", "enospc"):
                 install_save_fault(kind, iteration)

@@ -192,6 +192,63 @@ def test_staged_save_and_which_failures_are_one_line(tmp_path):
     assert sorted(os.listdir(target)) == ["__0_0.distcp"]  # the good one survived both
 
 
+def test_a_save_cut_short_by_the_exit_signal_says_so(tmp_path, monkeypatch):
+    """``--exit-signal-handler``: a SIGTERM to every process of the job also stops the manager
+    process behind Megatron's writer queue, and a save it cuts short failed on a broken pipe
+    blamed on "free space, permissions"; the line names the signal now."""
+    import signal
+    import types
+
+    from megatron.training import global_vars
+
+    from megatron_oases.training import safe_save
+    from megatron_oases.training.pretrain import TrainingStopped
+
+    target = tmp_path / "iter_0000004"
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+
+    def broken(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    handler = types.SimpleNamespace(sig=signal.SIGTERM, _signal_received=True)
+    monkeypatch.setattr(global_vars, "_GLOBAL_SIGNAL_HANDLER", handler)
+    with pytest.raises(TrainingStopped) as stopped:
+        safe_save.guarded_save(broken)({}, str(target))
+    assert str(stopped.value) == (
+        f"saving iter_0000004 to {tmp_path} was cut short by SIGTERM (--exit-signal-handler): the "
+        "signal also stopped the checkpoint writer's helper process (BrokenPipeError); the "
+        f"previous checkpoint (iteration 2) is intact: resume with --load {tmp_path}"
+    )
+    handler._signal_received = False  # no signal: the I/O failure it is
+    with pytest.raises(TrainingStopped, match=r"failed \(BrokenPipeError.*free space"):
+        safe_save.guarded_save(broken)({}, str(target))
+
+
+def test_a_save_after_the_writer_queues_manager_was_stopped_gets_a_new_queue(monkeypatch):
+    """The save ``--exit-signal-handler`` makes after a SIGTERM to the job's processes: Megatron
+    kept the queue of the manager the signal stopped (a broken pipe at once); a new one now."""
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_oases.training import safe_save
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    get = safe_save.fresh_results_queue(filesystem_async.get_write_results_queue, filesystem_async)
+    first = get(mp_mode="fork")
+    assert get(mp_mode="fork") is first  # its manager serves: kept
+    manager = first._manager
+    os.kill(manager._process.pid, signal.SIGTERM)
+    manager._process.join(10)
+    second = get(mp_mode="fork")
+    try:
+        assert second is not first and filesystem_async._results_queue is second
+        second.put("written")
+        assert second.get(timeout=10) == "written"
+    finally:
+        second._manager.shutdown()
+
+
 # ------------------------------------------------------------ issue 43: the probe's new cases
 
 
@@ -458,6 +515,54 @@ def test_torch_format_and_missing_index_are_told_apart_before_torch_loads(tmp_pa
     check_torch_format_plan(str(torch_ckpt), 2, saved)
 
 
+class _Crafted:
+    """A ``.metadata`` that creates ``path`` when it is unpickled (as ``os.system`` would run)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_older_checkpoints_metadata_is_never_unpickled(tmp_path):
+    """When the tracked iteration is damaged the pre-flight looks for a complete older one to
+    suggest: it unpickled every older iteration's ``.metadata`` (torch's index of the shards), so
+    a crafted one ran its code from a checkpoint nothing was going to load. Only the tracked
+    iteration's index is read now (torch unpickles it at the load anyway)."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from megatron_oases.errors import OasesConfigError
+    from megatron_oases.training.checkpoint_check import check_tracker
+
+    ran = tmp_path / "crafted-metadata-ran"
+    ckpt = tmp_path / "ckpt"
+    # the tracked iteration's index wants 100 bytes of its shard; it holds 5
+    index = Metadata({}, storage_data={MetadataIndex("w"): _StorageInfo("__0_0.distcp", 0, 100)})
+    for it, metadata, shard in ((2, _Crafted(ran), b"shard"), (4, index, b"short")):
+        d = ckpt / f"iter_{it:07d}"
+        d.mkdir(parents=True)
+        (d / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+        (d / ".metadata").write_bytes(pickle.dumps(metadata))
+        (d / "__0_0.distcp").write_bytes(shard)
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    with pytest.raises(OasesConfigError) as err:
+        check_tracker(str(ckpt))
+    assert str(err.value) == (
+        f"--load {ckpt}: the checkpoint of iteration 4 is incomplete or damaged: __0_0.distcp is "
+        f"truncated (5 of 100 bytes); write 2 (a complete checkpoint there) into "
+        f"{ckpt / 'latest_checkpointed_iteration.txt'}"
+    )
+    assert not ran.exists()  # the older iteration's index was never unpickled
+    (ckpt / "iter_0000002" / "__0_0.distcp").write_bytes(b"")  # judged by its files: not offered
+    with pytest.raises(OasesConfigError, match="no complete checkpoint is left there"):
+        check_tracker(str(ckpt))
+    assert not ran.exists()
+
+
 def test_per_layer_plan_with_torch_format_checkpoints_is_refused_up_front(tmp_path):
     from helpers.runs import parse
 
@@ -516,7 +621,7 @@ def test_compare_derives_nproc_from_the_parallel_sizes(tmp_path):
     with "world size (2) is not divisible by total_model_size 4", a world size the user never
     gave; it runs 4 ranks now, and a --nproc that cannot hold the model is one line."""
     from megatron_oases.cli import main
-    from megatron_oases.compare.cli import _nproc
+    from megatron_oases.compare.settings import resolve_nproc as _nproc
     from megatron_oases.errors import OasesConfigError
 
     assert _nproc(None, "--tensor-model-parallel-size 4".split()) == 4
