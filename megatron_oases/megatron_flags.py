@@ -651,12 +651,22 @@ RULES = (
     Rule(
         "distributed init",
         _H,
+        _H,
+        "torch FSDP2: the split schedules gather a stage's sharded parameters around their forward "
+        "and backward (schedule/fsdp.py); parity-tested against stock FSDP2 (tests/e2e/"
+        "test_fsdp_e2e.py), keeping them gathered from forward to backward under "
+        "--torch-fsdp2-no-reshard-after-forward; with --oases-plan or --oases-cuda-graphs refused",
+        flags=("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),
+    ),
+    Rule(
+        "distributed init",
+        _H,
         _R,
-        "FSDP gathers a layer's parameters in hooks the split schedules bypass; "
-        "--use-megatron-fsdp needs CUDA",
-        flags=("--use-megatron-fsdp", "--use-torch-fsdp2"),
+        "Megatron-FSDP's buffers gather a layer's parameters in hooks the split schedules bypass "
+        "(untried); it needs CUDA",
+        flags=("--use-megatron-fsdp",),
         enforced_by="validation.check_sharded_data_parallel",
-        example="--use-torch-fsdp2 --untie-embeddings-and-output-weights",
+        example="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
     ),
     Rule(
         "distributed init",
@@ -671,7 +681,6 @@ RULES = (
             "--keep-fp8-transpose-cache",
             "--fsdp-double-buffer",
             "--fsdp-manual-registration",
-            "--torch-fsdp2-no-reshard-after-forward",
         ),
     ),
     Rule(

@@ -110,8 +110,9 @@ def check_selective_recompute(schedule, modules):
 
 
 def sub_batches(args):
-    """``--oases-sub-batches``, checked: 2 to :data:`MAX_SUB_BATCHES`."""
-    n = getattr(args, "oases_sub_batches", SUB_BATCHES)
+    """``--oases-sub-batches``, checked: 2 to :data:`MAX_SUB_BATCHES` (not given: 2)."""
+    n = getattr(args, "oases_sub_batches", None)
+    n = SUB_BATCHES if n is None else n
     if not 2 <= n <= MAX_SUB_BATCHES:
         raise OasesConfigError(
             f"--oases-sub-batches {n} must be in [2, {MAX_SUB_BATCHES}] (2 is the paper's)"
@@ -458,13 +459,34 @@ def check_sharded_data_parallel(args, schedule, cuda_available):
             "CUDA's); without a GPU use --use-torch-fsdp2 (with --untie-embeddings-and-output-"
             "weights) for sharded data parallelism"
         )
-    if (torch_fsdp2 or megatron_fsdp) and (schedule != "off" or getattr(args, "oases_plan", None)):
-        flag = "--use-torch-fsdp2" if torch_fsdp2 else "--use-megatron-fsdp"
-        what = f"--oases-schedule {schedule}" if schedule != "off" else "--oases-plan"
+    if megatron_fsdp and schedule != "off":
         raise OasesConfigError(
-            f"{what} does not run under {flag} yet (FSDP gathers a layer's parameters in hooks "
-            f"the split schedules bypass); use --oases-schedule off with {flag}, or drop {flag}"
+            f"--oases-schedule {schedule} does not run under --use-megatron-fsdp yet (its buffers "
+            "gather a layer's parameters in hooks the split schedules bypass); use "
+            "--use-torch-fsdp2, or --oases-schedule off"
         )
+    if (torch_fsdp2 or megatron_fsdp) and getattr(args, "oases_plan", None):
+        flag = "--use-torch-fsdp2" if torch_fsdp2 else "--use-megatron-fsdp"
+        raise OasesConfigError(
+            f"--oases-plan does not run under {flag} (a plan's replica gradient sum and its "
+            "checkpoints work on whole tensor-parallel shards, which FSDP holds sharded over data "
+            "parallelism); drop one of them"
+        )
+    if torch_fsdp2 and getattr(args, "oases_cuda_graphs", None):
+        raise OasesConfigError(
+            "--oases-cuda-graphs does not run under --use-torch-fsdp2 (FSDP2 re-allocates the "
+            "gathered parameters at every all-gather, under the captured graphs); drop one of them"
+        )
+    checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
+    if torch_fsdp2 and checkpoints:
+        from .compat import fsdp2_checkpoint_gap
+
+        gap = fsdp2_checkpoint_gap()
+        if gap:
+            raise OasesConfigError(
+                f"{gap}; drop --save/--load, or train without --use-torch-fsdp2 (DDP, or the "
+                "distributed optimizer: --use-distributed-optimizer)"
+            )
 
 
 def check_before_megatron(args, schedule, te_installed=None):
@@ -540,7 +562,7 @@ def plan_differences(planned, args, schedule):
             "--pipeline-model-parallel-size",
             getattr(args, "pipeline_model_parallel_size", None) or 1,
         ),
-        ("sequence_parallel", "--sequence-parallel", bool(getattr(args, "sequence_parallel", 0))),
+        ("sequence_parallel", "--sequence-parallel", bool(getattr(args, "sequence_parallel", False))),
         (
             "distributed_optimizer",
             "--use-distributed-optimizer",

@@ -26,6 +26,7 @@ from megatron_oases.planner.api import solve  # noqa: E402
 from megatron_oases.planner.build import build_problem  # noqa: E402
 from megatron_oases.planner.dp import min_memory, solve_dp  # noqa: E402
 from megatron_oases.planner.ilp import solve_ilp  # noqa: E402
+from megatron_oases.planner.settings import PlanSettings  # noqa: E402
 from megatron_oases.planner.time_model import decompose  # noqa: E402
 from megatron_oases.profiler.analytic import analytic_profile  # noqa: E402
 from megatron_oases.profiler.model_config import model_args, read_model_file  # noqa: E402
@@ -42,7 +43,7 @@ def profile_for(layers):
 
 
 def instance(prof, layers, frac):
-    free = build_problem(prof, schedule="oases", global_batch_size=128)
+    free = build_problem(prof, PlanSettings(schedule="oases", global_batch_size=128))
     lo = min_memory(free)
     hi = free.peak_memory_bytes([free.degrees.index(2)] * layers)
     mem_gb = (lo + frac * (hi - lo)) * (1 + free.margin) / 1e9
@@ -52,7 +53,7 @@ def instance(prof, layers, frac):
 def timed_plan(prof, mem_gb, solver, time_limit):
     """Build + solve, as `oases plan` does (without writing files)."""
     t0 = time.perf_counter()
-    p = build_problem(prof, schedule="oases", global_batch_size=128, memory_gb=mem_gb)
+    p = build_problem(prof, PlanSettings(schedule="oases", global_batch_size=128, memory_gb=mem_gb))
     sol, _ = solve(p, solver=solver, time_limit_s=time_limit)
     return time.perf_counter() - t0, sol, p
 

@@ -22,6 +22,7 @@ from megatron_oases.planner.api import make_plan  # noqa: E402
 from megatron_oases.planner.build import build_problem  # noqa: E402
 from megatron_oases.planner.dp import min_memory  # noqa: E402
 from megatron_oases.planner.explain import compress_degrees  # noqa: E402
+from megatron_oases.planner.settings import PlanSettings  # noqa: E402
 from megatron_oases.planner.time_model import evaluate  # noqa: E402
 from megatron_oases.profiler.analytic import analytic_profile  # noqa: E402
 from megatron_oases.profiler.model_config import model_args, read_model_file  # noqa: E402
@@ -59,13 +60,15 @@ def plan_row(
     try:
         plan, problem, sol = make_plan(
             prof,
-            global_batch_size=margs.global_batch_size,
-            memory_gb=memory_gb,
-            schedule="oases",
+            PlanSettings(
+                global_batch_size=margs.global_batch_size,
+                memory_gb=memory_gb,
+                schedule="oases",
+                grad_sync=grad_sync,
+                allow_unsplit=allow_unsplit,
+                distributed_optimizer=distributed_optimizer,
+            ),
             verify=True,
-            grad_sync=grad_sync,
-            allow_unsplit=allow_unsplit,
-            distributed_optimizer=distributed_optimizer,
         )
     except OasesConfigError as exc:
         msg = str(exc)
@@ -110,10 +113,10 @@ def paper_plan_row(prof, margs, cluster, model):
         degrees=sorted(set(degrees) | {T}),
         allow_unsplit=True,
     )
-    problem = build_problem(prof, **kw)
+    problem = build_problem(prof, PlanSettings(**kw))
     res = evaluate(problem, problem.index(degrees))
     uni = evaluate(problem, problem.index([T] * margs.num_layers))
-    dist = build_problem(prof, distributed_optimizer=True, **kw)
+    dist = build_problem(prof, PlanSettings(distributed_optimizer=True, **kw))
     return {
         "model": model,
         "cluster": cluster,
@@ -146,9 +149,11 @@ def main(argv=None):
                 paper.append(paper_plan_row(prof, margs, cluster, model))
                 free = build_problem(
                     prof,
-                    schedule="oases",
-                    global_batch_size=margs.global_batch_size,
-                    allow_unsplit=True,
+                    PlanSettings(
+                        schedule="oases",
+                        global_batch_size=margs.global_batch_size,
+                        allow_unsplit=True,
+                    ),
                 )
                 need = min_memory(free) * 1.1 / 1e9
                 for gb in SWEEP_GB:

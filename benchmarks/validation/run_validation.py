@@ -78,16 +78,19 @@ def sp_set():
 
 def layer_degrees_set(profile_path, n_random=8, seed=0):
     from megatron_oases.planner.api import make_plan
+    from megatron_oases.planner.settings import PlanSettings
 
     plans = {(1,) * LAYERS: "u1-oases", (2,) * LAYERS: "u2-oases"}
     chosen = {}
     for mem in PLANNER_MEMORY_GB:
         plan, _, _ = make_plan(
             profile_path,
-            global_batch_size=GLOBAL_BATCH,
-            micro_batch_size=MICRO_BATCH,
-            memory_gb=mem,
-            schedule="oases",
+            PlanSettings(
+                global_batch_size=GLOBAL_BATCH,
+                micro_batch_size=MICRO_BATCH,
+                memory_gb=mem,
+                schedule="oases",
+            ),
         )
         key = tuple(plan["degrees"])
         chosen[str(mem)] = {
@@ -133,16 +136,19 @@ def write_plan(out, name, degrees, schedule):
 
 def predict_one(profile, degrees, schedule, recompute, sequence_parallel=False):
     from megatron_oases.planner.prediction import predict
+    from megatron_oases.planner.settings import PlanSettings
 
     r = predict(
         profile,
         degrees,
-        schedule=schedule,
-        global_batch=GLOBAL_BATCH,
-        micro_batch=MICRO_BATCH,
-        recompute=recompute,
-        memory_gb=24,
-        sequence_parallel=sequence_parallel,
+        PlanSettings(
+            schedule=schedule,
+            global_batch_size=GLOBAL_BATCH,
+            micro_batch_size=MICRO_BATCH,
+            recompute=recompute,
+            memory_gb=24,
+            sequence_parallel=sequence_parallel,
+        ),
     )
     mb = r["memory_breakdown_bytes"]
     act = mb.get("fixed_activations", 0.0) + mb.get("saved_activations", 0.0)

@@ -3,7 +3,7 @@
 Public API::
 
     PlanSettings(global_batch_size=..., memory_gb=..., schedule=..., ...)  # one run, frozen
-    predict(profile, degrees, settings=settings)
+    predict(profile, degrees, settings)
         -> {iteration_time_s, forward_s, backward_s, edges_s, peak_memory_bytes, per_layer}
     make_plan(profile, settings) -> (plan, problem, solution)
     load_plan / save_plan / uniform_plan / validate_plan

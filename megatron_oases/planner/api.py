@@ -11,7 +11,6 @@ from .build import build_problem
 from .dp import min_memory, solve_dp
 from .ilp import DEFAULT_TIME_LIMIT_S, solve_ilp
 from .memory_model import memory_breakdown
-from .settings import PlanSettings
 from .time_model import decompose, evaluate
 
 SOLVERS = ("ilp", "dp")
@@ -33,31 +32,6 @@ class PlannerVerificationError(RuntimeError):
 
 def gb(nbytes):
     return nbytes / 1e9
-
-
-def parse_pins(specs):
-    """``["0-3=4", "7=2,9=1"]`` → ``[(range(0, 4), 4), ([7], 2), ([9], 1)]``."""
-    pins = []
-    for spec in specs or ():
-        for part in str(spec).split(","):
-            part = part.strip()
-            if not part:
-                continue
-            try:
-                layers, degree = part.split("=")
-                if "-" in layers:
-                    a, b = layers.split("-")
-                    rng = list(range(int(a), int(b) + 1))
-                    if not rng:
-                        raise ValueError
-                else:
-                    rng = [int(layers)]
-                pins.append((rng, int(degree)))
-            except ValueError:
-                raise OasesConfigError(
-                    f"bad --pin {part!r}; use LAYER=DEGREE or FIRST-LAST=DEGREE, e.g. 0-3=4"
-                ) from None
-    return pins
 
 
 def _infeasible(problem):
@@ -157,22 +131,20 @@ def uniform_costs(problem):
 
 def make_plan(
     profile,
-    settings=None,
+    settings,
     *,
     solver="dp",
     verify=False,
     time_limit_s=DEFAULT_TIME_LIMIT_S,
     profile_path=None,
-    **run,
 ):
     """Returns (plan dict, problem, solution) for the run ``settings``
-    (:class:`~.settings.PlanSettings`, or its fields as keywords: ``run``). With
+    (:class:`~.settings.PlanSettings`; ``profile``: a :class:`Profile` or its path). With
     ``sequence_parallel`` or ``split="sequence"`` every layer runs at T
     (:func:`~.build.build_problem`): the plan is uniform and its ``predicted`` is the point.
     ``host_us_per_call``: the host's issue cost per aten call (:mod:`.host_model`; default: the
     analytic profile's cluster's, none for a measured profile, whose times were taken on its own
     host; 0: no host term)."""
-    settings = PlanSettings.of(settings, **run)
     if not isinstance(profile, Profile):
         profile_path = profile_path or profile
         profile = load_profile(profile)

@@ -58,11 +58,11 @@ import numpy as np
 from ..errors import OasesConfigError
 from ..formats.profile import gather_ranks, tp_ranks
 from ..recompute_settings import SELECTIVE_MODES
-from ..validation import SPLIT_SCHEDULES, TAIL_PIECES, check_schedule
+from ..validation import SPLIT_SCHEDULES, TAIL_PIECES, check_schedule, samples_per_group
 from .block_comm import block_comm
 from .memory_model import memory_parts
 from .problem import Block, ChainProblem
-from .settings import PlanSettings, recompute_label, recompute_mode  # noqa: F401 (re-exported)
+from .settings import recompute_label, recompute_mode  # noqa: F401 (re-exported)
 
 
 def _recomputed_layers(recompute, recompute_layers, L):
@@ -141,9 +141,21 @@ class _Batch:
 
 
 def _batch(profile, settings, num_layers, stage):
-    """The stage's :class:`_Batch`; one error line where the layers or the batch do not divide."""
+    """The stage's :class:`_Batch`; one error line where the layers or the batch do not divide,
+    or where the settings are for another layout than the profile's."""
     T, D = profile.tp, profile.dp
     pp = int(profile.data.get("pipeline_model_parallel_size", 1))
+    for name, ours, what in (
+        ("tensor_model_parallel_size", T, "TMP domain T"),
+        ("data_parallel_size", D, "data-parallel size"),
+        ("pipeline_model_parallel_size", pp, "pipeline-parallel size"),
+    ):
+        theirs = getattr(settings, name)
+        if theirs is not None and theirs != ours:
+            raise OasesConfigError(
+                f"{settings.source(name)} is for a {what} of {theirs}, but the profile has "
+                f"{ours}; use a profile of that layout"
+            )
     total_layers = int(num_layers or profile.num_layers)
     if total_layers % pp:
         raise OasesConfigError(
@@ -155,6 +167,8 @@ def _batch(profile, settings, num_layers, stage):
     L = total_layers // pp
     N = _recomputed_layers(settings.recompute, settings.recompute_layers, L)
     gbs = settings.global_batch_size
+    if gbs is None:
+        raise OasesConfigError("--global-batch-size is required")
     if gbs <= 0 or gbs % D:
         raise OasesConfigError(
             f"--global-batch-size {gbs} is not a positive multiple of the data-parallel "
@@ -201,7 +215,7 @@ def _candidate_degrees(profile, settings, m, halves, chunks):
     usable, why = [], []
     need = 2 if halves and not chunks and not settings.allow_unsplit else 1
     for d in cand:
-        n = m * d / T
+        n = samples_per_group(m, d, T)
         if n != int(n) or n < need:
             why.append(
                 f"degree {d} gives {n:g} samples per group per micro-batch"
@@ -390,9 +404,9 @@ def _sync_times(profile, settings, degs, L):
     return sync, replica
 
 
-def build_problem(profile, settings=None, *, num_layers=None, stage=0, **run):
+def build_problem(profile, settings, *, num_layers=None, stage=0):
     """A :class:`ChainProblem` for ``profile`` (:class:`~megatron_oases.formats.profile.Profile`)
-    and ``settings`` (:class:`~.settings.PlanSettings`; or its fields as keywords, ``run``).
+    and ``settings`` (:class:`~.settings.PlanSettings`; where it names a layout, the profile's).
 
     With pipeline parallelism (the profile's ``pipeline_model_parallel_size`` P > 1) the chain is
     one stage's ``num_layers / P`` layers (``num_layers``: the whole model's, default the
@@ -407,7 +421,7 @@ def build_problem(profile, settings=None, *, num_layers=None, stage=0, **run):
     their activations (as the runtime does: their backward comes first, before any recompute).
     ``split``: ``"sequence"`` for sub-batches of sequence chunks (``--oases-split sequence``;
     uniform degree ``T``, :func:`_sequence_split_degrees`)."""
-    s = PlanSettings.of(settings, **run)
+    s = settings
     check_schedule(s.schedule, source="--schedule")  # ("auto" is choose_plan's, not a schedule)
     b = _batch(profile, s, num_layers, stage)
     T, L, m = b.T, b.L, b.m
@@ -415,7 +429,7 @@ def build_problem(profile, settings=None, *, num_layers=None, stage=0, **run):
     halves = s.schedule in SPLIT_SCHEDULES  # each micro-batch runs as two sub-batches
     degs, why = _candidate_degrees(profile, s, m, halves, chunks)
     hid = profile.shape["seq_length"] * profile.shape["hidden_size"] * profile.dtype_bytes
-    sizes = {d: _subs(m * d // T, halves, chunks) for d in degs}  # samples per sub-batch
+    sizes = {d: _subs(samples_per_group(m, d, T), halves, chunks) for d in degs}  # per sub-batch
     times = _block_times(profile, s.recompute, degs, sizes, chunks)
     comm = block_comm(profile, degs, sizes, hid, s.schedule, s.sequence_parallel)
     forward, backward = _chains(
@@ -482,7 +496,7 @@ def _meta(settings, b, stage, p2p, why, degs, sample_split, parts, fixed_parts):
         "in_flight_microbatches": b.in_flight,
         "total_layers": b.total_layers,
         "excluded_degrees": why,
-        "unsplit_degrees": [d for d in degs if sample_split and b.m * d // b.T < 2],
+        "unsplit_degrees": [d for d in degs if sample_split and samples_per_group(b.m, d, b.T) < 2],
         "memory_parts": parts,
         "fixed_memory_parts": fixed_parts,
     }

@@ -34,7 +34,7 @@ from ..recompute_settings import RECOMPUTE_ARGV, block_argv
 from ..validation import SPLIT_SCHEDULES
 from .api import NoPlanFits, make_plan
 from .ilp import DEFAULT_TIME_LIMIT_S
-from .settings import AUTO, PlanSettings, recompute_label, recompute_mode
+from .settings import recompute_label, recompute_mode
 
 #: (schedule, recompute) settings, cheapest memory last.
 SETTINGS = (
@@ -87,22 +87,19 @@ def _setting(entry):
 
 def choose_plan(
     profile,
-    settings=None,
+    settings,
     *,
     candidates=SETTINGS,
     solver="dp",
     verify=False,
     time_limit_s=DEFAULT_TIME_LIMIT_S,
-    **run,
 ):
     """Plan every (schedule, recompute) pair of ``candidates`` (default :data:`SETTINGS`; the
     overlapped ones with each split kind, only ``settings.split`` where set) for the run
-    ``settings`` (:class:`~.settings.PlanSettings` with ``schedule="auto"``, or its fields as
-    keywords, ``run``); returns (plan, problem, solution) of the fastest that fits."""
-    if settings is None:
-        base = PlanSettings(**{"schedule": AUTO, **run})
-    else:
-        base = PlanSettings.of(settings, **run)
+    ``settings`` (:class:`~.settings.PlanSettings`, usually with ``schedule="auto"``: its
+    schedule, recompute setting and, where None, split are the ones tried); returns (plan,
+    problem, solution) of the fastest that fits."""
+    base = settings
     split = base.split  # None: both kinds
     solve_options = dict(solver=solver, verify=verify, time_limit_s=time_limit_s)
     best, tried = None, []

@@ -12,6 +12,7 @@ oases plan ... --micro-batch-size 1 --schedule overlap --split sequence   # chun
 
 import argparse
 import json
+import math
 import sys
 
 from ..errors import OasesConfigError
@@ -21,7 +22,10 @@ from ..validation import SCHEDULES, SPLITS
 from .cluster.cli import add_search_flags
 from .ilp import DEFAULT_TIME_LIMIT_S
 from .problem import DEFAULT_MARGIN
-from .settings import AUTO, PlanSettings, recompute_flag, recompute_label
+from .settings import AUTO, PlanSettings, recompute_label
+
+#: The longest ``--time-limit`` (a day): a bound, not a suggestion.
+MAX_TIME_LIMIT_S = 86400.0
 
 
 def build_parser():
@@ -207,27 +211,11 @@ def _evaluate(args):
     """``--evaluate PLAN``: print :func:`.evaluate.evaluate_plan`'s prediction."""
     from ..formats.plan import load_plan
     from ..formats.profile import load_profile
-    from .evaluate import EvaluateFlags, evaluate_plan
+    from .evaluate import evaluate_plan
     from .explain import compress_degrees, explanation_table, host_line
 
-    flags = EvaluateFlags(
-        global_batch_size=args.global_batch_size,
-        micro_batch_size=args.micro_batch_size,
-        schedule=args.schedule,
-        recompute=recompute_flag(args),
-        no_recompute=args.no_recompute,
-        recompute_num_layers=args.recompute_num_layers,
-        split=args.split,
-        sequence_parallel=args.sequence_parallel,
-        distributed_optimizer=args.distributed_optimizer,
-        allow_unsplit=args.allow_unsplit,
-        grad_sync=args.grad_sync,
-        memory_gb=args.memory,
-        margin=args.margin,
-        host_us_per_call=args.host_us_per_call,
-    )
     plan = load_plan(args.evaluate)
-    out = evaluate_plan(plan, load_profile(args.profile), flags, args.evaluate, args.profile)
+    out = evaluate_plan(plan, load_profile(args.profile), args, args.evaluate, args.profile)
     run, problem, res, host = out["run"], out["problem"], out["prediction"], out["host"]
     device_s, iteration_s = out["device_time_s"], out["iteration_time_s"]
     sp = ", sequence parallel" if run.sequence_parallel else ""
@@ -257,8 +245,20 @@ def _evaluate(args):
     return 0
 
 
+def _check_solve_flags(args):
+    """The flags that are no :class:`PlanSettings` field: one line each, before any work."""
+    if not (math.isfinite(args.time_limit) and 0 < args.time_limit <= MAX_TIME_LIMIT_S):
+        raise OasesConfigError(
+            f"--time-limit must be positive and finite, at most {MAX_TIME_LIMIT_S:g} s, got "
+            f"{args.time_limit!r}"
+        )
+    if args.max_rows < 0:
+        raise OasesConfigError(f"--max-rows must be ≥ 0 (0: all), got {args.max_rows}")
+
+
 def main(argv):
     args = build_parser().parse_args(argv)
+    _check_solve_flags(args)
     if args.gpus is not None:
         from .cluster.cli import search_main
 

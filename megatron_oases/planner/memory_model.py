@@ -48,7 +48,7 @@ import numpy as np
 from ..errors import OasesConfigError
 from ..formats.profile import key_value_bytes
 from ..recompute_settings import SELECTIVE_MODES
-from ..validation import SPLIT_SCHEDULES
+from ..validation import SPLIT_SCHEDULES, samples_per_group
 
 
 def memory_parts(
@@ -119,7 +119,7 @@ def memory_parts(
 
     parts = {k: np.zeros((L, K)) for k in ("state", "saved", "runtime")}
     for k, d in enumerate(degs):
-        n = m * d // T
+        n = samples_per_group(m, d, T)
         sp = _SequenceParallel(profile, d, sequence_parallel)
         # one sub-batch: half the samples, or (sequence chunks) all samples over half the tokens,
         # which costs half the samples' bytes except in core attention (below)

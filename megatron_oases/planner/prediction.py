@@ -11,16 +11,12 @@ from dataclasses import replace
 from ..errors import OasesConfigError
 from .build import build_problem
 from .memory_model import memory_breakdown
-from .settings import PlanSettings
 from .time_model import evaluate
 
 
-def predict(
-    profile, degrees, schedule="oases", global_batch=None, micro_batch=None, *, settings=None, **run
-):
+def predict(profile, degrees, settings):
     """Predicted iteration of a per-layer degree list under ``settings``
-    (:class:`~.settings.PlanSettings`; or ``schedule``, ``global_batch``, ``micro_batch`` and its
-    other fields as keywords, ``run``: ``recompute``, ...).
+    (:class:`~.settings.PlanSettings`).
 
     Returns ``{iteration_time_s, forward_s, backward_s, edges_s, peak_memory_bytes, per_layer,
     memory_breakdown_bytes}`` (seconds per iteration; bytes per rank *without* the safety margin;
@@ -33,11 +29,6 @@ def predict(
 
     if not isinstance(profile, Profile):
         profile = load_profile(profile)
-    if settings is None:
-        if global_batch is None:
-            raise OasesConfigError("predict needs global_batch")
-        run.update(schedule=schedule, global_batch_size=global_batch, micro_batch_size=micro_batch)
-    settings = PlanSettings.of(settings, **run)
     degrees = [int(d) for d in degrees]
     pp = int(profile.data.get("pipeline_model_parallel_size", 1))
     if len(degrees) % pp:

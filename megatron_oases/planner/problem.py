@@ -22,6 +22,8 @@ from ..errors import OasesConfigError
 
 DEFAULT_MARGIN = 0.10
 DEFAULT_GRANULE = 1 << 20  # 1 MiB
+#: The most memory granules a solver counts (a peak's sum stays within a signed 64-bit integer).
+MAX_GRANULES = float(1 << 62)
 
 
 @dataclass
@@ -93,8 +95,16 @@ class ChainProblem:
         return self.memory_bytes / (1.0 + self.margin)
 
     def quantized(self):
-        """(A_q, R_q, fixed_q, budget_q): integer granules, usage rounded up, budget down."""
+        """(A_q, R_q, fixed_q, budget_q): integer granules, usage rounded up, budget down. A run
+        whose memory does not fit the solvers' 64-bit counts (a model of absurd sizes) is one
+        line: it fits no device, and a wrapped count would say it does."""
         g = self.granule
+        most = self.mem_fixed + self.mem_add.max(axis=1).sum() + self.mem_runtime.max()
+        if not most / g < MAX_GRANULES:  # NaN included
+            raise OasesConfigError(
+                f"this run needs up to {most / 1e9:.3g} GB per rank, beyond what the planner "
+                "counts; check the model's sizes"
+            )
         A = np.ceil(self.mem_add / g - 1e-9).astype(np.int64)
         R = np.ceil(self.mem_runtime / g - 1e-9).astype(np.int64)
         fixed = int(math.ceil(self.mem_fixed / g - 1e-9))

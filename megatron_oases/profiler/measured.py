@@ -24,6 +24,7 @@ import time
 
 from ..errors import OasesConfigError
 from ..formats.profile import gather_ranks, load_profile, ranks_key, save_profile, sha256_of
+from ..validation import samples_per_group
 from .analytic import candidate_degrees
 from .assemble import assemble
 from .model_config import shape_of
@@ -80,8 +81,8 @@ def sizes_in_play(micro_batch, tp, degrees):
     out = {}
     for d in degrees:
         s = {1, 2}
-        if (micro_batch * d) % tp == 0:
-            n = micro_batch * d // tp
+        n = samples_per_group(micro_batch, d, tp)
+        if n == int(n):
             s |= {n, n - n // 2, n // 2}
         out[d] = sorted(x for x in s if x >= 1)
     return out

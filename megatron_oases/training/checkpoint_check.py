@@ -131,9 +131,15 @@ def _torch_file_problem(path, name):
     return None
 
 
-def _complete(path, read_index=True):
-    """Why the checkpoint directory ``path`` (torch_dist or ``--ckpt-format torch``) is
-    incomplete, or None if it is not.
+#: Formats saved by torch's distributed checkpoint alone: no ``metadata.json``; torch writes the
+#: shards' index ``.metadata`` last (``--use-torch-fsdp2`` saves ``torch_dcp``).
+DCP_FORMATS = ("torch_dcp", "fsdp_dtensor")
+
+
+def _complete(path, read_index=True, ckpt_format=None):
+    """Why the checkpoint directory ``path`` (torch_dist, torch_dcp or ``--ckpt-format torch``) is
+    incomplete, or None if it is not. ``ckpt_format``: the run's ``--ckpt-format`` (a torch_dist
+    save cut short before its ``metadata.json`` looks like a torch_dcp one).
 
     ``read_index``: check every shard against the checkpoint's ``.metadata``, torch's index of
     the shards: a pickle, and unpickling runs whatever code a crafted one holds. So only for the
@@ -148,7 +154,10 @@ def _complete(path, read_index=True):
             if why:
                 return why
         return None
-    if not os.path.isfile(os.path.join(path, "metadata.json")):  # written last by the save
+    dcp = ckpt_format in DCP_FORMATS and not os.path.isfile(os.path.join(path, "metadata.json"))
+    if dcp and not os.path.isfile(os.path.join(path, ".metadata")):
+        return ".metadata is missing (written last by a torch_dcp save: the save did not finish)"
+    if not dcp and not os.path.isfile(os.path.join(path, "metadata.json")):  # written last
         return "metadata.json is missing (the save did not finish)"
     if not os.path.isfile(os.path.join(path, ".metadata")):
         if _backend(path) == "torch_dist":  # before torch's reader warns on every rank
@@ -205,7 +214,7 @@ def _backend(path):
         return None
 
 
-def complete_iterations(load_dir):
+def complete_iterations(load_dir, ckpt_format=None):
     """Iterations of ``load_dir`` whose directory looks complete (its files, :func:`_complete`
     without reading ``.metadata``: these are only suggested, not loaded), ascending."""
     try:
@@ -216,41 +225,44 @@ def complete_iterations(load_dir):
     return [
         it
         for it in found
-        if _complete(os.path.join(load_dir, f"iter_{it:07d}"), read_index=False) is None
+        if _complete(os.path.join(load_dir, f"iter_{it:07d}"), False, ckpt_format) is None
     ]
 
 
-def _older(load_dir, but=None):
-    good = [it for it in complete_iterations(load_dir) if it != but]
+def _older(load_dir, but=None, ckpt_format=None):
+    good = [it for it in complete_iterations(load_dir, ckpt_format) if it != but]
     where = os.path.join(load_dir, TRACKER)
     if good:
         return f"write {good[-1]} (a complete checkpoint there) into {where}"
     return "no complete checkpoint is left there: start without --load or use another directory"
 
 
-def check_tracker(load_dir):
-    """The tracker names a complete checkpoint; returns its iteration (None: ``release``)."""
+def check_tracker(load_dir, ckpt_format=None):
+    """The tracker names a complete checkpoint; returns its iteration (None: ``release``).
+    ``ckpt_format``: the run's ``--ckpt-format`` (:func:`_complete`)."""
     tracker = os.path.join(load_dir, TRACKER)
     try:
         with open(tracker) as f:
             text = f.read().strip()
     except (OSError, UnicodeDecodeError) as exc:
         raise OasesConfigError(
-            f"--load {load_dir}: cannot read {TRACKER} ({exc}); {_older(load_dir)}"
+            f"--load {load_dir}: cannot read {TRACKER} ({exc}); "
+            f"{_older(load_dir, ckpt_format=ckpt_format)}"
         ) from None
     if text == "release":
         return None
     if not re.fullmatch(r"\d+", text):
         what = "empty" if not text else f"invalid ({text[:20]!r})"
         raise OasesConfigError(
-            f"--load {load_dir}: {TRACKER} is {what}, an interrupted save?; {_older(load_dir)}"
+            f"--load {load_dir}: {TRACKER} is {what}, an interrupted save?; "
+            f"{_older(load_dir, ckpt_format=ckpt_format)}"
         )
     iteration = int(text)
-    why = _complete(os.path.join(load_dir, f"iter_{iteration:07d}"))
+    why = _complete(os.path.join(load_dir, f"iter_{iteration:07d}"), ckpt_format=ckpt_format)
     if why is not None:
         raise OasesConfigError(
             f"--load {load_dir}: the checkpoint of iteration {iteration} is incomplete or "
-            f"damaged: {why}; {_older(load_dir, but=iteration)}"
+            f"damaged: {why}; {_older(load_dir, but=iteration, ckpt_format=ckpt_format)}"
         )
     return iteration
 
@@ -394,7 +406,8 @@ def check_load(args):
     if not os.path.isfile(os.path.join(args.load, TRACKER)):
         check_nothing_to_load(args)
         return  # the --save directory of a run's first start: Megatron starts from scratch
-    iteration = check_tracker(args.load)
+    ckpt_format = getattr(args, "ckpt_format", None)
+    iteration = check_tracker(args.load, ckpt_format)
     from megatron.training import checkpointing
 
     load = require_symbol(checkpointing, "_load_base_checkpoint")
@@ -406,20 +419,23 @@ def check_load(args):
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - an unreadable checkpoint is the user's
         raise OasesConfigError(
             f"--load {args.load}: cannot read the checkpoint ({_first_line(exc)}); "
-            f"{_older(args.load, but=iteration)}"
+            f"{_older(args.load, but=iteration, ckpt_format=ckpt_format)}"
         ) from None
     except BaseException as exc:  # torch's CheckpointException is a BaseException
         if type(exc).__name__ != "CheckpointException":
             raise
         raise OasesConfigError(
             f"--load {args.load}: cannot read the checkpoint ({_first_line(exc)}); "
-            f"{_older(args.load, but=iteration)}"
+            f"{_older(args.load, but=iteration, ckpt_format=ckpt_format)}"
         ) from None
     saved = (state_dict or {}).get("args")
     if saved is None:
         return
     check_torch_format_plan(args.load, iteration, saved)
-    checkpointing.set_checkpoint_version(state_dict.get("checkpoint_version", 0))
+    version = state_dict.get("checkpoint_version", 0)
+    if ckpt_format in DCP_FORMATS and "checkpoint_version" not in state_dict:
+        version = 3.0  # torch_dcp's peek reads only args and iteration; every save writes 3.0
+    checkpointing.set_checkpoint_version(version)
     problems = []
     skip = _gpt_into_hybrid(saved, args)
     try:

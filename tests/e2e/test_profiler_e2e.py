@@ -101,6 +101,7 @@ def test_measured_profile_without_core_attention_fields(measured):
 
     from megatron_oases.formats.profile import attention_flops_forward
     from megatron_oases.planner.prediction import predict
+    from megatron_oases.planner.settings import PlanSettings
 
     data = copy.deepcopy(measured["profile"].data)
     del data["memory"]["core_attention_activation_bytes"]
@@ -121,7 +122,13 @@ def test_measured_profile_without_core_attention_fields(measured):
         assert new.core_attention_time(d, 2) == pytest.approx(measured_core[2])
     for profile in (old, new):
         res = {
-            mode: predict(profile, [2] * 4, "off", global_batch=8, micro_batch=4, recompute=mode)
+            mode: predict(
+                profile,
+                [2] * 4,
+                PlanSettings(
+                    schedule="off", global_batch_size=8, micro_batch_size=4, recompute=mode
+                ),
+            )
             for mode in ("none", "selective", "full")
         }
         peak = {mode: r["peak_memory_bytes"] for mode, r in res.items()}
@@ -215,6 +222,7 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
     from megatron_oases.launch import run_distributed
     from megatron_oases.planner.choose import RECOMPUTE_FLAGS
     from megatron_oases.planner.prediction import predict
+    from megatron_oases.planner.settings import PlanSettings
     from megatron_oases.recompute_settings import block_argv
 
     flags = (
@@ -236,9 +244,16 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
         rflags = " ".join(block_argv(layers)) if block else RECOMPUTE_FLAGS[recompute]
         configs.append((name, f"{argv} {rflags}"))
         bd = predict(
-            measured["profile"], degrees, schedule, global_batch=8, micro_batch=4,
-            recompute=recompute, recompute_layers=layers,
-        )["memory_breakdown_bytes"]  # fmt: skip
+            measured["profile"],
+            degrees,
+            PlanSettings(
+                schedule=schedule,
+                global_batch_size=8,
+                micro_batch_size=4,
+                recompute=recompute,
+                recompute_layers=layers,
+            ),
+        )["memory_breakdown_bytes"]
         predicted[name] = bd["fixed_activations"] + bd["saved_activations"]
         predicted[name] += bd["runtime_peak_layer"]
     for schedule, recompute in SEQUENCE_PLANS:
@@ -246,9 +261,16 @@ def test_memory_model_never_under_predicts_measured_peak(measured, tmp_path):
         argv = f"{flags} --oases-schedule {schedule} --oases-split sequence"
         configs.append((name, f"{argv} {RECOMPUTE_FLAGS[recompute]}"))
         bd = predict(
-            measured["profile"], [2] * 4, schedule, global_batch=8, micro_batch=4,
-            recompute=recompute, split="sequence",
-        )["memory_breakdown_bytes"]  # fmt: skip
+            measured["profile"],
+            [2] * 4,
+            PlanSettings(
+                schedule=schedule,
+                global_batch_size=8,
+                micro_batch_size=4,
+                recompute=recompute,
+                split="sequence",
+            ),
+        )["memory_breakdown_bytes"]
         predicted[name] = bd["fixed_activations"] + bd["saved_activations"]
         predicted[name] += bd["runtime_peak_layer"]
     per_rank = run_distributed(activation_peaks, 2, configs, timeout=560)
@@ -280,6 +302,7 @@ def test_memory_model_pipeline_stages(measured, tmp_path):
     from megatron_oases.formats.profile import Profile
     from megatron_oases.launch import run_distributed
     from megatron_oases.planner.prediction import predict
+    from megatron_oases.planner.settings import PlanSettings
 
     data = copy.deepcopy(measured["profile"].data)
     data["pipeline_model_parallel_size"] = 2
@@ -293,7 +316,13 @@ def test_memory_model_pipeline_stages(measured, tmp_path):
     configs = [(s, f"{flags} --oases-schedule {s}") for s in ("off", "oases")]
     per_rank = run_distributed(activation_peaks, 4, configs, timeout=380)
     for schedule, _ in configs:
-        res = predict(profile, [2] * 4, schedule, global_batch=8, micro_batch=2, recompute=True)
+        res = predict(
+            profile,
+            [2] * 4,
+            PlanSettings(
+                schedule=schedule, global_batch_size=8, micro_batch_size=2, recompute=True
+            ),
+        )
         for stage, ranks in ((0, (0, 1)), (1, (2, 3))):
             bd = res["stages"][stage]["memory_breakdown_bytes"]
             pred = bd["fixed_activations"] + bd["saved_activations"] + bd["runtime_peak_layer"]

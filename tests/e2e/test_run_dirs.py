@@ -120,7 +120,11 @@ def test_a_bad_data_path_is_one_line_before_the_model_is_built(tmp_path, case):
 def test_plan_settings_that_differ_from_the_flags_are_named():
     import argparse
 
+    from megatron_oases.planner.settings import PlanSettings
     from megatron_oases.validation import plan_differences
+
+    def differences(plan, args, schedule):  # the plan's run as the runtime reads it
+        return plan_differences(PlanSettings.from_plan(plan), args, schedule)
 
     args = argparse.Namespace(
         micro_batch_size=2,
@@ -131,17 +135,17 @@ def test_plan_settings_that_differ_from_the_flags_are_named():
     )
     plan = {"schedule": "oases", "micro_batch_size": 4, "global_batch_size": 8}
     plan.update(recompute="full", recompute_num_layers=None)
-    assert plan_differences(plan, args, "overlap") == [
+    assert differences(plan, args, "overlap") == [
         ("--oases-schedule", "oases", "overlap"),
         ("--micro-batch-size", 4, 2),
     ]
     assert (
-        plan_differences({"degrees": [2, 2]}, args, "overlap") == []
+        differences({"degrees": [2, 2]}, args, "overlap") == []
     )  # a hand-written plan: nothing said
-    assert plan_differences({"recompute": True}, args, "overlap") == []  # older plans: True is full
+    assert differences({"recompute": True}, args, "overlap") == []  # older plans: True is full
     selective = argparse.Namespace(**dict(vars(args), recompute_granularity="selective"))
     selective.recompute_modules = ["core_attn"]
-    assert plan_differences({"recompute": "full"}, selective, "overlap") == [
+    assert differences({"recompute": "full"}, selective, "overlap") == [
         ("--recompute-granularity", "full", "selective")
     ]
 

@@ -3,6 +3,7 @@
 against DDP, and the emulated link under it: ``tests/e2e/test_fsdp_e2e.py``.)"""
 
 import pytest
+from helpers import RECOMPUTE
 from helpers.runs import parse, parse_config
 
 from megatron_oases.arguments import default_max_connections
@@ -51,10 +52,18 @@ def test_torch_fsdp2_parses_with_tp(no_max_connections):
             "CUDA's); without a GPU use --use-torch-fsdp2",
         ),
         (
-            FSDP2 + "--oases-schedule overlap --tensor-model-parallel-size 2",
-            "--oases-schedule overlap does not run under --use-torch-fsdp2 yet",
+            FSDP2 + "--oases-plan plan.json --tensor-model-parallel-size 2",
+            "--oases-plan does not run under --use-torch-fsdp2",
+        ),
+        (
+            FSDP2 + "--oases-schedule overlap --oases-cuda-graphs eager",
+            "--oases-cuda-graphs does not run under --use-torch-fsdp2",
         ),
         ("--use-torch-fsdp2", "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"),
+        (
+            FSDP2 + "--save /tmp/oases-test-never-written",
+            "cannot save and resume --use-torch-fsdp2 runs",
+        ),
         (
             FSDP2 + "--pipeline-model-parallel-size 2 --num-layers 2",
             "Megatron rejects the arguments",
@@ -65,6 +74,30 @@ def test_bad_fsdp_combinations_are_one_line(no_max_connections, argv, match):
     with pytest.raises(OasesConfigError) as err:
         parse_config(argv, world_size=4)
     assert match in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "cross-pass", "oases"])
+def test_split_schedules_parse_under_torch_fsdp2(no_max_connections, schedule):
+    """Issue 51.3: the split schedules run under FSDP2 (``schedule/fsdp.py``; parity in
+    ``tests/e2e/test_fsdp_e2e.py``); they were one refusal line before."""
+    argv = FSDP2 + RECOMPUTE + f"--oases-schedule {schedule} --tensor-model-parallel-size 2"
+    config = parse_config(argv, world_size=4)
+    assert config.schedule == schedule
+
+
+def test_split_schedules_stay_refused_under_megatron_fsdp():
+    """Megatron-FSDP under a split schedule (untried): one line, on a GPU host as well."""
+    from types import SimpleNamespace
+
+    from megatron_oases.validation import check_sharded_data_parallel
+
+    args = SimpleNamespace(use_megatron_fsdp=True, use_torch_fsdp2=False)
+    check_sharded_data_parallel(args, "off", cuda_available=True)
+    with pytest.raises(OasesConfigError) as err:
+        check_sharded_data_parallel(args, "oases", cuda_available=True)
+    message = str(err.value)
+    assert "--oases-schedule oases does not run under --use-megatron-fsdp" in message
+    assert "\n" not in message and "--use-torch-fsdp2" in message
 
 
 def test_user_max_connections_one_under_fsdp_is_one_line(monkeypatch):
@@ -87,3 +120,25 @@ def test_cpu_shims_give_fsdp2_a_cpu_mesh():
         if installed:
             platform.uninstall_cpu_shims()
     assert fsdp2.DeviceMesh.__module__.startswith("torch.distributed")
+
+
+def test_a_torch_dcp_checkpoint_is_complete_with_its_index(tmp_path):
+    """A ``torch_dcp`` save (FSDP2's format) writes no ``metadata.json``: its index ``.metadata``,
+    written last, marks it complete; under torch_dist the same files are a save cut short."""
+    from megatron_oases.errors import OasesConfigError
+    from megatron_oases.training.checkpoint_check import check_tracker
+
+    it = tmp_path / "iter_0000002"
+    it.mkdir()
+    (it / "__0_0.distcp").write_bytes(b"x" * 16)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    with pytest.raises(
+        OasesConfigError, match=r"\.metadata is missing \(written last by a torch_dcp"
+    ):
+        check_tracker(str(tmp_path), "torch_dcp")
+    (it / ".metadata").write_bytes(b"index")  # not read: only the iteration to load is unpickled
+    from megatron_oases.training import checkpoint_check
+
+    assert checkpoint_check._complete(str(it), read_index=False, ckpt_format="torch_dcp") is None
+    with pytest.raises(OasesConfigError, match="metadata.json is missing"):
+        check_tracker(str(tmp_path), "torch_dist")

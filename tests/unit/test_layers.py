@@ -1,7 +1,8 @@
 """docs/layout.md's table is the layering: each row imports only its own row and rows below it.
 
 Every module of the package must sit on a row (a file or a folder named in the first column),
-and no import, lazy ones inside functions included, may name a module of a row above its own."""
+no import, lazy ones inside functions included, may name a module of a row above its own, and no
+chain of imports (lazy ones included) may lead from a module back to itself, within a row too."""
 
 import ast
 import re
@@ -59,6 +60,45 @@ def resolve(module_file, node):
     return out
 
 
+def imports_of(path):
+    """The package files ``path`` imports, lazy imports inside functions included (itself
+    excluded: a package's ``from . import x`` names its own ``__init__``)."""
+    rel = path.relative_to(ROOT).as_posix()
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for target in resolve(path, node):
+                if target != rel:
+                    out.setdefault(target, node.lineno)
+    return out
+
+
+def import_circle(graph):
+    """One circle of ``graph`` (``{module: {imported module: line}}``) as ``[a, b, ..., a]``, or
+    None: a depth-first walk that meets a module still on its own path."""
+    done, path = set(), []
+
+    def walk(node):
+        if node in path:
+            return path[path.index(node) :] + [node]
+        if node in done:
+            return None
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            found = walk(nxt)
+            if found:
+                return found
+        path.pop()
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        found = walk(start)
+        if found:
+            return found
+    return None
+
+
 def test_every_module_sits_on_a_layout_row():
     rows = layout_rows()
     assert rows, "docs/layout.md has no table rows naming megatron_oases/ paths"
@@ -85,3 +125,20 @@ def test_no_import_runs_up_the_layout():
                     if theirs is not None and theirs < mine:
                         upward.append(f"{rel}:{node.lineno} -> {target}")
     assert not upward, "imports from a row above (docs/layout.md):\n" + "\n".join(upward)
+
+
+def test_no_import_circle():
+    """The rows' order cannot see a circle inside one row (planner/settings.py -> api.py ->
+    build.py -> settings.py sat in the planner/ row): the whole package's import graph, lazy
+    imports included, has none."""
+    graph = {p.relative_to(ROOT).as_posix(): imports_of(p) for p in sorted(PKG.rglob("*.py"))}
+    circle = import_circle(graph)
+    assert circle is None, "import circle:\n" + "\n".join(
+        f"{a}:{graph[a][b]} -> {b}" for a, b in zip(circle, circle[1:])
+    )
+
+
+def test_the_circle_check_finds_a_circle():
+    """The check itself: a made-up graph with a circle inside it, and one without."""
+    assert import_circle({"a": {"b": 1}, "b": {"c": 1}, "c": {"b": 1}}) == ["b", "c", "b"]
+    assert import_circle({"a": {"b": 1, "c": 1}, "b": {"c": 1}, "c": {}}) is None

@@ -20,6 +20,7 @@ from megatron_oases.planner.dp import min_memory, solve_dp
 from megatron_oases.planner.ilp import solve_ilp
 from megatron_oases.planner.prediction import predict
 from megatron_oases.planner.problem import Block, ChainProblem, enumerate_assignments
+from megatron_oases.planner.settings import PlanSettings
 from megatron_oases.planner.time_model import decompose, evaluate, objective
 from megatron_oases.validation import TAIL_PIECES
 
@@ -174,11 +175,13 @@ def test_tests_can_fail_on_a_wrong_cost_model():
 
 
 def test_memory_dp_handles_tight_homogeneous_chain(h2048):
-    free = build_problem(h2048, schedule="oases", global_batch_size=128)
+    free = build_problem(h2048, PlanSettings(schedule="oases", global_batch_size=128))
     need = min_memory(free)
     all2 = free.peak_memory_bytes([1] * 24)
     mem_gb = (need + 0.5 * (all2 - need)) * 1.1 / 1e9
-    p = build_problem(h2048, schedule="oases", global_batch_size=128, memory_gb=mem_gb)
+    p = build_problem(
+        h2048, PlanSettings(schedule="oases", global_batch_size=128, memory_gb=mem_gb)
+    )
     d = solve_dp(p)
     assert d.status == "optimal" and d.info["path"] == "memory-dp"
     degs = [p.degrees[k] for k in d.ks]
@@ -192,7 +195,7 @@ def test_the_forward_ends_on_a_piece_of_its_last_block(h2048):
     """The split schedules charge 1/TAIL_PIECES of the last block's all-reduce at the forward's
     end (the runtime's pieces), whole all-reduces everywhere else; stock and SP: no pieces."""
     for schedule in ("overlap", "cross-pass", "oases"):
-        p = build_problem(h2048, schedule=schedule, global_batch_size=128)
+        p = build_problem(h2048, PlanSettings(schedule=schedule, global_batch_size=128))
         last = p.forward[0][-1]
         assert np.allclose(last.exposed_tail(), last.comm[1] / TAIL_PIECES), schedule
         assert all(b.tail is None for seg in p.backward for b in seg)
@@ -204,12 +207,20 @@ def test_the_forward_ends_on_a_piece_of_its_last_block(h2048):
         saved = p.repeats * (last.comm[1, k] - last.exposed_tail()[k])
         got = evaluate(whole, ks)["iteration_time_s"] - evaluate(p, ks)["iteration_time_s"]
         assert saved > 0 and got == pytest.approx(saved), schedule
-    assert build_problem(h2048, schedule="off", global_batch_size=128).forward[0][-1].tail is None
+    assert (
+        build_problem(h2048, PlanSettings(schedule="off", global_batch_size=128))
+        .forward[0][-1]
+        .tail
+        is None
+    )
 
 
 # ----------------------------------------------------------------------------- cost model on profiles
 def test_predict_schedules_and_memory(h2048):
-    res = {s: predict(h2048, [4] * 24, s, 128) for s in ("off", "overlap", "cross-pass", "oases")}
+    res = {
+        s: predict(h2048, [4] * 24, PlanSettings(schedule=s, global_batch_size=128))
+        for s in ("off", "overlap", "cross-pass", "oases")
+    }
     for r in res.values():
         assert set(r) >= {
             "iteration_time_s",
@@ -225,35 +236,52 @@ def test_predict_schedules_and_memory(h2048):
     assert res["oases"]["peak_memory_bytes"] > res["cross-pass"]["peak_memory_bytes"]
     # TP-aware memory: lower degree, more parameter state per rank
     assert (
-        predict(h2048, [1] * 24, "oases", 128)["peak_memory_bytes"]
+        predict(h2048, [1] * 24, PlanSettings(schedule="oases", global_batch_size=128))[
+            "peak_memory_bytes"
+        ]
         > res["oases"]["peak_memory_bytes"]
     )
     # predict agrees with the plan's own prediction for a mixed plan
     mixed = [2] * 8 + [4] * 16
-    a = predict(h2048, mixed, "oases", 128, 16)
-    assert a["edges_s"] > predict(h2048, [2] * 24, "oases", 128, 16)["edges_s"]
+    a = predict(
+        h2048, mixed, PlanSettings(schedule="oases", global_batch_size=128, micro_batch_size=16)
+    )
+    assert (
+        a["edges_s"]
+        > predict(
+            h2048,
+            [2] * 24,
+            PlanSettings(schedule="oases", global_batch_size=128, micro_batch_size=16),
+        )["edges_s"]
+    )
     assert len(a["per_layer"]) == 24
 
 
 def test_build_problem_rejects_bad_inputs(h2048):
     with pytest.raises(OasesConfigError, match="not a positive multiple"):
-        build_problem(h2048, global_batch_size=100)
+        build_problem(h2048, PlanSettings(global_batch_size=100))
     with pytest.raises(OasesConfigError, match="does not divide"):
-        build_problem(h2048, global_batch_size=128, micro_batch_size=3)
+        build_problem(h2048, PlanSettings(global_batch_size=128, micro_batch_size=3))
     with pytest.raises(OasesConfigError, match="needs ≥ 2 to split"):
-        build_problem(h2048, global_batch_size=128, micro_batch_size=4, degrees=[1, 4])
+        build_problem(
+            h2048, PlanSettings(global_batch_size=128, micro_batch_size=4, degrees=[1, 4])
+        )
     for recompute in (False, "none"):  # the older bool, and the setting's name
         with pytest.raises(
             OasesConfigError, match="merges recompute with backward; use --recompute full"
         ):
-            build_problem(h2048, global_batch_size=128, schedule="oases", recompute=recompute)
+            build_problem(
+                h2048, PlanSettings(global_batch_size=128, schedule="oases", recompute=recompute)
+            )
     with pytest.raises(OasesConfigError, match="out of range"):
-        build_problem(h2048, global_batch_size=128, pins=[([30], 4)])
+        build_problem(h2048, PlanSettings(global_batch_size=128, pins=[([30], 4)]))
 
 
 # ----------------------------------------------------------------------------- plan files
 def test_plan_json_round_trip(tmp_path, h2048):
-    plan, problem, sol = api.make_plan(h2048, global_batch_size=128, memory_gb=18, verify=True)
+    plan, problem, sol = api.make_plan(
+        h2048, PlanSettings(global_batch_size=128, memory_gb=18), verify=True
+    )
     path = tmp_path / "plan.json"
     save_plan(plan, path)
     back = load_plan(path, num_layers=24, tensor_model_parallel_size=4)
@@ -290,7 +318,7 @@ def test_plan_json_round_trip(tmp_path, h2048):
         for line in path.read_text().splitlines()
     )
     # same inputs, same hash
-    plan2, _, _ = api.make_plan(h2048, global_batch_size=128, memory_gb=18)
+    plan2, _, _ = api.make_plan(h2048, PlanSettings(global_batch_size=128, memory_gb=18))
     assert plan2["input_hash"] == plan["input_hash"] and plan2["degrees"] == plan["degrees"]
 
 
@@ -509,16 +537,16 @@ def test_cli_user_errors(tmp_path, capsys, h2048):
 def test_allow_unsplit_and_distributed_optimizer(h2048):
     # micro-batch 4 with T=4: a degree-1 group gets one sample and cannot be split in two
     with pytest.raises(OasesConfigError, match="needs ≥ 2 to split"):
-        build_problem(h2048, global_batch_size=32, degrees=[1, 4])
-    p = build_problem(h2048, global_batch_size=32, degrees=[1, 4], allow_unsplit=True)
+        build_problem(h2048, PlanSettings(global_batch_size=32, degrees=[1, 4]))
+    p = build_problem(h2048, PlanSettings(global_batch_size=32, degrees=[1, 4], allow_unsplit=True))
     assert p.meta["unsplit_degrees"] == [1]
     for passes in (p.forward, p.backward):
         for seg in passes:
             for blk in seg:
                 assert blk.comp[1, 0] == 0.0 and blk.comm[1, 0] == 0.0  # empty second sub-batch
     # sharded Adam state: less memory, more so for low degrees (more data-parallel replicas)
-    rep = build_problem(h2048, global_batch_size=128)
-    dist = build_problem(h2048, global_batch_size=128, distributed_optimizer=True)
+    rep = build_problem(h2048, PlanSettings(global_batch_size=128))
+    dist = build_problem(h2048, PlanSettings(global_batch_size=128, distributed_optimizer=True))
     k1, k4 = rep.degrees.index(1), rep.degrees.index(4)
     assert dist.mem_add[0, k1] < rep.mem_add[0, k1] and dist.mem_add[0, k4] < rep.mem_add[0, k4]
     assert rep.mem_add[0, k1] - dist.mem_add[0, k1] > rep.mem_add[0, k4] - dist.mem_add[0, k4]
@@ -529,7 +557,7 @@ def test_allow_unsplit_and_distributed_optimizer(h2048):
 
 
 def test_plan_summary_reports_memory_breakdown(h2048):
-    plan, problem, sol = api.make_plan(h2048, global_batch_size=128, memory_gb=24)
+    plan, problem, sol = api.make_plan(h2048, PlanSettings(global_batch_size=128, memory_gb=24))
     bd = plan["predicted"]["memory_breakdown_bytes"]
     parts = sum(v for k, v in bd.items() if k not in ("total", "runtime_peak_at_layer"))
     assert (
@@ -551,9 +579,9 @@ def test_pipeline_parallel_plans_one_stage_with_1f1b_costs(h2048):
     mb = 4
     M = 128 // h2048.dp // mb
     assert M >= 2
-    one = build_problem(h2048, global_batch_size=128, micro_batch_size=mb)
-    two = build_problem(pp2, global_batch_size=128, micro_batch_size=mb)
-    last = build_problem(pp2, global_batch_size=128, micro_batch_size=mb, stage=1)
+    one = build_problem(h2048, PlanSettings(global_batch_size=128, micro_batch_size=mb))
+    two = build_problem(pp2, PlanSettings(global_batch_size=128, micro_batch_size=mb))
+    last = build_problem(pp2, PlanSettings(global_batch_size=128, micro_batch_size=mb), stage=1)
     assert (one.num_layers, two.num_layers) == (24, 12)
     assert (one.repeats, two.repeats) == (M, M + 1)
     assert two.meta["in_flight_microbatches"] == 2 and last.meta["in_flight_microbatches"] == 1
@@ -567,14 +595,22 @@ def test_pipeline_parallel_plans_one_stage_with_1f1b_costs(h2048):
     )  # noqa: E731,E501
     fixed = one.fixed_forward_s + one.fixed_backward_s
     assert per_mb(two, ks2) - fixed == pytest.approx((per_mb(one, ks1) - fixed) / 2, rel=0.02)
-    res = predict(pp2, [4] * 24, "oases", 128, mb)
+    res = predict(
+        pp2, [4] * 24, PlanSettings(schedule="oases", global_batch_size=128, micro_batch_size=mb)
+    )
     assert len(res["stages"]) == 2
     assert res["stages"][0]["peak_memory_bytes"] > res["stages"][1]["peak_memory_bytes"]
     assert res["peak_memory_bytes"] == res["stages"][0]["peak_memory_bytes"]
     with pytest.raises(OasesConfigError, match="split evenly"):
-        predict(pp2, [4] * 23, "oases", 128, mb)
+        predict(
+            pp2,
+            [4] * 23,
+            PlanSettings(schedule="oases", global_batch_size=128, micro_batch_size=mb),
+        )
     # the plan file covers every layer: the planned stage repeated on each stage
-    plan, problem, _ = api.make_plan(pp2, global_batch_size=128, micro_batch_size=mb, memory_gb=24)
+    plan, problem, _ = api.make_plan(
+        pp2, PlanSettings(global_batch_size=128, micro_batch_size=mb, memory_gb=24)
+    )
     assert plan["pipeline_model_parallel_size"] == 2 and plan["num_layers"] == 24
     assert plan["degrees"][:12] == plan["degrees"][12:] and len(plan["degrees"]) == 24
     validate_plan(plan, num_layers=24, tensor_model_parallel_size=4)

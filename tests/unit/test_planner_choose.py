@@ -13,6 +13,7 @@ from megatron_oases.formats.profile import Profile
 from megatron_oases.planner.api import NoPlanFits, make_plan
 from megatron_oases.planner.build import build_problem
 from megatron_oases.planner.choose import SETTINGS, alternatives_table, choose_plan, launch_flags
+from megatron_oases.planner.settings import PlanSettings
 from megatron_oases.planner.time_model import evaluate
 from megatron_oases.testbed.clusters import load_cluster
 
@@ -30,9 +31,11 @@ def h2048():
 def _fits(profile, schedule, recompute, memory_gb):
     try:
         return make_plan(
-            profile, global_batch_size=128, memory_gb=memory_gb, schedule=schedule,
-            recompute=recompute,
-        )[0]  # fmt: skip
+            profile,
+            PlanSettings(
+                global_batch_size=128, memory_gb=memory_gb, schedule=schedule, recompute=recompute
+            ),
+        )[0]
     except NoPlanFits:
         return None
 
@@ -51,7 +54,9 @@ WINNERS = {
 
 @pytest.mark.parametrize("memory_gb", sorted(WINNERS))
 def test_auto_is_the_fastest_setting_that_fits(h2048, memory_gb):
-    plan = choose_plan(h2048, global_batch_size=128, memory_gb=memory_gb)[0]
+    plan = choose_plan(
+        h2048, PlanSettings(schedule="auto", global_batch_size=128, memory_gb=memory_gb)
+    )[0]
     direct = {s: _fits(h2048, *s, memory_gb) for s in SETTINGS}
     fitting = {s: p["predicted"]["iteration_time_s"] for s, p in direct.items() if p}
     best = min(fitting, key=fitting.get)
@@ -83,14 +88,19 @@ def test_selective_only_for_schedules_that_support_it(h2048, mode):
     assert {s for s, r in SETTINGS if r == mode} == {"off", "overlap"}
     for schedule in ("cross-pass", "oases"):
         with pytest.raises(OasesConfigError, match=f"--schedule {schedule} recomputes whole"):
-            build_problem(h2048, global_batch_size=128, schedule=schedule, recompute=mode)
+            build_problem(
+                h2048, PlanSettings(global_batch_size=128, schedule=schedule, recompute=mode)
+            )
     with pytest.raises(OasesConfigError, match="unknown recompute setting 'partial'"):
-        build_problem(h2048, global_batch_size=128, schedule="off", recompute="partial")
+        build_problem(
+            h2048, PlanSettings(global_batch_size=128, schedule="off", recompute="partial")
+        )
 
 
 def _problem(profile, schedule, recompute, **kwargs):
     return build_problem(
-        profile, global_batch_size=128, schedule=schedule, recompute=recompute, **kwargs
+        profile,
+        PlanSettings(global_batch_size=128, schedule=schedule, recompute=recompute, **kwargs),
     )
 
 
@@ -171,7 +181,7 @@ def test_selective_wins_where_only_it_fits_fast(h2048):
     every full-recompute setting; its flags are accepted by Megatron-LM and the Oases rules."""
     from helpers.runs import parse
 
-    plan = choose_plan(h2048, global_batch_size=128, memory_gb=32)[0]
+    plan = choose_plan(h2048, PlanSettings(schedule="auto", global_batch_size=128, memory_gb=32))[0]
     assert (plan["schedule"], plan["recompute"]) == ("overlap", "selective")
     assert plan["launch_flags"] == f"--oases-schedule overlap {SELECTIVE_FLAGS}"
     uniform = [t for t in plan["alternatives"] if not {"recompute_num_layers", "split"} & set(t)]
@@ -207,8 +217,8 @@ def test_profile_without_core_attention_fields_still_plans(h2048):
     for d in (1, 2, 4):
         assert old.core_attention_activation(d, 3) == pytest.approx(3 * written[str(d)])
         assert written[str(d)] == 5 * 32 * 1024 * 1024 / d
-    a = choose_plan(h2048, global_batch_size=128, memory_gb=32)[0]
-    b = choose_plan(old, global_batch_size=128, memory_gb=32)[0]
+    a = choose_plan(h2048, PlanSettings(schedule="auto", global_batch_size=128, memory_gb=32))[0]
+    b = choose_plan(old, PlanSettings(schedule="auto", global_batch_size=128, memory_gb=32))[0]
     assert (b["schedule"], b["recompute"], b["degrees"]) == ("overlap", "selective", a["degrees"])
     assert b["predicted"]["peak_memory_bytes_per_rank"] == pytest.approx(
         a["predicted"]["peak_memory_bytes_per_rank"]
@@ -253,9 +263,14 @@ def test_old_plans_with_boolean_recompute_still_read(tmp_path, capsys, h2048):
     prof.write_text(json.dumps(h2048.data))
     for value, schedule, label in ((True, "oases", "full"), (False, "overlap", "no")):
         plan = make_plan(
-            h2048, global_batch_size=128, memory_gb=80, schedule=schedule,
-            recompute="full" if value else "none",
-        )[0]  # fmt: skip
+            h2048,
+            PlanSettings(
+                global_batch_size=128,
+                memory_gb=80,
+                schedule=schedule,
+                recompute="full" if value else "none",
+            ),
+        )[0]
         expected = plan["predicted"]["iteration_time_s"]
         plan["recompute"] = value  # as the planner wrote it before
         path = tmp_path / f"old-{schedule}.json"
@@ -317,7 +332,7 @@ def test_auto_plans_block_recompute_where_it_pays(tmp_path, capsys, h2048):
     One block entry per schedule whose full recompute fits; the flags parse as Megatron-LM's."""
     from helpers.runs import parse
 
-    plan = choose_plan(h2048, global_batch_size=128, memory_gb=22)[0]
+    plan = choose_plan(h2048, PlanSettings(schedule="auto", global_batch_size=128, memory_gb=22))[0]
     assert (plan["schedule"], plan["recompute"], plan["recompute_num_layers"]) == (
         "cross-pass",
         "full",
@@ -338,9 +353,16 @@ def test_auto_plans_block_recompute_where_it_pays(tmp_path, capsys, h2048):
     assert sorted((t["schedule"], t.get("split", "batch")) for t in blocks) == sorted(kinds)
     with pytest.raises(NoPlanFits):
         make_plan(
-            h2048, global_batch_size=128, memory_gb=22, schedule="cross-pass", recompute="full",
-            recompute_layers=20, degrees=[2],
-        )  # fmt: skip
+            h2048,
+            PlanSettings(
+                global_batch_size=128,
+                memory_gb=22,
+                schedule="cross-pass",
+                recompute="full",
+                recompute_layers=20,
+                degrees=[2],
+            ),
+        )
     assert any("first 21 layers" in line for line in alternatives_table(plan))
     args = parse(f"{plan['launch_flags']} --num-layers 24 --micro-batch-size 2")
     assert (args.recompute_method, args.recompute_num_layers) == ("block", 21)

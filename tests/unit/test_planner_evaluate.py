@@ -1,6 +1,8 @@
-"""``evaluate_plan``: ``oases plan --evaluate`` without argparse (benchmarks call it)."""
+"""``evaluate_plan``: ``oases plan --evaluate`` without the command line (its flags as any object
+with some of their names, or none)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -8,7 +10,7 @@ from megatron_oases.cli import main as oases
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.formats.plan import load_plan
 from megatron_oases.formats.profile import load_profile
-from megatron_oases.planner.evaluate import EvaluateFlags, evaluate_plan
+from megatron_oases.planner.evaluate import evaluate_plan
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ def made(tmp_path_factory):
 
 def test_evaluate_plan_predicts_the_plan_as_made(made):
     profile, plan, prof, path = made
-    out = evaluate_plan(plan, profile, EvaluateFlags(), path, prof)
+    out = evaluate_plan(plan, profile, None, path, prof)
     run = out["run"]  # the plan's run, read back as one PlanSettings
     assert run.distributed_optimizer is True
     assert run.schedule == plan["schedule"]
@@ -42,7 +44,7 @@ def test_evaluate_plan_refuses_a_contradicting_setting(made):
     profile, plan, prof, path = made
     other = "off" if plan["schedule"] != "off" else "oases"
     with pytest.raises(OasesConfigError, match=f"--schedule {other} contradicts plan"):
-        evaluate_plan(plan, profile, EvaluateFlags(schedule=other), path, prof)
+        evaluate_plan(plan, profile, SimpleNamespace(schedule=other), path, prof)
     bad = dict(plan, degrees=plan["degrees"][:-1])
     with pytest.raises(OasesConfigError, match="layer degrees but profile"):
-        evaluate_plan(bad, profile, EvaluateFlags(), path, prof)
+        evaluate_plan(bad, profile, None, path, prof)

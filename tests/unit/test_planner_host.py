@@ -7,6 +7,7 @@ from helpers.variants import h2048_args
 from megatron_oases.formats.profile import Profile
 from megatron_oases.planner.choose import SETTINGS, alternatives_table, choose_plan
 from megatron_oases.planner.host_model import host_time, load_table, setting_key
+from megatron_oases.planner.settings import PlanSettings
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.validation import SPLIT_SCHEDULES
 
@@ -56,10 +57,10 @@ def test_the_host_term_keeps_a_fast_gpu_from_splitting(h2048):
     and keeps the GPU busy, wins."""
     profile = Profile(analytic_profile(h2048, "h100-nvlink"))
     # at TP 4 (with the roofline's memory-bound work, 80 GB would let every layer drop to degree 1)
-    kw = dict(global_batch_size=128, memory_gb=80, degrees=[4])
-    device_only = choose_plan(profile, host_us_per_call=0, **kw)[0]
+    kw = dict(schedule="auto", global_batch_size=128, memory_gb=80, degrees=[4])
+    device_only = choose_plan(profile, PlanSettings(host_us_per_call=0, **kw))[0]
     assert device_only["schedule"] != "off" and device_only["predicted"]["host"] is None
-    plan = choose_plan(profile, **kw)[0]
+    plan = choose_plan(profile, PlanSettings(**kw))[0]
     assert plan["schedule"] == "off", plan["launch_flags"]
     p = plan["predicted"]
     assert p["host"]["host_us_per_call"] == 12.0
@@ -74,6 +75,8 @@ def test_the_host_term_keeps_a_fast_gpu_from_splitting(h2048):
 def test_a_slow_gpu_is_not_host_bound(h2048):
     """On RTX 3090s the same model's layers take longer than their calls: the choice stands."""
     profile = Profile(analytic_profile(h2048, "rtx3090-nvlink"))
-    plan = choose_plan(profile, global_batch_size=128, memory_gb=80)[0]
+    plan = choose_plan(profile, PlanSettings(schedule="auto", global_batch_size=128, memory_gb=80))[
+        0
+    ]
     assert plan["schedule"] != "off" and not plan["predicted"]["host"]["host_bound"]
     assert plan["predicted"]["iteration_time_s"] == plan["predicted"]["device_time_s"]

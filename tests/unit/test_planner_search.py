@@ -203,6 +203,7 @@ def test_pipeline_sends_are_costed_on_the_link_between_stages(gpt7b):
     from megatron_oases.formats.profile import Profile
     from megatron_oases.planner.api import make_plan
     from megatron_oases.planner.cluster.search import _profile
+    from megatron_oases.planner.settings import PlanSettings
 
     within = _profile(gpt7b, Layout(2, 2, 1, 1), "rtx3090-pcie")  # stages on one node
     across = _profile(gpt7b, Layout(4, 2, 1, 1), "rtx3090-pcie")  # 4 GPUs per node: across
@@ -220,8 +221,17 @@ def test_pipeline_sends_are_costed_on_the_link_between_stages(gpt7b):
         )
 
     def predicted(profile):
-        plan = make_plan(profile, schedule="off", recompute="full", degrees=[4],
-                         global_batch_size=8, micro_batch_size=1, memory_gb=1000)[0]  # fmt: skip
+        plan = make_plan(
+            profile,
+            PlanSettings(
+                schedule="off",
+                recompute="full",
+                degrees=[4],
+                global_batch_size=8,
+                micro_batch_size=1,
+                memory_gb=1000,
+            ),
+        )[0]
         return plan["predicted"]["device_time_s"]
 
     bare = Profile({k: v for k, v in across.data.items() if k != "pipeline_p2p"})

@@ -13,6 +13,7 @@ from megatron_oases.errors import OasesConfigError
 from megatron_oases.formats.plan import validate_plan
 from megatron_oases.planner.build import build_problem
 from megatron_oases.planner.choose import alternatives_table, choose_plan
+from megatron_oases.planner.settings import PlanSettings
 from megatron_oases.planner.time_model import evaluate
 
 GBS = 128  # h2048: DP 8, T 4: 16 samples per TMP domain
@@ -26,12 +27,14 @@ def h2048():
 def _problem(profile, schedule, recompute, split, micro_batch):
     return build_problem(
         profile,
-        global_batch_size=GBS,
-        micro_batch_size=micro_batch,
-        schedule=schedule,
-        recompute=recompute,
-        split=split,
-        degrees=[4],
+        PlanSettings(
+            global_batch_size=GBS,
+            micro_batch_size=micro_batch,
+            schedule=schedule,
+            recompute=recompute,
+            split=split,
+            degrees=[4],
+        ),
     )
 
 
@@ -77,9 +80,19 @@ def test_a_micro_batch_of_one_sample_is_split_by_sequence_only(h2048):
     from helpers.runs import parse
 
     plan = choose_plan(
-        h2048, global_batch_size=GBS, memory_gb=24, micro_batch_size=1, host_us_per_call=0
+        h2048,
+        PlanSettings(
+            schedule="auto",
+            global_batch_size=GBS,
+            memory_gb=24,
+            micro_batch_size=1,
+            host_us_per_call=0,
+        ),
     )[0]
-    hosted = choose_plan(h2048, global_batch_size=GBS, memory_gb=24, micro_batch_size=1)[0]
+    hosted = choose_plan(
+        h2048,
+        PlanSettings(schedule="auto", global_batch_size=GBS, memory_gb=24, micro_batch_size=1),
+    )[0]
     assert hosted["schedule"] == "off" and hosted["predicted"]["host"]["host_bound"]
     assert plan["split"] == "sequence" and plan["schedule"] != "off"
     assert plan["degrees"] == [4] * 24
@@ -132,9 +145,11 @@ def test_what_the_runtime_does_not_run_is_refused(h2048):
         (dict(schedule="overlap", split="rows"), "choose one of batch, sequence"),
     ):
         with pytest.raises(OasesConfigError, match=match):
-            build_problem(h2048, global_batch_size=GBS, recompute="full", **kwargs)
+            build_problem(h2048, PlanSettings(global_batch_size=GBS, recompute="full", **kwargs))
     with pytest.raises(OasesConfigError, match="choose one of batch, sequence"):
-        choose_plan(h2048, global_batch_size=GBS, memory_gb=24, split="rows")
+        choose_plan(
+            h2048, PlanSettings(schedule="auto", global_batch_size=GBS, memory_gb=24, split="rows")
+        )
     with pytest.raises(OasesConfigError, match="split must be one of batch, sequence"):
         validate_plan({"version": 1, "tensor_model_parallel_size": 2, "degrees": [2], "split": 1})
 

@@ -11,6 +11,7 @@ from megatron_oases.cli import main as oases
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.formats.profile import Profile, tp_ranks
 from megatron_oases.planner.build import build_problem
+from megatron_oases.planner.settings import PlanSettings
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.profiler.model_config import model_args, read_model_file
 
@@ -64,11 +65,13 @@ def test_sp_block_communication_per_pass_and_schedule(sp_data, schedule, recompu
     prof = Profile(data)
     problem = build_problem(
         prof,
-        schedule=schedule,
-        recompute=recompute,
-        global_batch_size=GBS,
-        micro_batch_size=MBS,
-        sequence_parallel=True,
+        PlanSettings(
+            schedule=schedule,
+            recompute=recompute,
+            global_batch_size=GBS,
+            micro_batch_size=MBS,
+            sequence_parallel=True,
+        ),
     )
     T = prof.tp
     assert problem.degrees == [T]
@@ -90,7 +93,9 @@ def test_sp_block_communication_per_pass_and_schedule(sp_data, schedule, recompu
 
 def test_non_sp_oases_recompute_issues_no_collective(plain_data):
     prof = Profile(plain_data)
-    problem = build_problem(prof, schedule="oases", global_batch_size=GBS, micro_batch_size=MBS)
+    problem = build_problem(
+        prof, PlanSettings(schedule="oases", global_batch_size=GBS, micro_batch_size=MBS)
+    )
     hid = prof.shape["seq_length"] * prof.shape["hidden_size"] * prof.dtype_bytes
     k = problem.degrees.index(4)
     rb = [b for seg in problem.backward for b in seg if b.name.endswith("R+B")][0]
@@ -100,12 +105,14 @@ def test_non_sp_oases_recompute_issues_no_collective(plain_data):
 def _memory(data, sequence_parallel, schedule, recompute):
     problem = build_problem(
         Profile(data),
-        schedule=schedule,
-        recompute=recompute,
-        global_batch_size=GBS,
-        micro_batch_size=MBS,
-        degrees=[4],
-        sequence_parallel=sequence_parallel,
+        PlanSettings(
+            schedule=schedule,
+            recompute=recompute,
+            global_batch_size=GBS,
+            micro_batch_size=MBS,
+            degrees=[4],
+            sequence_parallel=sequence_parallel,
+        ),
     )
     return problem.meta["memory_parts"], problem
 
@@ -188,6 +195,6 @@ def test_old_profile_with_sequence_parallel_is_one_clear_line(tmp_path, capsys, 
     assert "no sequence-parallel data" in err[0] and "oases profile" in err[0]
     assert "--sequence-parallel" in err[0]
     with pytest.raises(OasesConfigError, match="no sequence-parallel data"):
-        build_problem(Profile(data), global_batch_size=GBS, sequence_parallel=True)
+        build_problem(Profile(data), PlanSettings(global_batch_size=GBS, sequence_parallel=True))
     # without SP the old profile still plans
     assert oases(argv[:-1] + ["--quiet"]) == 0

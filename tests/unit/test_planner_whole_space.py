@@ -11,6 +11,7 @@ from megatron_oases.formats.profile import Profile
 from megatron_oases.planner.api import make_plan
 from megatron_oases.planner.cluster import search as search_mod
 from megatron_oases.planner.cluster.search import is_oases, model_for_search, search, verdict
+from megatron_oases.planner.settings import PlanSettings
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.profiler.model_config import read_model_file
 
@@ -50,8 +51,8 @@ def test_the_distributed_optimizer_makes_a_layout_fit_and_win(h2048, tight, monk
     kw = dict(global_batch_size=GBS, micro_batch_size=lay["micro_batch"], memory_gb=16)
     kw.update(degrees=best["degrees"], grad_sync=True)
     with pytest.raises(OasesConfigError):
-        make_plan(profile, distributed_optimizer=False, **setting, **kw)
-    make_plan(profile, distributed_optimizer=True, **setting, **kw)  # fits
+        make_plan(profile, PlanSettings(distributed_optimizer=False, **setting, **kw))
+    make_plan(profile, PlanSettings(distributed_optimizer=True, **setting, **kw))  # fits
     # and without the distributed optimizer in the search, the winner is slower
     monkeypatch.setattr(search_mod, "_optimizers", lambda layout: (False,))
     without = search(h2048, "rtx3090-pcie", 4, GBS, memory_gb=16, top=2)["candidates"][0]

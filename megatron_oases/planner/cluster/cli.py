@@ -7,6 +7,9 @@ import sys
 from ...errors import OasesConfigError
 from ...outputs import check_output_file, make_parent
 
+#: The most GPUs ``--gpus`` takes: far beyond today's clusters (the layouts searched grow with it).
+MAX_GPUS = 1 << 16
+
 
 def add_search_flags(p):
     """The search's flags, a group of ``oases plan``'s parser ``p``."""
@@ -19,9 +22,9 @@ def add_search_flags(p):
         type=int,
         default=None,
         metavar="N",
-        help="search every TP x PP x DP layout of N GPUs and micro-batch size, each with every "
-        "schedule and recompute setting; prints the ranked candidates and the winner's launch "
-        "line (--out writes its plan)",
+        help="search every TP x PP x DP layout of N GPUs (at most 65536) and micro-batch size, "
+        "each with every schedule and recompute setting; prints the ranked candidates and the "
+        "winner's launch line (--out writes its plan)",
     )
     search.add_argument(
         "--cluster",
@@ -88,6 +91,8 @@ def search_main(args):
                                "rtx3090-pcie --model gpt-6.7b)")  # fmt: skip
     if args.gpus < 1 or args.top < 1 or (args.verify_top is not None and args.verify_top < 1):
         raise OasesConfigError("--gpus, --top and --verify-top must be ≥ 1")
+    if args.gpus > MAX_GPUS:
+        raise OasesConfigError(f"--gpus must be at most {MAX_GPUS}, got {args.gpus}")
     if args.global_batch_size is None:
         raise OasesConfigError("--global-batch-size is required")
     if args.out:

@@ -42,6 +42,9 @@ OASES_CHOICES = tuple((s, r) for s, r in SETTINGS if s != "off")
 STOCK_TOP = 3
 #: The micro-batch sizes tried (those dividing the per-replica batch).
 MICRO_BATCHES = (1, 2, 4, 8, 16)
+#: The most model layers the search takes (each plan's cost grows with them; far beyond today's
+#: models). ``--gpus`` has its bound in :mod:`.cli`.
+MAX_LAYERS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +78,13 @@ def model_for_search(flat, global_batch_size, overrides=None):
         micro_batch_size=1,
         global_batch_size=global_batch_size,
     )
-    return model_args(flat, {**(overrides or {}), **single})
+    args = model_args(flat, {**(overrides or {}), **single})
+    if args.num_layers > MAX_LAYERS:
+        raise OasesConfigError(
+            f"the search takes models of at most {MAX_LAYERS} layers; this one has "
+            f"{args.num_layers} (--set num_layers?)"
+        )
+    return args
 
 
 def layouts(args, gpus, global_batch_size, gpus_per_node):

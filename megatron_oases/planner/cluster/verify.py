@@ -14,6 +14,7 @@ a measurement on GPUs.
 import os
 
 from ...errors import OasesConfigError
+from ...validation import samples_per_group
 
 
 def spearman(xs, ys):
@@ -65,7 +66,7 @@ def layer_shape(layout, plan=None):
     tp, mb = layout["tp"], layout["micro_batch"]
     degrees = plan["degrees"] if plan is not None else [tp]
     d = min(set(degrees), key=lambda x: (-degrees.count(x), x))
-    return d, mb * d // tp
+    return d, samples_per_group(mb, d, tp)
 
 
 def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, progress=print):
