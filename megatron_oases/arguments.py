@@ -14,6 +14,7 @@ import sys
 
 from .config import OasesConfig, transformer_engine_installed
 from .errors import OasesConfigError
+from .tuning.candidates import AUTO, MIN_TRIAL, TUNE_SHARE
 from .validation import (
     CUDA_GRAPH_MODES,
     SCHEDULES,
@@ -86,20 +87,40 @@ def add_oases_args(parser):
     g = parser.add_argument_group("oases")
     g.add_argument(
         "--oases-schedule",
-        choices=SCHEDULES,
+        choices=SCHEDULES + (AUTO,),
         default="off",
         help="off = stock Megatron; overlap = two sub-batches, TMP all-reduce overlapped with the "
         "other sub-batch's compute; cross-pass = + recompute and backward merged; oases = + "
-        "fine-grained recomputation (no all-reduce in recompute)",
+        "fine-grained recomputation (no all-reduce in recompute); auto = the first iterations "
+        "time stock and every schedule (and sub-batch count, CUDA graphs) that can run with "
+        "these flags, interleaved, and the rest of the run keeps the fastest: rank 0 prints the "
+        "table and the flags that pin it, --log-json and checkpoints keep the choice",
     )
     g.add_argument(
         "--oases-sub-batches",
         type=int,
-        default=SUB_BATCHES,
+        default=None,
         metavar="N",
-        help="sub-batches per micro-batch for the overlapped schedules (default %(default)s, the "
-        "paper's): with N, only 1/N of the last block's all-reduce per pass stays exposed, at the "
-        "cost of N-times smaller matmuls; needs --micro-batch-size >= N",
+        help=f"sub-batches per micro-batch for the overlapped schedules (default {SUB_BATCHES}, "
+        "the paper's; auto tries 2 and 4 unless given): with N, only 1/N of the last block's "
+        "all-reduce per pass stays exposed, at the cost of N-times smaller matmuls; needs "
+        "--micro-batch-size >= N",
+    )
+    g.add_argument(
+        "--oases-tune-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--oases-schedule auto: the trial takes at most N iterations (default: a warm-up "
+        f"and 3 timed steps per candidate, at most {round(100 * TUNE_SHARE)}%% of --train-iters; "
+        f"at least {MIN_TRIAL}, at most --train-iters). The trial's steps train the model like "
+        "any others",
+    )
+    g.add_argument(
+        "--oases-retune",
+        action="store_true",
+        help="--oases-schedule auto, resumed: time the schedules again instead of keeping the "
+        "choice saved in the checkpoint",
     )
     g.add_argument(
         "--oases-split",

@@ -27,6 +27,9 @@ class Schedule(enum.StrEnum):
     OVERLAP = "overlap"
     CROSS_PASS = "cross-pass"
     OASES = "oases"
+    #: the run's first iterations time the schedules that can run; the fastest is kept
+    #: (:mod:`.tuning`)
+    AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,8 @@ class OasesConfig:
     ``--oases-plan`` file's contents (read and checked once), or None. ``cuda_graphs``:
     ``--oases-cuda-graphs``'s mode (``capture``, ``eager``) or None. ``trace``: ``--oases-trace``'s
     path pattern. ``emulate_link``: :class:`EmulatedLink` or None. ``log_json``: the golden-values
-    file. ``start_over``: ``--oases-start-over``. Megatron's: ``tensor_model_parallel_size`` (the
+    file. ``start_over``: ``--oases-start-over``. ``autotune``: under ``--oases-schedule auto``
+    its :class:`~.tuning.candidates.AutoTune` (candidates, trial budget), else None. Megatron's: ``tensor_model_parallel_size`` (the
     TMP domain a plan's degrees divide), ``attention_backend``, ``half_precision``,
     ``reset_attention_mask``, ``sequence_parallel``, ``recompute_granularity``,
     ``recompute_modules`` and ``distributed_optimizer`` (``--use-distributed-optimizer``)."""
@@ -94,10 +98,13 @@ class OasesConfig:
     recompute_granularity: Optional[str] = None
     recompute_modules: tuple = ()
     distributed_optimizer: bool = False
+    autotune: Optional[object] = None
 
     @property
     def overlapped(self):
-        """A split schedule runs (the micro-batch becomes sub-batches)."""
+        """A split schedule runs (the micro-batch becomes sub-batches; under ``auto``: may)."""
+        if self.schedule == Schedule.AUTO:
+            return self.autotune.splits
         return self.schedule != Schedule.OFF
 
     @property
@@ -116,10 +123,19 @@ class OasesConfig:
         None where Megatron already ran them (Megatron-LM's ``pretrain_gpt.py``)."""
         import torch
 
+        from .tuning.candidates import STOCK, check_autotune_flags, pinned, plan_autotune
+
         schedule = Schedule(args.oases_schedule)  # argparse checked it against SCHEDULES
-        check_sharded_data_parallel(args, schedule, cuda_available=torch.cuda.is_available())
+        check_autotune_flags(args, schedule)
+        auto = schedule == Schedule.AUTO  # stock is checked here, the other candidates below
+        checked = Schedule.OFF if auto else schedule
+
+        def view():
+            return pinned(args, STOCK) if auto else args
+
+        check_sharded_data_parallel(view(), checked, cuda_available=torch.cuda.is_available())
         te_installed = transformer_engine_installed()
-        check_before_megatron(args, schedule, te_installed=te_installed)
+        check_before_megatron(view(), checked, te_installed=te_installed)
         if validate_megatron is not None:
             validate_megatron(args)
         plan, path = None, getattr(args, "oases_plan", None)
@@ -132,10 +148,11 @@ class OasesConfig:
                 tensor_model_parallel_size=args.tensor_model_parallel_size,
             )
         cuda = torch.cuda.is_available()
-        check_oases_args(args, schedule, plan, cuda_available=cuda, te_installed=te_installed)
+        check_oases_args(view(), checked, plan, cuda_available=cuda, te_installed=te_installed)
+        autotune = plan_autotune(args, plan, cuda, te_installed) if auto else None
         if plan is not None:
             _warn_plan_differences(path, plan, args, schedule)
-        _warn_nothing_to_overlap(schedule, args)
+        _warn_nothing_to_overlap(checked, args)
         backend = getattr(args, "attention_backend", "auto")
         link = getattr(args, "emulate_link", None)
         if link:  # read and checked now, before any process group or model (a bad one: one line)
@@ -161,6 +178,7 @@ class OasesConfig:
             recompute_granularity=getattr(args, "recompute_granularity", None),
             recompute_modules=tuple(getattr(args, "recompute_modules", None) or ()),
             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+            autotune=autotune,
         )
 
 
@@ -185,6 +203,8 @@ def _warn_plan_differences(path, plan, args, schedule):
     from .planner.settings import PlanSettings
 
     differences = plan_differences(PlanSettings.from_plan(plan, path=path), args, schedule)
+    if schedule == Schedule.AUTO:  # auto tries the plan's schedule among others
+        differences = [d for d in differences if d[0] != "--oases-schedule"]
     if not differences or int(os.environ.get("RANK", "0")) != 0:
         return
     theirs = ", ".join(f"{flag} {planned}" for flag, planned, _ in differences)

@@ -2,7 +2,8 @@
 
 Shape: ``{"lm loss": {"start_step", "end_step", "step_interval", "values"}, "iteration-time",
 "tokens-per-sec", "throughput", "mem-allocated-bytes"}`` with one value per iteration (Megatron's
-console line shows a running mean over the log interval; golden values are per iteration). The
+console line shows a running mean over the log interval; golden values are per iteration); under
+``--oases-schedule auto`` also ``"oases-autotune"``: the choice, its flags, the trial's table. The
 patch wraps ``megatron.training.training.train_step`` (timed on the host, after a barrier-free
 ``torch.cuda.synchronize``) and ``training_log`` (this iteration's reduced ``lm loss``). The last
 rank writes; the file is rewritten after every iteration so a run cut short keeps what it reached.
@@ -33,6 +34,9 @@ class GoldenValuesRecorder:
         self.path = path
         self.steps = []
         self.values = {k: [] for k in KEYS}
+        #: Entries beside the series, written with them (``oases-autotune``: the choice and the
+        #: table of ``--oases-schedule auto``, :mod:`megatron_oases.tuning.runtime`).
+        self.extra = {}
 
     def record(self, iteration, **values):
         self.steps.append(int(iteration))
@@ -41,14 +45,15 @@ class GoldenValuesRecorder:
 
     def as_dict(self):
         if not self.steps:
-            return {}
+            return dict(self.extra)
         start, end = self.steps[0], self.steps[-1]
         interval = self.steps[1] - self.steps[0] if len(self.steps) > 1 else 1
-        return {
+        series = {
             key: {"start_step": start, "end_step": end, "step_interval": interval, "values": vals}
             for key, vals in self.values.items()
             if any(v is not None for v in vals)
         }
+        return {**series, **self.extra}
 
     def write(self):
         os.makedirs(os.path.dirname(os.path.abspath(self.path)) or ".", exist_ok=True)

@@ -12,6 +12,7 @@ nothing of Megatron's ``args``, and returns None when its flag is not given):
 2. ``oases-trace``: schedule tracer (``--oases-trace PATH``).
 3. ``golden-values``: per-iteration golden values from Megatron's loop (``--log-json PATH``).
 4. ``oases-schedule``: the overlapped TMP schedule (``--oases-schedule`` ≠ off, or a plan).
+5. ``oases-autotune``: ``--oases-schedule auto``'s trial on ``train_step`` (it selects on 4).
 
 Each factory checks that the Megatron symbols it replaces exist and are the ones Megatron calls
 (:func:`megatron_oases.compat.require_symbol`). ``uninstall_all()`` reverts everything.
@@ -30,6 +31,7 @@ def factories():
     from ..platform.torch_norm import make_patch as torch_norm_sp
     from ..schedule.patch import make_patch as oases_schedule
     from ..testbed.emulator import make_patch as emulate_link
+    from ..tuning.runtime import make_patch as oases_autotune
 
     return (
         ("torch-norm-sp", torch_norm_sp),
@@ -39,6 +41,7 @@ def factories():
         ("oases-trace", oases_trace),
         ("golden-values", golden_values),
         ("oases-schedule", oases_schedule),
+        ("oases-autotune", oases_autotune),
     )
 
 

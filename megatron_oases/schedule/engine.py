@@ -20,6 +20,7 @@ from .comm import EarlyReductions
 from .deferral import deferred_tmp_comm
 from .executor import Interleave, run_programs
 from .forward import forward_program
+from .fsdp import ShardedParams
 from .ops import BlockOps
 from .split import make_split
 from .state import SubBatch
@@ -122,6 +123,9 @@ class ScheduledLayers:
         self.sbs = []
         # the column linears' input-gradient reductions started inside backward ops (.comm)
         self.early = EarlyReductions()
+        # --use-torch-fsdp2: the parameters FSDP2's bypassed hooks would gather (.fsdp)
+        ends = [embedding.module] if embedding is not None else []
+        self.sharded = ShardedParams(blocks.layers + ends)
 
     def _execute(self, programs_, order=None):
         """Run the sub-batches' programs interleaved, the first of ``order`` (sub-batch
@@ -141,6 +145,7 @@ class ScheduledLayers:
             )
 
     def forward(self, hidden):
+        self.sharded.gather()
         split = self.split = make_split(self.split_kind, hidden, self.parts)
         masks = split.masks(self.blocks.attention_mask)
         rotary = split.rotary(self.blocks.rotary_pos_emb)
@@ -175,6 +180,7 @@ class ScheduledLayers:
                     for sb in self.sbs
                 ]
             )
+        self.sharded.reshard_after_forward()
         if self.output is not None:  # per-token loss [b, s]
             return split.join_tokens([sb.loss.detach() for sb in self.sbs])
         return split.join_hidden([sb.output.detach() for sb in self.sbs])
@@ -196,6 +202,7 @@ class ScheduledLayers:
         if self.prefix is not None:
             self.prefix.start_backward()
         build = BACKWARD[(self.schedule, self.saved)]
+        self.sharded.gather()  # FSDP2's root post-backward callback reduce-scatters, reshards
         with torch.enable_grad():
             for round_programs in build(self.ops, self.sbs, self._ends, self.recomputed_layers):
                 # sequence chunks: the last chunk leads (see .split)
@@ -239,19 +246,26 @@ def recomputed_layers(config, indices):
     return len(indices)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class LayerSchedule:
-    """How the replaced forwards (:mod:`.patch`) run a stage's layers, fixed at install:
+    """How the replaced forwards (:mod:`.patch`) run a stage's layers, read at each call:
     ``schedule`` (``--oases-schedule``, the config's :class:`~megatron_oases.config.Schedule`,
-    checked once when parsed; ``off``: a plan's degree spans in Megatron's own loop),
-    ``parts`` sub-batches cut as ``split``, ``graphs`` (``--oases-cuda-graphs``'
-    :class:`.graphs.BlockGraphs`) and ``tracer`` (``oases-trace``'s), or None."""
+    checked once when parsed; ``off``: stock Megatron, or a plan's degree spans in Megatron's own
+    loop), ``parts`` sub-batches cut as ``split``, ``graphs`` (``--oases-cuda-graphs``'
+    :class:`.graphs.BlockGraphs`) and ``tracer`` (``oases-trace``'s), or None. Fixed at install,
+    except under ``--oases-schedule auto``, whose tuner (:mod:`megatron_oases.tuning.runtime`)
+    :meth:`select`\\ s each iteration's candidate between iterations, never inside one (a
+    micro-batch's backward uses what its forward captured)."""
 
     schedule: str
     parts: int = SUB_BATCHES
     split: str = "batch"
     graphs: object = None
     tracer: object = None
+
+    def select(self, schedule, parts=SUB_BATCHES, graphs=None):
+        """The schedule the next iteration runs (``auto``'s candidate)."""
+        self.schedule, self.parts, self.graphs = schedule, parts, graphs
 
     def next_microbatch(self):
         """The next micro-batch's number in the trace (-1 untraced: only the trace reads it)."""

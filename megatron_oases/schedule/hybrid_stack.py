@@ -32,7 +32,8 @@ def make_stack_forward(original, layer_schedule):
         packed_seq_params=None,
         padding_mask=None,
     ):
-        if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0:
+        stock = layer_schedule.schedule == "off"  # ``--oases-schedule auto`` selecting stock
+        if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0 or stock:
             return original(
                 self,
                 hidden_states,

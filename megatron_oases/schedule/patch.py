@@ -134,19 +134,22 @@ def make_patch(config, built=None):
 
     # The stage's ends (embedding, output layer + loss) join the programs of a uniform-TP
     # schedule, with or without sequence parallelism (:mod:`.stage_ends`).
+    # ``--oases-schedule auto`` starts on stock; its tuner selects each iteration's candidate
+    auto = config.autotune is not None
     layer_schedule = LayerSchedule(
-        schedule=config.schedule,
+        schedule="off" if auto else config.schedule,
         parts=config.sub_batches,
         split=config.split,
-        graphs=BlockGraphs(config.cuda_graphs) if config.cuda_graphs else None,
+        graphs=BlockGraphs(config.cuda_graphs) if config.cuda_graphs and not auto else None,
         tracer=trace.tracer if trace is not None else None,
     )
     replacements = [
         (TransformerBlock, "forward", make_block_forward(TransformerBlock.forward, layer_schedule)),
         _hybrid_stack(layer_schedule),
     ]
-    if layer_schedule.schedule != "off" and not plan:
-        replacements += _stage_end_replacements()
+    if config.overlapped and not plan:
+        ends = _stage_end_replacements()
+        replacements += [_stock_when_off(r, layer_schedule) for r in ends] if auto else ends
     embed = VocabParallelEmbedding.forward  # the embedding's reduction (.stage_ends)
     for name in (
         "reduce_from_tensor_model_parallel_region",
@@ -173,4 +176,20 @@ def make_patch(config, built=None):
                     make_param_is_not_tp_duplicate(owner.param_is_not_tensor_parallel_duplicate),
                 )
             )
-    return Patch("oases-schedule", replacements=replacements)
+    patch = Patch("oases-schedule", replacements=replacements)
+    patch.layer_schedule = layer_schedule  # what ``auto``'s tuner selects on (.tuning.runtime)
+    return patch
+
+
+def _stock_when_off(replacement, layer_schedule):
+    """A stage-end replacement that runs Megatron's original while ``auto`` selects stock."""
+    owner, name, new = replacement
+    original = getattr(owner, name)
+
+    def gated(*args, **kwargs):
+        if layer_schedule.schedule == "off":
+            return original(*args, **kwargs)
+        return new(*args, **kwargs)
+
+    gated.__wrapped__ = original
+    return owner, name, gated

@@ -48,7 +48,9 @@ def make_block_forward(original, layer_schedule):
         call = kwargs.pop(CALL_KWARG, None)  # the stage's ends, when GPTModel gave them
         # Eval/inference: stock code. (A degree-d layer fed the whole micro-batch is still
         # correct — each d-group computes the same result — so plans need no special case.)
-        if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0:
+        # So is stock without a plan's degrees (``--oases-schedule auto`` selecting ``off``).
+        stock = layer_degrees is None and layer_schedule.schedule == "off"
+        if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0 or stock:
             if call is not None:  # a placeholder from the embedding becomes real data
                 hidden_states = call.resolve(hidden_states)
             return original(

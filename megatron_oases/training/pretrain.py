@@ -138,10 +138,12 @@ def run_in_process(argv, demo=True, extra_patches=()):
         )  # every job's, any flags
         out["installed"] = [n for n in patches.installed() if n not in always]
     finally:
-        for patch in reversed(extra_patches):
-            patch.uninstall()
         destroy_global_state()
         patches.uninstall_all()  # the CPU shims last
+        # after the job's patches, which were installed after them: a job's patch wrapping the
+        # same symbol (``--log-json``'s train_step) would otherwise put an extra one back
+        for patch in reversed(extra_patches):
+            patch.uninstall()
     return out
 
 

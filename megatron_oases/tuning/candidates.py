@@ -1,0 +1,390 @@
+"""What ``--oases-schedule auto`` tries, for how long, and how it decides.
+
+Every schedule computes the same loss and gradients as stock Megatron (the parity tests), so a
+trial step is an ordinary training step that happens to run under one candidate: the trial costs
+only the difference in speed. A *candidate* is a schedule with its sub-batch count and CUDA-graph
+mode (:class:`Candidate`); the candidates of a run are those whose command line (the user's, with
+``--oases-schedule`` and those two flags set) passes the rules of
+:mod:`megatron_oases.validation` (:func:`plan_autotune`): a candidate ineligible under the user's
+flags is simply not tried.
+
+:class:`Trial` runs them interleaved (A B C A B C ...), each first for one warm-up step, then
+timed; a candidate clearly slower than the best after two timed rounds is dropped, the others get
+a third, and the lowest median wins (stock unless beaten by more than :data:`STOCK_MARGIN`).
+Pure Python: no torch, no process group (``tests/unit/test_autotune.py``).
+"""
+
+import copy
+import statistics
+from dataclasses import dataclass
+from typing import Optional
+
+from ..errors import OasesConfigError
+from ..validation import (
+    SUB_BATCHES,
+    check_before_megatron,
+    check_oases_args,
+    check_sharded_data_parallel,
+)
+
+#: The runtime's ``--oases-schedule auto`` (the planner's ``--schedule auto`` is its own).
+AUTO = "auto"
+#: Split schedules tried, in this order, and the ones that need Megatron's full recompute (a
+#: candidate never changes the recompute setting: they are tried only where the user has it).
+SPLIT_ORDER = ("oases", "overlap", "cross-pass")
+#: Sub-batch counts tried where ``--oases-sub-batches`` is not given (each where the micro-batch,
+#: or under ``--oases-split sequence`` the sequence, has enough to cut).
+SUB_BATCH_CHOICES = (SUB_BATCHES, 4)
+#: Per tried candidate: one untimed warm-up step (compilation, graph capture, first allocations),
+#: then up to :data:`TIMED_STEPS` timed ones (their median decides).
+WARMUP_STEPS = 1
+TIMED_STEPS = 3
+STEPS_PER_CANDIDATE = WARMUP_STEPS + TIMED_STEPS
+#: After this many timed rounds a candidate clearly slower than the best is dropped: its faster
+#: step slower by more than :data:`DROP_MARGIN` than the best candidate's slower one.
+DROP_AFTER = 2
+DROP_MARGIN = 0.10
+#: Stock stays unless a schedule's median beats it by more than this (noise is not a gain).
+STOCK_MARGIN = 0.02
+#: The default trial takes at most this share of ``--train-iters``.
+TUNE_SHARE = 0.05
+#: The shortest trial: stock and one schedule.
+MIN_TRIAL = 2 * STEPS_PER_CANDIDATE
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule setting a trial step runs: ``schedule`` (``off`` = stock), ``sub_batches``
+    (``--oases-sub-batches``) and ``cuda_graphs`` (``--oases-cuda-graphs``' mode or None)."""
+
+    schedule: str = "off"
+    sub_batches: int = SUB_BATCHES
+    cuda_graphs: Optional[str] = None
+
+    @property
+    def stock(self):
+        return self.schedule == "off"
+
+    @property
+    def name(self):
+        if self.stock:
+            return "off"
+        name = self.schedule
+        if self.sub_batches != SUB_BATCHES:
+            name += f" x{self.sub_batches}"
+        if self.cuda_graphs:
+            name += " +graphs" if self.cuda_graphs == "capture" else f" +graphs-{self.cuda_graphs}"
+        return name
+
+    def flags(self):
+        """The flags that pin this candidate in place of ``--oases-schedule auto``."""
+        if self.stock:
+            return "--oases-schedule off"
+        flags = f"--oases-schedule {self.schedule} --oases-sub-batches {self.sub_batches}"
+        if self.cuda_graphs == "capture":
+            flags += " --oases-cuda-graphs"
+        elif self.cuda_graphs:
+            flags += f" --oases-cuda-graphs {self.cuda_graphs}"
+        return flags
+
+    def as_dict(self):
+        return {
+            "schedule": self.schedule,
+            "sub_batches": self.sub_batches,
+            "cuda_graphs": self.cuda_graphs,
+        }
+
+    @classmethod
+    def from_dict(cls, d):
+        """From :meth:`as_dict` (a checkpoint's record); None if it is not one."""
+        try:
+            return cls(str(d["schedule"]), int(d["sub_batches"]), d.get("cuda_graphs") or None)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+
+STOCK = Candidate()
+
+
+@dataclass(frozen=True)
+class AutoTune:
+    """``--oases-schedule auto``'s settings, checked once (:func:`plan_autotune`): the eligible
+    ``candidates`` in trial order (stock first), ``budget`` (the trial's steps at most),
+    ``retune`` (``--oases-retune``: time again on a resumed run), ``train_iters`` (the run's
+    length, for what is left of it on a resume; None: unknown) and ``excluded`` (``(name,
+    reason)`` of each split candidate that cannot run here)."""
+
+    candidates: tuple = (STOCK,)
+    budget: int = 0
+    retune: bool = False
+    train_iters: Optional[int] = None
+    excluded: tuple = ()
+
+    @property
+    def splits(self):
+        """Whether a split schedule is among the candidates (the schedule patch is needed)."""
+        return any(not c.stock for c in self.candidates)
+
+
+def _given(args, name):
+    return getattr(args, name, None) is not None
+
+
+def check_autotune_flags(args, schedule):
+    """``--oases-tune-steps`` and ``--oases-retune`` act only under ``--oases-schedule auto``."""
+    if schedule == AUTO:
+        return
+    for name, flag in (("oases_tune_steps", "--oases-tune-steps"), ("oases_retune", None)):
+        value = getattr(args, name, None)
+        if value:
+            flag = flag or "--oases-retune"
+            raise OasesConfigError(
+                f"{flag} times the schedules of --oases-schedule auto; add --oases-schedule auto "
+                f"or drop {flag}"
+            )
+
+
+def pinned(args, candidate):
+    """``args`` as the command line that pins ``candidate`` (a shallow copy): what the rules of
+    :mod:`megatron_oases.validation` check for it."""
+    view = copy.copy(args)
+    view.oases_schedule = candidate.schedule
+    view.oases_sub_batches = candidate.sub_batches
+    view.oases_cuda_graphs = candidate.cuda_graphs
+    return view
+
+
+def check_candidate(args, candidate, plan=None, cuda_available=None, te_installed=None):
+    """Raise the :class:`OasesConfigError` that pinning ``candidate`` on this command line would
+    raise (the rules of :mod:`megatron_oases.validation`, as ``OasesConfig.from_args`` runs them
+    on Megatron-validated ``args``), or return."""
+    view, schedule = pinned(args, candidate), candidate.schedule
+    if not candidate.stock and args.tensor_model_parallel_size == 1:
+        raise OasesConfigError(
+            f"--oases-schedule {schedule} at --tensor-model-parallel-size 1 has no "
+            "tensor-parallel communication to overlap; use --tensor-model-parallel-size 2 or more"
+        )
+    check_sharded_data_parallel(view, schedule, cuda_available=bool(cuda_available))
+    check_before_megatron(view, schedule, te_installed=te_installed)
+    check_oases_args(view, schedule, plan, cuda_available=cuda_available, te_installed=te_installed)
+
+
+def split_candidates(args, cuda_available=False):
+    """Every split candidate worth a look under ``args``, in trial order: each sub-batch count
+    (``--oases-sub-batches``' if given, else :data:`SUB_BATCH_CHOICES`), on CUDA with and
+    without graphs (``--oases-cuda-graphs``' mode if given), each schedule of
+    :data:`SPLIT_ORDER` (``cross-pass`` and ``oases`` only under full recompute)."""
+    full = getattr(args, "recompute_granularity", None) == "full"
+    schedules = [s for s in SPLIT_ORDER if full or s == "overlap"]
+    given_parts = getattr(args, "oases_sub_batches", None)
+    parts = (given_parts,) if given_parts is not None else SUB_BATCH_CHOICES
+    given_graphs = getattr(args, "oases_cuda_graphs", None)
+    graphs = (given_graphs,) if given_graphs else ((None, "capture") if cuda_available else (None,))
+    return [Candidate(s, n, g) for n in parts for g in graphs for s in schedules]
+
+
+def default_budget(candidates, train_iters):
+    """The trial's steps when ``--oases-tune-steps`` is not given: enough for every candidate,
+    at most :data:`TUNE_SHARE` of the run."""
+    full = STEPS_PER_CANDIDATE * len(candidates)
+    if train_iters is None:
+        return full
+    return min(full, int(TUNE_SHARE * train_iters))
+
+
+def plan_autotune(args, plan=None, cuda_available=None, te_installed=None):
+    """The :class:`AutoTune` of Megatron-validated ``args`` under ``--oases-schedule auto`` (stock
+    checked by the caller). One line, before training, where ``auto`` cannot do what it was
+    asked: no split schedule can run with a split-only flag the user gave (``--oases-split
+    sequence``, ``--oases-sub-batches``, ``--oases-cuda-graphs``: the first candidate's reason),
+    or a trial that does not fit (``--oases-tune-steps`` too short or longer than the run; the
+    default trial more than :data:`TUNE_SHARE` of the run). Without a split candidate and without
+    such a flag, ``auto`` runs stock (``excluded`` says why)."""
+    eligible, excluded, first_error = [STOCK], [], None
+    for candidate in split_candidates(args, cuda_available):
+        try:
+            check_candidate(args, candidate, plan, cuda_available, te_installed)
+        except OasesConfigError as exc:
+            excluded.append((candidate.name, str(exc)))
+            first_error = first_error or exc
+            continue
+        eligible.append(candidate)
+    asked = [
+        flag
+        for flag, given in (
+            ("--oases-split sequence", getattr(args, "oases_split", "batch") == "sequence"),
+            ("--oases-sub-batches", _given(args, "oases_sub_batches")),
+            ("--oases-cuda-graphs", _given(args, "oases_cuda_graphs")),
+        )
+        if given
+    ]
+    if len(eligible) == 1 and asked and first_error is not None:
+        raise OasesConfigError(
+            f"--oases-schedule auto with {asked[0]}: no split schedule can run here: {first_error}"
+        )
+    train_iters = getattr(args, "train_iters", None)
+    steps = getattr(args, "oases_tune_steps", None)
+    budget = 0
+    if len(eligible) > 1:
+        budget = _check_budget(steps, eligible, train_iters)
+    return AutoTune(
+        candidates=tuple(eligible),
+        budget=budget,
+        retune=bool(getattr(args, "oases_retune", False)),
+        train_iters=train_iters,
+        excluded=tuple(excluded),
+    )
+
+
+def _check_budget(steps, candidates, train_iters):
+    if steps is not None:
+        if steps < MIN_TRIAL:
+            raise OasesConfigError(
+                f"--oases-tune-steps {steps} is too short: timing stock and one schedule takes "
+                f"{MIN_TRIAL} steps (a warm-up and {TIMED_STEPS} timed steps each); use "
+                f"{MIN_TRIAL} or more"
+            )
+        if train_iters is not None and steps > train_iters:
+            raise OasesConfigError(
+                f"--oases-tune-steps {steps} is longer than the run (--train-iters "
+                f"{train_iters}); use at most {train_iters}, or pin a schedule with "
+                "--oases-schedule"
+            )
+        return steps
+    budget = default_budget(candidates, train_iters)
+    if budget < MIN_TRIAL:
+        share = f"{TUNE_SHARE:.0%}"
+        raise OasesConfigError(
+            f"--oases-schedule auto times the schedules on the run's first iterations, by default "
+            f"at most {share} of --train-iters {train_iters} ({budget} steps), fewer than the "
+            f"{MIN_TRIAL} it needs; add --oases-tune-steps N ({MIN_TRIAL} <= N <= {train_iters}) "
+            "or pin a schedule with --oases-schedule"
+        )
+    return budget
+
+
+class Trial:
+    """The trial of ``candidates`` (stock first) within ``budget`` steps: as many candidates, in
+    their order, as :data:`STEPS_PER_CANDIDATE` steps each fit (the rest are "not tried").
+
+    The caller asks :meth:`next` for each iteration's candidate and reports its time
+    (:meth:`record`, the slowest rank's seconds) or its failure (:meth:`fail`: the candidate is
+    dropped and the same iteration runs again with the next one). When :meth:`next` returns None
+    the trial is over and :attr:`choice` is set. Every rank feeds it the same agreed values, so
+    every rank reaches the same choice."""
+
+    def __init__(self, candidates, budget):
+        fit = max(1, min(len(candidates), budget // STEPS_PER_CANDIDATE))
+        self.tried, self.untried = list(candidates[:fit]), list(candidates[fit:])
+        self.times = {c: [] for c in self.tried}  # timed seconds per candidate
+        self.warmed = set()
+        self.out = {}  # candidate -> ("dropped" | "failed", why)
+        self.steps = 0  # iterations the trial ran (a failed attempt is not one)
+        self.choice = None
+        self._round = list(self.tried)
+        if len(self.tried) == 1:
+            self.choice = self.tried[0]
+
+    def alive(self):
+        return [c for c in self.tried if c not in self.out]
+
+    def next(self):
+        """The candidate of the next iteration; None once the trial is over."""
+        while self.choice is None:
+            self._round = [c for c in self._round if c not in self.out]
+            if self._round:
+                return self._round[0]
+            self._end_round()
+            self._round = self.alive()
+        return None
+
+    def record(self, candidate, seconds):
+        """``candidate`` (the one :meth:`next` gave) ran its step in ``seconds``."""
+        self._take(candidate)
+        self.steps += 1
+        if candidate in self.warmed:
+            self.times[candidate].append(float(seconds))
+        else:
+            self.warmed.add(candidate)
+
+    def fail(self, candidate, why):
+        """``candidate`` failed (on every rank): dropped; :meth:`next` gives the one to retry
+        the same iteration with."""
+        self._take(candidate)
+        self.out[candidate] = ("failed", why)
+        if len(self.alive()) == 1:
+            self.choice = self.alive()[0]
+
+    def _take(self, candidate):
+        if not self._round or self._round[0] != candidate:
+            raise RuntimeError(f"oases: auto: {candidate.name} was not the trial's next candidate")
+        self._round.pop(0)
+
+    def _end_round(self):
+        alive = self.alive()
+        if len(alive) <= 1:
+            self.choice = alive[0] if alive else STOCK
+            return
+        timed = min(len(self.times[c]) for c in alive)
+        if timed == 0:
+            return  # the warm-up round
+        if timed == DROP_AFTER:
+            best = min(alive, key=lambda c: statistics.median(self.times[c]))
+            bar = max(self.times[best]) * (1 + DROP_MARGIN)
+            for c in alive:
+                if c is not best and min(self.times[c]) > bar:
+                    self.out[c] = ("dropped", "slower")
+        alive = self.alive()
+        if len(alive) == 1 or timed >= TIMED_STEPS:
+            self.choice = self._best(alive)
+
+    def median(self, candidate):
+        times = self.times.get(candidate) or []
+        return statistics.median(times) if times else None
+
+    def _best(self, alive):
+        best = min(alive, key=self.median)
+        stock = next((c for c in alive if c.stock), None)
+        if stock is not None and self.median(stock) <= self.median(best) * (1 + STOCK_MARGIN):
+            return stock
+        return best
+
+    def rows(self):
+        """The table: ``{candidate, median_s, vs_stock, timed, status}`` per candidate, the
+        tried ones first; ``status``: ``chosen``, ``dropped: slower``, ``failed: why``, ``not
+        tried: budget`` or empty (timed, not the fastest)."""
+        stock = self.median(STOCK)
+        rows = []
+        for c in self.tried + self.untried:
+            median = self.median(c)
+            if c == self.choice:
+                status = "chosen"
+            elif c in self.out:
+                status = "{}: {}".format(*self.out[c])
+            elif c in self.untried:
+                status = "not tried: budget"
+            else:
+                status = ""
+            rows.append(
+                {
+                    "candidate": c.name,
+                    **c.as_dict(),
+                    "median_s": median,
+                    "vs_stock": median / stock if median is not None and stock else None,
+                    "timed": len(self.times.get(c, [])),
+                    "status": status,
+                }
+            )
+        return rows
+
+
+def format_table(rows):
+    """:meth:`Trial.rows` as the lines rank 0 prints."""
+    lines = [f"  {'candidate':<22} {'median':>10} {'vs stock':>9}  {'timed':>5}  status"]
+    for r in rows:
+        median = "-" if r["median_s"] is None else f"{1000 * r['median_s']:.1f} ms"
+        ratio = "-" if r["vs_stock"] is None else f"{r['vs_stock']:.3f}"
+        lines.append(
+            f"  {r['candidate']:<22} {median:>10} {ratio:>9}  {r['timed']:>5}  {r['status']}"
+        )
+    return lines
