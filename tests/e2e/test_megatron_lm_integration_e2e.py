@@ -210,7 +210,7 @@ def test_help_lists_the_oases_flags():
         "--log-json",
     ):
         assert flag in proc.stdout, flag
-    assert "{off,overlap,cross-pass,oases}" in proc.stdout
+    assert "{off,overlap,cross-pass,oases,auto}" in proc.stdout
     assert "--tensor-model-parallel-size" in proc.stdout  # Megatron-LM's own flags too
 
 
