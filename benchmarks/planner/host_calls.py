@@ -9,9 +9,17 @@ kernels issue nested calls by shape, and stock's calls per layer measured 717-87
 recompute across (H, s, TP) in (64-256, 32-1024, 2-4); the GPU path differs again (the GPU check's
 host step counts it there). The table is an estimate of that order.
 
+Sharded data parallelism (``sharding``): the calls torch FSDP2 adds per layer and per
+micro-batch, stock and under a split schedule (its gathers, reshards and reduce-scatters: FSDP2's
+hooks, or the engine's ``unshard``), counted as the difference between ``--use-torch-fsdp2`` and
+DDP at :data:`SHARDING_SHAPE` (TP 1, DP 2: two gloo ranks, rank 0's count; FSDP2 does not run on
+the fake process group). Megatron-FSDP runs on CUDA only and is not counted (the planner charges
+its strategies FSDP2's count: an estimate).
+
 Usage::
 
     python benchmarks/planner/host_calls.py            # rewrites the packaged table
+    python benchmarks/planner/host_calls.py --sharding-only  # recounts only its sharding rows
     python benchmarks/planner/host_calls.py --by-op    # calls per layer by aten op, per schedule
                                                        # (docs/host-cost.md), and the Python
                                                        # time in megatron_oases frames per layer
@@ -73,6 +81,60 @@ def count_settings(shape_argv, nproc=2, progress=print):
             "rest": round(c["aten_calls_per_iteration"] - L * per_layer, 1),
         }
         progress(f"{v.name}: {out[v.name]['per_layer']} calls per layer")
+    return out
+
+
+#: The sharding rows' shape: :data:`SHAPE` at TP 1 over two data-parallel ranks (one micro-batch
+#: of 2 samples per rank), untied (FSDP2 needs it).
+def _set(argv, flag, value):
+    """``argv`` with ``flag``'s value replaced."""
+    out = list(argv)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+SHARDING_SHAPE = _set(_set(SHAPE, "--tensor-model-parallel-size", "1"), "--global-batch-size", "4")
+SHARDING_SHAPE += ["--untie-embeddings-and-output-weights"]
+#: (row, schedule, recompute): stock, and a split schedule (the engine gathers the stage).
+SHARDING_ROWS = (("torch_fsdp2/off", "off", "full"), ("torch_fsdp2/split", "oases", "full"))
+
+
+def _sharding_worker(jobs):
+    """A gloo rank of :func:`count_sharding`: each job's aten calls (rank 0's)."""
+    from megatron_oases.compare.host import _worker
+
+    return _worker(jobs, os.devnull)
+
+
+def count_sharding(progress=print):
+    """``{row: {"per_layer", "rest"}}``: the calls FSDP2 adds over DDP per layer per micro-batch
+    and in the rest of a micro-batch's iteration, stock and under a split schedule."""
+    from megatron_oases.compare.host import _with_layers
+    from megatron_oases.launch import run_distributed
+    from megatron_oases.planner.choose import launch_flags
+
+    layers, jobs = 2, []
+    for row, schedule, recompute in SHARDING_ROWS:
+        for fsdp in ((), ("--use-torch-fsdp2",)):
+            argv = SHARDING_SHAPE + launch_flags(schedule, recompute).split() + list(fsdp)
+            for n in (layers, 2 * layers):
+                argv_n = [a for a in _with_layers(argv, n) if a != "--fake-process-group"]
+                jobs.append(((row, bool(fsdp)), n, argv_n))
+    counts = run_distributed(_sharding_worker, 2, jobs, timeout=600 * len(jobs))[0]
+    out = {}
+    for row, *_ in SHARDING_ROWS:
+        per, rest = {}, {}
+        for fsdp in (False, True):
+            c1, c2 = counts[((row, fsdp), layers)], counts[((row, fsdp), 2 * layers)]
+            if isinstance(c1, dict) or isinstance(c2, dict):
+                raise SystemExit(f"{row}: {(c1 if isinstance(c1, dict) else c2)['error']}")
+            per[fsdp] = (c2 - c1) / layers
+            rest[fsdp] = c1 - layers * per[fsdp]
+        out[row] = {
+            "per_layer": round(per[True] - per[False], 1),
+            "rest": round(rest[True] - rest[False], 1),
+        }
+        progress(f"{row}: {out[row]['per_layer']} calls per layer more than DDP")
     return out
 
 
@@ -187,8 +249,10 @@ def print_by_op(table, pairs=(("overlap/none", "off x2/none"), ("oases/full", "o
         rows = [r for r in rows if r[1] != r[2]]
         for k, a, b in sorted(rows, key=lambda r: -(r[1] - r[2])):
             print(f"  {k:40s} {a:8.1f} {b:8.1f} {a - b:+8.1f}")
-    print("\nPython self time in megatron_oases frames per layer (cProfile), of the layer's "
-          "(in brackets: less the CPU platform stand-ins, which a GPU host does not run):")
+    print(
+        "\nPython self time in megatron_oases frames per layer (cProfile), of the layer's "
+        "(in brackets: less the CPU platform stand-ins, which a GPU host does not run):"
+    )
     for name, r in table.items():
         wall = r["wall_s"] if r["wall_s"] > 0 else float("nan")
         share = 100 * r["oases_s"] / wall
@@ -203,6 +267,9 @@ def main(argv=None):
     p.add_argument("--out", default=TABLE_PATH)
     p.add_argument("--by-op", action="store_true", help="print calls per layer by op instead")
     p.add_argument("--json", help="with --by-op: also write the table here")
+    p.add_argument(
+        "--sharding-only", action="store_true", help="recount only the sharding rows of --out"
+    )
     args = p.parse_args(argv)
     if args.by_op:
         table = by_op()
@@ -215,17 +282,25 @@ def main(argv=None):
         return 0
     import yaml
 
-    table = count_settings(SHAPE, nproc=2, progress=print)
-    doc = {
-        "measured": datetime.date.today().isoformat(),
-        "command": "python benchmarks/planner/host_calls.py",
-        "shape": " ".join(SHAPE),
-        "settings": table,
-    }
+    if args.sharding_only:
+        with open(args.out) as f:
+            doc = yaml.safe_load(f)
+    else:
+        doc = {
+            "measured": datetime.date.today().isoformat(),
+            "command": "python benchmarks/planner/host_calls.py",
+            "shape": " ".join(SHAPE),
+            "settings": count_settings(SHAPE, nproc=2, progress=print),
+        }
+    doc["sharding_measured"] = datetime.date.today().isoformat()
+    doc["sharding_shape"] = " ".join(SHARDING_SHAPE)
+    doc["sharding"] = count_sharding(progress=print)
     header = (
         "# aten calls per layer per micro-batch (and the rest of one micro-batch's iteration) of\n"
         "# each planner setting, counted by benchmarks/planner/host_calls.py (do not edit by\n"
         "# hand). The planner's host term: calls x the cluster profile's host_us_per_call.\n"
+        "# sharding: the calls torch FSDP2 adds to a setting, stock (off) and under a split\n"
+        "# schedule, per layer per micro-batch and in the rest (Megatron-FSDP: not counted).\n"
     )
     with open(args.out, "w") as f:
         f.write(header + yaml.safe_dump(doc, sort_keys=False))

@@ -1,7 +1,7 @@
 """How long ``oases plan --gpus N`` takes and what it picks: a 7B-class GPT (gpt-6.7b, 32 layers)
 on 8 and 64 GPUs of two clusters and a 7B Llama-style model (llama-7b) on 8 PCIe cards (RTX 4090,
-L40S, L4), against the best stock Megatron layout at any TP (every layout, recompute setting and
-the distributed optimizer) and the rule of thumb (TP within a node, the fewest stages that fit, the
+L40S, L4), against the best stock Megatron layout at any TP (every layout, recompute setting, the
+distributed optimizer and FSDP) and the rule of thumb (TP within a node, the fewest stages that fit, the
 largest micro-batch, stock with its fastest recompute setting that fits). Predictions of the
 planner's model, not measurements.
 
@@ -40,7 +40,12 @@ def _setting(r):
         out += f" degrees {r['degrees']}"
     if r.get("stage_split"):
         out += " stages {}/../{}".format(r["stage_split"][0], r["stage_split"][2])
-    return out + (" dist-opt" if r.get("distributed_optimizer") else "")
+    from megatron_oases.planner.sharding import STRATEGIES
+
+    out += " dist-opt" if r.get("distributed_optimizer") else ""
+    if r.get("data_parallel_sharding"):
+        out += " " + STRATEGIES[r["data_parallel_sharding"]].short
+    return out
 
 
 def main(argv=None):
@@ -118,9 +123,11 @@ def main(argv=None):
         "## The best stock layout beside the best Oases one",
         "",
         "Stock: Megatron's own schedule at a uniform TP, any layout, recompute setting "
-        "(none, selective, selective+ln, full, block) and `--use-distributed-optimizer` where "
-        "DP > 1; Oases: an overlapped schedule or per-layer degrees. Ratio: stock's predicted "
-        "iteration ÷ Oases' (> 1: Oases wins).",
+        "(none, selective, selective+ln, full, block) and, where DP > 1, "
+        "`--use-distributed-optimizer` (`dist-opt`), torch FSDP2 (`fsdp2`) or a Megatron-FSDP "
+        "strategy (`mfsdp-o`, `mfsdp-og`, `mfsdp-ogp`: optim, optim_grads, optim_grads_params); "
+        "Oases: an overlapped schedule (also under FSDP2) or per-layer degrees. Ratio: stock's "
+        "predicted iteration ÷ Oases' (> 1: Oases wins). FSDP in detail: [fsdp.md](fsdp.md).",
         "",
         "| model | cluster | GPUs | best Oases | predicted s | best stock | predicted s | "
         "stock ÷ Oases | stock's launch line |",

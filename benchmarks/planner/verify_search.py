@@ -10,7 +10,11 @@ drift of the shared host's load falls on the candidates evenly), until the measu
 top 5 is the same after two repeats in a row; a candidate's measured time is the median of its
 repeats. ``--top K`` runs the K the search ranks first (default: all) plus the rule of thumb's
 pick. The distributed optimizer is left out of this grid (``oases train`` on gloo/CPU; the
-question here is the ranking of the layouts and schedules).
+question here is the ranking of the layouts and schedules). Sharded data parallelism is in it as
+torch FSDP2 (the model's embedding and output weights untied, as FSDP2 needs; Megatron-FSDP does
+not run on CPU ranks): the search tries it at every layout with DP > 1, and the fastest FSDP2
+candidate stock and the fastest under a split schedule are run too where the ranking holds none
+(``fsdp`` rows), each where its predicted time ranks it.
 
 Reports the predicted against the measured iteration of each, Spearman's rank correlation over the
 top 5 and over all, how far the chosen layout's measured time is from the best measured one, and
@@ -32,7 +36,10 @@ sys.path.insert(0, ROOT)
 
 MODEL = "tiny-cpu"
 SHAPE = dict(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512,
-             max_position_embeddings=512, vocab_size=1024)  # fmt: skip
+             max_position_embeddings=512, vocab_size=1024,
+             untie_embeddings_and_output_weights=True)  # fmt: skip
+#: The sharding strategies the grid runs (on CPU ranks: torch FSDP2 only).
+SHARDING = ("torch_fsdp2",)
 GPUS, CLUSTER, GBS = 4, "rtx3090-pcie", 8
 RECOMPUTE_WORDS = {
     "none": "no",
@@ -70,8 +77,10 @@ def write_report(out, out_dir):
         "`python benchmarks/planner/verify_search.py` (do not edit by hand). **An emulation on a "
         "2-CPU host, not GPUs**: 4 ranks of `oases train` under `--emulate-link rtx3090-pcie` "
         f"(D per candidate's layer shape: {_dilations(out)}); measured = median timed iteration ÷ D. Model: GPT "
-        "H=512, 8 layers, 8 heads, seq 512, vocabulary 1024, global batch 8; searched without the "
-        "host term (the emulator does not reproduce the target host).",
+        "H=512, 8 layers, 8 heads, seq 512, vocabulary 1024 (untied), global batch 8; searched "
+        "without the host term (the emulator does not reproduce the target host), with torch "
+        "FSDP2 (`--use-torch-fsdp2`) as the sharded data parallelism (Megatron-FSDP does not run "
+        "on CPU ranks) and without the distributed optimizer.",
         "",
         "| candidate | setting | predicted ms | measured ms |",
         "|---|---|---|---|",
@@ -81,7 +90,7 @@ def write_report(out, out_dir):
         got = f"{1e3 * r['measured_s']:.2f}" if "measured_s" in r else r["status"]
         lines.append(f"| {r['name']}{tag} | {r['schedule']}, {RECOMPUTE_WORDS[r['recompute']]} recompute"
                      f"{', sequence chunks' if r['split'] == 'sequence' else ''}"
-                     f"{_degrees_word(r)} | "
+                     f"{_degrees_word(r)}{', FSDP2' if r.get('data_parallel_sharding') else ''} | "
                      f"{1e3 * r['predicted_s']:.2f} | {got} |")  # fmt: skip
     fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
     lines += [
@@ -99,6 +108,49 @@ def write_report(out, out_dir):
         )
     with open(os.path.join(out_dir, "verify_search.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _with_fsdp(cands, margs, result):
+    """``cands`` with the fastest FSDP2 candidate stock and the fastest under a split schedule
+    (planned in full, at every layout FSDP2 runs) where none of ``cands`` is one, each placed by
+    its predicted time; their plans join ``result['plans']``."""
+    from megatron_oases.planner.cluster.search import (
+        OASES_CHOICES,
+        STOCK_CHOICES,
+        Layout,
+        _profile,
+        _refine,
+        layouts,
+    )
+    from megatron_oases.planner.settings import AUTO, PlanSettings
+    from megatron_oases.planner.sharding import strategies_for
+    from megatron_oases.testbed.clusters import load_cluster
+
+    spec = load_cluster(CLUSTER)
+    common = PlanSettings(global_batch_size=GBS, memory_gb=spec.memory_gb, host_us_per_call=0,
+                          schedule=AUTO)  # fmt: skip
+    have = {c["schedule"] == "off" for c in cands if c.get("data_parallel_sharding")}
+    best = {}
+    for layout in layouts(margs, GPUS, GBS, spec.gpus_per_node):
+        if "torch_fsdp2" not in strategies_for(layout.dp, layout.pp, True):
+            continue
+        profile = _profile(margs, layout, CLUSTER)
+        for stock, choices in ((True, STOCK_CHOICES), (False, OASES_CHOICES)):
+            if stock in have or (not stock and layout.tp == 1):
+                continue
+            row = {"data_parallel_sharding": "torch_fsdp2"}
+            found = _refine(profile, layout, row, common, margs.num_layers, choices, uniform=True)
+            if found and (stock not in best or found[0]["iteration_time_s"] <
+                          best[stock][0]["iteration_time_s"]):  # fmt: skip
+                best[stock] = found
+    out = list(cands)
+    for row, plan in best.values():
+        row = dict(row, fsdp_extra=True)
+        result.setdefault("plans", {})[row["name"]] = plan
+        at = next((i for i, c in enumerate(out) if c["iteration_time_s"] > row["iteration_time_s"]
+                   and not c.get("rule_of_thumb")), len(out))  # fmt: skip
+        out.insert(at, row)
+    return out
 
 
 def main(argv=None):
@@ -125,8 +177,9 @@ def main(argv=None):
     search_mod._optimizers = lambda layout: (False,)  # no distributed optimizer (docstring)
     flat = {**read_model_file(MODEL), **SHAPE}
     margs = model_for_search(flat, GBS)
-    result = search(margs, CLUSTER, GPUS, GBS, host_us_per_call=0, top=5)
+    result = search(margs, CLUSTER, GPUS, GBS, host_us_per_call=0, top=5, sharding=SHARDING)
     cands = result["candidates"][: args.top] if args.top else result["candidates"]
+    cands = _with_fsdp(cands, margs, result)
     result["candidates"] = cands
     thumb = result["rule_of_thumb"]
     if thumb and not any(

@@ -15,6 +15,9 @@ any TP: schedule ``off``, uniform degree, any recompute setting, the distributed
 DP > 1; its ranking row with ``launch_flags``), ``best_oases`` (the fastest with an overlapped
 schedule or per-layer degrees; its row) and ``stock_over_oases`` (``best_stock``'s predicted
 iteration ÷ ``best_oases``'; > 1: Oases wins; null where either is missing).
+``data_parallel_sharding`` (null: none) names the sharded data parallelism the plan runs, one of
+:data:`DATA_PARALLEL_SHARDINGS` (torch FSDP2, or one of Megatron-FSDP's strategies; what each
+shards and costs: ``megatron_oases/planner/sharding.py``).
 """
 
 import json
@@ -25,6 +28,15 @@ from . import is_finite, read_json, write_atomic
 from .profile import sha256_of
 
 PLAN_VERSION = 1
+#: ``data_parallel_sharding``'s values: ``--use-torch-fsdp2``, and ``--use-megatron-fsdp`` with
+#: each ``--data-parallel-sharding-strategy`` that shards (the planner's rules for each:
+#: ``planner/sharding.py``).
+DATA_PARALLEL_SHARDINGS = (
+    "torch_fsdp2",
+    "megatron_fsdp/optim",
+    "megatron_fsdp/optim_grads",
+    "megatron_fsdp/optim_grads_params",
+)
 
 
 #: The keys every plan has (:func:`validate_plan`).
@@ -165,6 +177,13 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
         v = plan.get(key)
         if v is not None and not isinstance(v, bool):
             _fail(source, f"{key} must be true, false or null, got {v!r}")
+    sharding = plan.get("data_parallel_sharding")
+    if sharding is not None and sharding not in DATA_PARALLEL_SHARDINGS:
+        _fail(
+            source,
+            f"data_parallel_sharding must be null or one of {', '.join(DATA_PARALLEL_SHARDINGS)}, "
+            f"got {sharding!r}",
+        )
     for key, positive in (("memory_gb", True), ("memory_margin", False)):
         v = plan.get(key)
         if v is not None and not (is_finite(v) and (v > 0 if positive else v >= 0)):
@@ -260,6 +279,8 @@ def plan_document(
         "allow_unsplit": settings.allow_unsplit,
         "unsplit_degrees": meta["unsplit_degrees"],
         "distributed_optimizer": settings.distributed_optimizer,
+        # FSDP: torch FSDP2 or a Megatron-FSDP strategy (null: none; planner/sharding.py)
+        "data_parallel_sharding": settings.data_parallel_sharding,
         "global_batch_size": int(settings.global_batch_size),
         "micro_batch_size": meta["micro_batch_size"],
         "num_microbatches": meta["num_microbatches"],
@@ -305,6 +326,8 @@ def _predicted(settings, profile, result, iteration_s, host, memory_breakdown):
         "edges_s": result["edges_s"],
         "grad_sync_s": result["grad_sync_s"],
         "grad_sync_included": result["grad_sync_included"],
+        # the exposed all-gathers and reduce-scatters of data_parallel_sharding (0 without)
+        "sharding_s": result.get("sharding_s", 0.0),
         "peak_memory_bytes_per_rank": result["peak_memory_bytes"],
         "peak_memory_with_margin_bytes": result["peak_memory_bytes"] * (1 + settings.margin),
         "memory_breakdown_bytes": memory_breakdown,
@@ -338,6 +361,8 @@ def _hashed_inputs(settings, profile, problem, pins):
         inputs["recompute_num_layers"] = meta["recompute_num_layers"]
     if settings.split != "batch":
         inputs["split"] = settings.split
+    if settings.data_parallel_sharding is not None:
+        inputs["data_parallel_sharding"] = settings.data_parallel_sharding
     return inputs
 
 

@@ -227,5 +227,6 @@ def host_term(profile, problem, host_us_per_call=None):
         meta["num_microbatches"],
         us,
         recompute_num_layers=meta["recompute_num_layers"],
+        sharding=settings.data_parallel_sharding,
     )
     return {"issue_s": issue_s, "calls": calls, "host_us_per_call": us}

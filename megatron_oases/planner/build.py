@@ -63,6 +63,9 @@ from .block_comm import block_comm
 from .memory_model import memory_parts
 from .problem import Block, ChainProblem
 from .settings import recompute_label, recompute_mode  # noqa: F401 (re-exported)
+from .sharding import check_profile as check_sharded_profile
+from .sharding import exposed_times
+from .time_model import evaluate
 
 
 def _recomputed_layers(recompute, recompute_layers, L):
@@ -206,6 +209,8 @@ def _candidate_degrees(profile, settings, m, halves, chunks):
         )
     if settings.sequence_parallel:
         degrees = _sequence_parallel_degrees(profile, degrees)
+    if settings.data_parallel_sharding:
+        degrees = _sharded_degrees(profile, degrees)
     cand = sorted(int(d) for d in (degrees or available))
     for d in cand:
         if d not in available:
@@ -424,6 +429,8 @@ def build_problem(profile, settings, *, num_layers=None, stage=0):
     s = settings
     check_schedule(s.schedule, source="--schedule")  # ("auto" is choose_plan's, not a schedule)
     b = _batch(profile, s, num_layers, stage)
+    if s.data_parallel_sharding:
+        check_sharded_profile(s.data_parallel_sharding, profile, b.pp)
     T, L, m = b.T, b.L, b.m
     chunks = s.split == "sequence"
     halves = s.schedule in SPLIT_SCHEDULES  # each micro-batch runs as two sub-batches
@@ -448,11 +455,12 @@ def build_problem(profile, settings, *, num_layers=None, stage=0):
         sequence_parallel=s.sequence_parallel,
         recompute_layers=b.N,
         split=s.split,
+        sharding=s.data_parallel_sharding,
     )
     allowed = _allowed(s.pins, degs, L)
     fixed_fwd, fixed_bwd, p2p = _fixed_times(profile, s.sequence_parallel, m, hid, b.pp)
     sync, replica = _sync_times(profile, s, degs, L)
-    return ChainProblem(
+    problem = ChainProblem(
         degrees=degs,
         num_layers=L,
         subs=2 if halves else 1,
@@ -478,6 +486,31 @@ def build_problem(profile, settings, *, num_layers=None, stage=0):
         settings=s,
         meta=_meta(s, b, stage, p2p, why, degs, halves and not chunks, parts, fixed_parts),
     )
+    if s.data_parallel_sharding:
+        _shard(problem, profile)
+    return problem
+
+
+def _shard(problem, profile):
+    """Sharded data parallelism's exposed collectives (:mod:`.sharding`), hidden behind each
+    layer's pass as the time model costs it at the one degree a sharded plan runs: per
+    micro-batch (``problem.sharding``) and, in place of the gradient all-reduce, per iteration
+    (``problem.grad_sync``)."""
+    r = problem.repeats
+    passes = evaluate(problem, [0] * problem.num_layers)["per_layer"]
+    forward = np.array([p["forward_s"] / r for p in passes])
+    backward = np.array([p["backward_s"] / r for p in passes])
+    settings = problem.settings
+    micro, once = exposed_times(
+        settings.data_parallel_sharding,
+        profile,
+        problem.degrees[0],
+        settings.schedule,
+        forward,
+        backward,
+    )
+    problem.sharding[:, 0] = micro
+    problem.grad_sync[:, 0] = once
 
 
 def _meta(settings, b, stage, p2p, why, degs, sample_split, parts, fixed_parts):
@@ -500,6 +533,18 @@ def _meta(settings, b, stage, p2p, why, degs, sample_split, parts, fixed_parts):
         "memory_parts": parts,
         "fixed_memory_parts": fixed_parts,
     }
+
+
+def _sharded_degrees(profile, degrees):
+    """``[T]``: FSDP holds whole TP shards sharded over DP and the runtime refuses per-layer
+    plans under it (``--oases-plan``), so every layer runs at ``T``: the plan is a prediction."""
+    T = profile.tp
+    if degrees and sorted(set(int(d) for d in degrees)) != [T]:
+        raise OasesConfigError(
+            f"--data-parallel-sharding plans every layer at T={T} (the runtime runs FSDP with "
+            f"uniform TMP only); drop --degrees or pass --degrees {T}"
+        )
+    return [T]
 
 
 def _sequence_parallel_degrees(profile, degrees):

@@ -35,6 +35,7 @@ from ..validation import SPLIT_SCHEDULES
 from .api import NoPlanFits, make_plan
 from .ilp import DEFAULT_TIME_LIMIT_S
 from .settings import recompute_label, recompute_mode
+from .sharding import launch_flags as sharding_flags
 
 #: (schedule, recompute) settings, cheapest memory last.
 SETTINGS = (
@@ -162,6 +163,8 @@ def choose_plan(
     )
     if plan.get("distributed_optimizer"):
         plan["launch_flags"] += " --use-distributed-optimizer"
+    if plan.get("data_parallel_sharding"):
+        plan["launch_flags"] += " " + sharding_flags(plan["data_parallel_sharding"])
     return best
 
 

@@ -16,6 +16,7 @@ import math
 import sys
 
 from ..errors import OasesConfigError
+from ..formats.plan import DATA_PARALLEL_SHARDINGS
 from ..outputs import check_output_file, make_parent
 from ..recompute_settings import RECOMPUTE_MODES
 from ..validation import SCHEDULES, SPLITS
@@ -107,6 +108,17 @@ def _add_run_flags(g):
         action="store_true",
         help="memory model: Adam state sharded over each layer's data-parallel replicas "
         "(Megatron --use-distributed-optimizer)",
+    )
+    g.add_argument(
+        "--data-parallel-sharding",
+        choices=DATA_PARALLEL_SHARDINGS,
+        default=None,
+        help="sharded data parallelism (needs DP > 1 and an analytic profile): torch_fsdp2 "
+        "(--use-torch-fsdp2; no PP, untied embeddings; also under the split schedules) or a "
+        "Megatron-FSDP strategy (--use-megatron-fsdp --data-parallel-sharding-strategy ...; "
+        "stock only, CUDA only): the state each shards, its gathered units and its all-gathers "
+        "and reduce-scatters (those once per iteration with --grad-sync, as the DP all-reduce); "
+        "every layer at T (the runtime runs FSDP with uniform TMP only)",
     )
     g.add_argument(
         "--sequence-parallel",

@@ -140,6 +140,12 @@ def summary(plan):
             if p.get("grad_sync_included")
             else ""
         )
+        + (
+            f" + {plan['data_parallel_sharding']} gathers/reduce-scatters "
+            f"{p.get('sharding_s', 0.0) * 1e3:.2f} ms"
+            if plan.get("data_parallel_sharding")
+            else ""
+        )
         + f"; {p['tokens_per_s'] / 1e3:.1f} k tokens/s (whole job)",
         host_line(p),
         f"peak memory per rank {p['peak_memory_bytes_per_rank'] / 1e9:.2f} GB "

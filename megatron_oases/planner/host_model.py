@@ -7,7 +7,8 @@ calls per layer per micro-batch and the rest of a micro-batch's iteration (embed
 optimizer), counted by ``benchmarks/planner/host_calls.py`` at one shape with dropout: calls
 follow the code path mostly, but some kernels issue nested calls by shape (±10-15 % across shapes
 on the CPU path), so the table is an estimate of that order. The host time of an iteration =
-calls × the cluster profile's ``host_us_per_call``.
+calls × the cluster profile's ``host_us_per_call``. Sharded data parallelism (FSDP) adds its own
+calls per layer and per micro-batch (:func:`sharding_calls`).
 
 **The queue.** The host issues asynchronously and runs ahead of the device; it waits for the
 device only at the iteration's end (the loss is read back). So an iteration takes at least the
@@ -32,9 +33,29 @@ def setting_key(schedule, recompute, split="batch"):
 
 
 @functools.lru_cache(maxsize=4)
-def load_table(path=TABLE_PATH):
+def _load(path):
     with open(path) as f:
-        return yaml.safe_load(f)["settings"]
+        return yaml.safe_load(f)
+
+
+def load_table(path=TABLE_PATH):
+    return _load(path)["settings"]
+
+
+def sharding_calls(sharding, schedule, table=None):
+    """(calls per layer per micro-batch, rest per micro-batch) that sharding strategy
+    ``sharding`` adds to ``schedule``'s: torch FSDP2's, counted stock and under a split schedule
+    (the table's ``sharding`` rows); Megatron-FSDP runs on CUDA only and is not counted, so its
+    strategies are charged FSDP2's stock count (an estimate of that order)."""
+    if not sharding:
+        return 0.0, 0.0
+    table = _load(TABLE_PATH).get("sharding", {}) if table is None else table
+    key = "torch_fsdp2/" + ("off" if schedule == "off" else "split")
+    if key not in table:
+        raise OasesConfigError(
+            f"no host-call count for {key}: rerun benchmarks/planner/host_calls.py --sharding-only"
+        )
+    return float(table[key]["per_layer"]), float(table[key]["rest"])
 
 
 def calls_per_layer(schedule, recompute, split="batch", subs=2, table=None):
@@ -56,10 +77,11 @@ def calls_per_layer(schedule, recompute, split="batch", subs=2, table=None):
 
 
 def host_time(schedule, recompute, split, subs, layers, num_microbatches, host_us_per_call,
-              recompute_num_layers=None, table=None):  # fmt: skip
+              recompute_num_layers=None, table=None, sharding=None):  # fmt: skip
     """(seconds, calls) the host needs to issue one iteration of one pipeline stage's ``layers``
     (``recompute_num_layers``: Megatron's block method, only the first that many layers
-    recomputed, the others issued as without recompute)."""
+    recomputed, the others issued as without recompute; ``sharding``: a data-parallel sharding
+    strategy, whose calls come on top, :func:`sharding_calls`)."""
     per, rest = calls_per_layer(schedule, recompute, split, subs, table)
     if recompute_num_layers is not None and recompute == "full":
         # layers past the first N keep their activations: stock's, or the per-pass overlap's
@@ -71,5 +93,8 @@ def host_time(schedule, recompute, split, subs, layers, num_microbatches, host_u
         layer_calls = n * per + (layers - n) * kept
     else:
         layer_calls = layers * per
+    shard_per, shard_rest = sharding_calls(sharding, schedule)
+    layer_calls += layers * shard_per
+    rest += shard_rest
     calls = num_microbatches * (layer_calls + rest)
     return calls * host_us_per_call * 1e-6, calls

@@ -39,6 +39,10 @@ chunks' backward working sets interleave (``2 × working set(n/2)``). Under full
 earlier chunk's keys and values are kept from forward for the later chunk's attention
 (:func:`~megatron_oases.formats.profile.key_value_bytes` × n/2).
 
+Sharded data parallelism (``sharding``: torch FSDP2 or a Megatron-FSDP strategy): each layer's
+and the fixed parameters' state is what the strategy keeps per rank, plus its gathered units
+(:mod:`.sharding`, where those rules live).
+
 Separate from :mod:`.build` (which also costs time) because these terms read only the profile's
 memory section, and :func:`memory_breakdown` explains a plan's peak from them.
 """
@@ -49,6 +53,7 @@ from ..errors import OasesConfigError
 from ..formats.profile import key_value_bytes
 from ..recompute_settings import SELECTIVE_MODES
 from ..validation import SPLIT_SCHEDULES, samples_per_group
+from .sharding import bytes_per_param, gathered_fixed_bytes, gathered_layer_bytes
 
 
 def memory_parts(
@@ -64,6 +69,7 @@ def memory_parts(
     sequence_parallel=False,
     recompute_layers=None,
     split="batch",
+    sharding=None,
 ):
     """Eq. (6)'s terms in bytes per rank for candidate degrees ``degs``: ``(parts, fixed_parts)``
     with ``parts[name]`` an (L, K) array for ``state`` and ``saved`` (additive over layers) and
@@ -71,7 +77,9 @@ def memory_parts(
     micro-batches keep their saved activations alive (1F1B); ``recompute``: ``"none"``,
     ``"selective"``, ``"selective+ln"`` or ``"full"``; ``sequence_parallel``: SP-sized terms (module docstring);
     ``recompute_layers``: with ``full``, only the first that many layers are recomputed (block);
-    ``split``: ``"sequence"`` for sub-batches of sequence chunks (module docstring).
+    ``split``: ``"sequence"`` for sub-batches of sequence chunks (module docstring);
+    ``sharding``: a data-parallel sharding strategy's name (:mod:`.sharding`: its state and
+    gathered units), None for none.
     """
     if recompute == "full" and recompute_layers is not None and recompute_layers < num_layers:
         kw = dict(
@@ -82,6 +90,7 @@ def memory_parts(
             distributed_optimizer=distributed_optimizer,
             sequence_parallel=sequence_parallel,
             split=split,
+            sharding=sharding,
         )
         parts, fixed_parts = memory_parts(profile, degs, recompute="full", **kw)
         kept, _ = memory_parts(profile, degs, recompute="none", **kw)
@@ -102,7 +111,7 @@ def memory_parts(
     chunks = halves and split == "sequence"
     mem = profile.data["memory"]
     ckpt = mem["checkpoint_bytes_per_sample"]
-    if distributed_optimizer:
+    if distributed_optimizer or sharding:
         if "params_per_layer" not in mem or "bytes_per_param" not in mem:
             raise OasesConfigError(
                 "this profile predates optimizer-state sharding; re-run oases profile"
@@ -112,7 +121,14 @@ def memory_parts(
 
     def state_bytes(d):
         """Parameters, gradients and Adam state per rank for one layer at degree d. With a
-        distributed optimizer the optimizer state is sharded over the layer's D·T/d replicas."""
+        distributed optimizer the optimizer state is sharded over the layer's D·T/d replicas;
+        with a sharding strategy what it shards (:mod:`.sharding`), plus, under the split
+        schedules, the layer's gathered parameters and unsharded gradients."""
+        if sharding:
+            params = profile.mem("params_per_layer", d)
+            per_param = bytes_per_param(sharding, wg, opt, profile.dtype_bytes, D * T // d)
+            gathered, _ = gathered_layer_bytes(sharding, params, profile.dtype_bytes, schedule)
+            return params * per_param + gathered
         if not distributed_optimizer:
             return profile.mem("state_bytes_per_layer", d)
         return profile.mem("params_per_layer", d) * (wg + opt / (D * T // d))
@@ -162,10 +178,17 @@ def memory_parts(
             # set (gradients in flight, weight-gradient temporaries) is live on top (chunks:
             # already in the layer's working set above, except under block-wise recomputation)
             runtime += max(0.0, sp.runtime_peak(h) - sp.activation(h))
+        if sharding:  # the units being gathered and reduced around the running layer
+            params = profile.mem("params_per_layer", d)
+            runtime += gathered_layer_bytes(sharding, params, profile.dtype_bytes, schedule)[1]
         parts["state"][:, k] = state_bytes(d)
         parts["saved"][:, k] = saved * in_flight
         parts["runtime"][:, k] = runtime
-    if distributed_optimizer:
+    if sharding:
+        fixed = float(mem["fixed_params"])
+        fixed_state = fixed * bytes_per_param(sharding, wg, opt, profile.dtype_bytes, D)
+        fixed_state += gathered_fixed_bytes(sharding, fixed, profile.dtype_bytes)
+    elif distributed_optimizer:
         fixed_state = float(mem["fixed_params"]) * (wg + opt / D)
     else:
         fixed_state = profile.mem("fixed_state_bytes")

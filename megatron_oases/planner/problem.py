@@ -71,6 +71,9 @@ class ChainProblem:
     # over its T/d replicas inside the TMP domain (layer_degrees.model.sync_replica_grads);
     # always paid, and part of grad_sync when that is included.
     replica_sync: np.ndarray = None
+    # (L, K) seconds per micro-batch: the exposed all-gathers and reduce-scatters of sharded data
+    # parallelism (FSDP; :mod:`.sharding`), zero without
+    sharding: np.ndarray = None
     # what the builder derived (micro-batches, pipeline stage, memory parts, excluded degrees …)
     meta: dict = field(default_factory=dict)
     # the run it was built for (a :class:`~.settings.PlanSettings`; None for hand-made instances)
@@ -83,6 +86,8 @@ class ChainProblem:
             self.grad_sync = np.zeros((self.num_layers, len(self.degrees)))
         if self.replica_sync is None:
             self.replica_sync = np.zeros((self.num_layers, len(self.degrees)))
+        if self.sharding is None:
+            self.sharding = np.zeros((self.num_layers, len(self.degrees)))
 
     @property
     def per_iteration(self):

@@ -27,6 +27,7 @@ from ..validation import (
     check_whole_layer_recompute,
 )
 from .problem import DEFAULT_GRANULE, DEFAULT_MARGIN
+from .sharding import check_sharding
 
 #: ``schedule`` of a settings object whose schedule, recompute setting and split
 #: :func:`.choose.choose_plan` chooses (``oases plan --schedule auto``).
@@ -51,6 +52,7 @@ FLAGS = {
     "split": "--split",
     "sequence_parallel": "--sequence-parallel",
     "distributed_optimizer": "--distributed-optimizer",
+    "data_parallel_sharding": "--data-parallel-sharding",
     "grad_sync": "--grad-sync",
     "allow_unsplit": "--allow-unsplit",
     "margin": "--margin",
@@ -70,6 +72,7 @@ PLAN_KEYS = {
     "split": "split",
     "sequence_parallel": "sequence_parallel",
     "distributed_optimizer": "distributed_optimizer",
+    "data_parallel_sharding": "data_parallel_sharding",
     "memory_gb": "memory_gb",
     "tensor_model_parallel_size": "tensor_model_parallel_size",
     "data_parallel_size": "data_parallel_size",
@@ -87,6 +90,7 @@ _AGREE = (
     "split",
     "sequence_parallel",
     "distributed_optimizer",
+    "data_parallel_sharding",
 )
 
 
@@ -137,6 +141,9 @@ class PlanSettings:
     ``degrees`` (candidates, None: the profile's) and ``pins`` (``((layers, degree), ...)``) are
     the search's constraints. With ``schedule="auto"`` the schedule, the recompute setting and
     (where ``split`` is None) the split are left to :func:`.choose.choose_plan`.
+    ``data_parallel_sharding``: torch FSDP2 or a Megatron-FSDP strategy (None: none; the names
+    of :data:`~megatron_oases.formats.plan.DATA_PARALLEL_SHARDINGS`, the rules in
+    :mod:`.sharding`).
 
     ``global_batch_size`` None: not known (a plan that records none); planning needs it. The
     parallel sizes (``tensor_model_parallel_size``, ``data_parallel_size``,
@@ -154,6 +161,7 @@ class PlanSettings:
     split: Optional[str] = None
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    data_parallel_sharding: Optional[str] = None
     grad_sync: bool = False
     allow_unsplit: bool = False
     margin: float = DEFAULT_MARGIN
@@ -181,6 +189,8 @@ class PlanSettings:
         else:
             self._check_setting()
         self._check_numbers()
+        if self.data_parallel_sharding is not None:
+            check_sharding(self)
 
     def source(self, name):
         """Where field ``name``'s value came from, as a message names it: the plan file's key
@@ -258,6 +268,7 @@ class PlanSettings:
             split=args.split,
             sequence_parallel=args.sequence_parallel,
             distributed_optimizer=args.distributed_optimizer,
+            data_parallel_sharding=getattr(args, "data_parallel_sharding", None),
             grad_sync=args.grad_sync,
             allow_unsplit=args.allow_unsplit,
             margin=args.margin,
@@ -328,6 +339,7 @@ def _given_flags(args):
         ("split", "split"),
         ("sequence_parallel", "sequence_parallel"),
         ("distributed_optimizer", "distributed_optimizer"),
+        ("data_parallel_sharding", "data_parallel_sharding"),
         ("allow_unsplit", "allow_unsplit"),
         ("grad_sync", "grad_sync"),
         ("memory_gb", "memory"),

@@ -95,6 +95,7 @@ def evaluate(problem, ks):
             prev_last = seg[-1]
     boundary = [float(problem.boundary[l, k]) for l, k in enumerate(ks)]
     edges += sum(boundary)
+    shard = [float(problem.sharding[l, k]) for l, k in enumerate(ks)]
     fwd += problem.fixed_forward_s
     bwd += problem.fixed_backward_s
     r = problem.repeats
@@ -110,16 +111,18 @@ def evaluate(problem, ks):
                 "forward_s": float(r * fwd_layers[l][0]),
                 "backward_s": float(r * bwd_layers[l][0]),
                 "edges_s": float(r * (fwd_layers[l][1] + bwd_layers[l][1] + boundary[l])),
+                "sharding_s": float(r * shard[l]),
                 "grad_sync_s": sync[l],
                 "replica_sync_s": float(problem.replica_sync[l, ks[l]]),
                 "memory_bytes": float(problem.mem_add[l, ks[l]]),
             }
         )
     return {
-        "iteration_time_s": float(r * (fwd + bwd + edges) + per_iter),
+        "iteration_time_s": float(r * (fwd + bwd + edges + sum(shard)) + per_iter),
         "forward_s": float(r * fwd),
         "backward_s": float(r * bwd),
         "edges_s": float(r * edges),
+        "sharding_s": float(r * sum(shard)),
         "grad_sync_s": float(grad_sync),
         "grad_sync_included": problem.include_grad_sync,
         "replica_sync_s": float(sum(problem.replica_sync[l, k] for l, k in enumerate(ks))),
@@ -173,7 +176,7 @@ def decompose(problem):
                 if i == len(seg) - 1:
                     U[l] += blk.exposed_tail()
             prev_last = seg[-1]
-    U += problem.boundary
+    U += problem.boundary + problem.sharding
     U[0] += problem.fixed_forward_s + problem.fixed_backward_s  # constant: same for every k
     U *= problem.repeats
     U += problem.per_iteration  # once per iteration, not per micro-batch

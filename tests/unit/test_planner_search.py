@@ -33,10 +33,11 @@ def test_every_layout_is_one_megatron_runs(gpt7b):
 
 
 def test_pipeline_parallelism_wins_where_one_stage_does_not_fit(gpt7b):
-    """6.7B on 8 RTX 3090s (24 GB): no single-stage layout fits; a pipelined one wins, and the
-    winner is never slower than the usual rules' pick (TP within a node, fewest stages, the
-    largest micro-batch, stock)."""
-    result = search(gpt7b, "rtx3090-pcie", 8, 64)
+    """6.7B on 8 RTX 3090s (24 GB) without sharded data parallelism (which makes single-stage
+    layouts fit: tests/unit/test_planner_sharding.py): no single-stage layout fits; a pipelined
+    one wins, and the winner is never slower than the usual rules' pick (TP within a node,
+    fewest stages, the largest micro-batch, stock)."""
+    result = search(gpt7b, "rtx3090-pcie", 8, 64, sharding=False)
     best = result["candidates"][0]
     assert best["layout"]["pp"] > 1 and best["level"] == 2
     assert all(c["layout"]["pp"] > 1 for c in result["candidates"])
@@ -60,11 +61,13 @@ def test_memory_forces_recompute(gpt7b):
 
 
 def test_the_host_term_keeps_a_fast_gpu_from_splitting(gpt7b):
-    """64 H100s: on device time alone a split schedule wins; at the measured host cost per call
-    the split's launches make it host-bound and stock wins."""
-    device_only = search(gpt7b, "h100-nvlink", 64, 64, host_us_per_call=0)["candidates"][0]
+    """64 H100s without sharded data parallelism (whose stock layouts win here on device time
+    too): on device time alone a split schedule wins; at the measured host cost per call the
+    split's launches make it host-bound and stock wins."""
+    device_only = search(gpt7b, "h100-nvlink", 64, 64, host_us_per_call=0, sharding=False)
+    device_only = device_only["candidates"][0]
     assert device_only["schedule"] != "off"
-    hosted = search(gpt7b, "h100-nvlink", 64, 64)
+    hosted = search(gpt7b, "h100-nvlink", 64, 64, sharding=False)
     assert hosted["candidates"][0]["schedule"] == "off"
     splits = [c for c in hosted["candidates"] if c["schedule"] != "off" and c["level"] == 2]
     assert all(c["iteration_time_s"] > hosted["candidates"][0]["iteration_time_s"] for c in splits)

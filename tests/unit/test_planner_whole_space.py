@@ -95,7 +95,8 @@ def test_where_stock_wins_it_says_so_with_stocks_launch_line(h2048):
     stock = result["best_stock"]
     assert result["candidates"][0] is stock
     line = verdict(result)[2]
-    assert line.startswith("stock Megatron wins here") and stock["stock_launch_flags"] in line
+    assert line.startswith("stock Megatron") and " wins here: " in line
+    assert stock["stock_launch_flags"] in line
     assert "--oases" not in line and "--tensor-model-parallel-size 1" in line
 
 

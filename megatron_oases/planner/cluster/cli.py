@@ -74,6 +74,19 @@ def run_with_line(plan, out=None):
     return f"run with: {plan['launch_flags']}{hint}"
 
 
+def fsdp2_notes(result):
+    """Where the winner or the best stock layout runs torch FSDP2 and this Megatron cannot save
+    and resume such a run: one line saying so (:func:`~megatron_oases.compat.fsdp2_checkpoint_gap`).
+    """
+    rows = [result["candidates"][0], result.get("best_stock")]
+    if not any(r and r.get("data_parallel_sharding") == "torch_fsdp2" for r in rows):
+        return []
+    from ...compat import fsdp2_checkpoint_gap
+
+    gap = fsdp2_checkpoint_gap()
+    return [f"torch FSDP2 trains here, but {gap}"] if gap else []
+
+
 def search_main(args):
     """``--gpus N``: the cluster-wide search (:mod:`.search`)."""
     from ...formats.plan import save_plan
@@ -98,7 +111,9 @@ def search_main(args):
     if args.out:
         check_output_file(args.out, example="plan.json")
     fixed = [f for f, v in (("--schedule", args.schedule), ("--degrees", args.degrees),
-                            ("--micro-batch-size", args.micro_batch_size)) if v]  # fmt: skip
+                            ("--micro-batch-size", args.micro_batch_size),
+                            ("--data-parallel-sharding", args.data_parallel_sharding))
+             if v]  # fmt: skip
     if fixed:
         raise OasesConfigError(f"--gpus chooses {', '.join(fixed)} itself; drop them")
     from ...testbed.clusters import load_cluster
@@ -125,6 +140,8 @@ def search_main(args):
     print("\n".join(verdict(result)))
     plan = result["winner_plan"]
     print(run_with_line(plan, args.out))
+    for note in result["notes"] + fsdp2_notes(result):
+        print(f"note: {note}")
     if args.verify_top:
         import os
         import tempfile

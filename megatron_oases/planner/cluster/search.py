@@ -17,7 +17,11 @@ replaced by a reduce-scatter and a parameter all-gather), and TP = 1 layouts run
 only (nothing to overlap). Stock Megatron at every layout and recompute setting is ranked too:
 the result names the best stock layout (uniform degree, ``off``) beside the best Oases one
 (an overlapped schedule or per-layer degrees) and their ratio, so a cluster where stock wins says
-so. See ``docs/planner.md`` ("Searching the cluster").
+so. Sharded data parallelism too (:mod:`..sharding`): every layout with DP > 1 is costed with
+torch FSDP2 and each Megatron-FSDP strategy as stock settings, and with FSDP2 under the split
+schedules (where Megatron and the runtime run them: FSDP2 without PP and for untied embeddings;
+Megatron-FSDP stock only), each at its layout's uniform TP. See ``docs/planner.md`` ("Searching
+the cluster").
 """
 
 import copy
@@ -29,6 +33,10 @@ from ...errors import OasesConfigError
 from ..api import make_plan
 from ..choose import SETTINGS, choose_plan, setting_name
 from ..settings import AUTO, PlanSettings
+from ..sharding import STRATEGIES as SHARDINGS
+from ..sharding import label as sharding_label
+from ..sharding import launch_flags as sharding_flags
+from ..sharding import strategies_for
 from .stage_split import best_split
 
 #: Level one's settings: (schedule, recompute).
@@ -135,6 +143,31 @@ def _optimizers(layout):
     return (False, True) if layout.dp > 1 else (False,)
 
 
+def _shardings(layout, untied):
+    """The sharding strategies the layout can run stock (:func:`..sharding.strategies_for`);
+    which of them run under the split schedules: :func:`_runs`."""
+    return strategies_for(layout.dp, layout.pp, untied)
+
+
+def _modes(layout, untied, sharding=True):
+    """``(distributed optimizer, sharding)`` pairs a layout is costed with: the optimizer off
+    and on (DP > 1), then each sharding strategy ``sharding`` allows (:func:`search`)."""
+    modes = [(optimizer, None) for optimizer in _optimizers(layout)]
+    names = _shardings(layout, untied)
+    if sharding is not True:
+        names = [n for n in names if n in (sharding or ())]
+    return modes + [(False, name) for name in names]
+
+
+def _runs(schedule, sharding):
+    """Whether ``schedule`` runs under ``sharding`` (Megatron-FSDP: stock only)."""
+    return sharding is None or schedule == "off" or SHARDINGS[sharding].split_schedules
+
+
+def _untied(profile):
+    return bool(profile.shape.get("untie_embeddings_and_output_weights"))
+
+
 def _row(layout, plan):
     """A candidate's ranking row from a plan (None: nothing fits)."""
     p = plan["predicted"]
@@ -152,6 +185,7 @@ def _row(layout, plan):
         "host_bound": bool(host.get("host_bound")),
         "peak_memory_gb": p["peak_memory_bytes_per_rank"] / 1e9,
         "distributed_optimizer": bool(plan.get("distributed_optimizer")),
+        "data_parallel_sharding": plan.get("data_parallel_sharding"),
     }
 
 
@@ -168,13 +202,17 @@ def _flags(layout, setting, common):
     )
     if setting.get("distributed_optimizer"):
         own += " --use-distributed-optimizer"
+    if setting.get("data_parallel_sharding"):
+        own += " " + sharding_flags(setting["data_parallel_sharding"])
     return f"{layout.flags(common.global_batch_size)} {own}"
 
 
-def _uniform(profile, layout, schedule, recompute, common, split="batch", optimizer=False):
+def _uniform(
+    profile, layout, schedule, recompute, common, split="batch", optimizer=False, sharding=None
+):
     """The layout's row for one setting at its uniform degree (None where it does not fit);
-    ``optimizer``: the distributed optimizer; ``common``: the search's settings
-    (:class:`~..settings.PlanSettings`)."""
+    ``optimizer``: the distributed optimizer; ``sharding``: a sharding strategy (None: none);
+    ``common``: the search's settings (:class:`~..settings.PlanSettings`)."""
     try:
         setting = replace(
             common,
@@ -185,6 +223,7 @@ def _uniform(profile, layout, schedule, recompute, common, split="batch", optimi
             micro_batch_size=layout.micro_batch,
             grad_sync=layout.dp > 1,
             distributed_optimizer=optimizer,
+            data_parallel_sharding=sharding,
         )
         plan = make_plan(profile, setting)[0]
     except OasesConfigError:  # does not fit, or cannot split this micro-batch
@@ -196,8 +235,8 @@ def _try_uneven_split(row, profile, layout, plan, common, total_layers):
     """Level two, pipelined candidates at a uniform degree: the fastest stage split that fits
     (:mod:`.stage_split`) replaces the even one where it is faster; the row's time is scaled by
     the split's ratio to the even split, its memory is the fullest stage's."""
-    if layout.pp < 2 or row["degrees"] != [layout.tp]:
-        return
+    if layout.pp < 2 or row["degrees"] != [layout.tp] or row.get("data_parallel_sharding"):
+        return  # (sharded: each stage's own gathers are not costed per stage; not searched)
     found = best_split(
         profile,
         row,
@@ -217,37 +256,54 @@ def _try_uneven_split(row, profile, layout, plan, common, total_layers):
     row["launch_flags"] += " " + found["flags"]
 
 
-def _quick(profile, layout, common):
-    """Level one at the uniform degree, with and without the distributed optimizer: the fastest
-    Oases setting of :data:`QUICK_SETTINGS` (none at TP = 1), the fastest stock recompute setting
-    of :data:`STOCK_SETTINGS`, and stock with full recompute and no distributed optimizer on its
-    own (the rule of thumb's). ``(oases, stock, full)``, rows or None."""
+def _quick(profile, layout, common, sharding=True):
+    """Level one at the uniform degree, with and without the distributed optimizer and with each
+    sharding strategy (:func:`_modes`): the fastest Oases setting of :data:`QUICK_SETTINGS`
+    (none at TP = 1), the fastest stock recompute setting of :data:`STOCK_SETTINGS`, and stock
+    with full recompute and neither (the rule of thumb's). ``(oases, stock, full)``, rows or
+    None. ``sharding``: which sharding strategies (:func:`search`)."""
     oases = stock = full = None
     tried = [("off", r) for r in STOCK_SETTINGS]
     if layout.tp > 1:
         tried += [(s, r) for s, r in QUICK_SETTINGS if s != "off"]
-    for optimizer in _optimizers(layout):
+    for optimizer, name in _modes(layout, _untied(profile), sharding):
         for schedule, recompute in tried:
+            if not _runs(schedule, name):
+                continue
             split = "sequence" if schedule != "off" and layout.micro_batch == 1 else "batch"
-            row = _uniform(profile, layout, schedule, recompute, common, split, optimizer)
+            row = _uniform(profile, layout, schedule, recompute, common, split, optimizer, name)
             if row is None:
                 continue
-            if (schedule, recompute, optimizer) == ("off", "full", False):
+            if (schedule, recompute, optimizer, name) == ("off", "full", False, None):
                 full = row
             if schedule == "off":
-                if stock is None or row["iteration_time_s"] < stock["iteration_time_s"]:
-                    stock = row
-            elif oases is None or row["iteration_time_s"] < oases["iteration_time_s"]:
-                oases = row
+                stock = _faster(row, stock)
+            else:
+                oases = _faster(row, oases)
     return oases, stock, full
+
+
+def _faster(row, best):
+    """The faster of two level-one rows; at the same time the one that needs less memory (it
+    leaves level two room to recompute fewer layers: ZeRO-3's strategies tie in time)."""
+    if best is None:
+        return row
+    t, u = row["iteration_time_s"], best["iteration_time_s"]
+    if t < u * (1 - 1e-9) or (
+        t <= u * (1 + 1e-9) and row["peak_memory_gb"] < best["peak_memory_gb"]
+    ):
+        return row
+    return best
 
 
 def _refine(profile, layout, row, common, total_layers, settings=SETTINGS, uniform=False):
     """Level two for one layout: every setting of ``settings`` planned in full (per-layer degrees
     unless ``uniform``, the host term, block recompute, uneven stage splits) with ``row``'s
-    distributed optimizer. ``(row, plan)``, or None where nothing fits."""
+    distributed optimizer and sharding. ``(row, plan)``, or None where nothing fits."""
+    sharding = row.get("data_parallel_sharding")
     if layout.tp == 1:  # nothing to overlap: stock Megatron only
         settings = tuple(sr for sr in settings if sr[0] == "off")
+    settings = tuple(sr for sr in settings if _runs(sr[0], sharding))
     if not settings:
         return None
     try:
@@ -256,7 +312,8 @@ def _refine(profile, layout, row, common, total_layers, settings=SETTINGS, unifo
             micro_batch_size=layout.micro_batch,
             grad_sync=layout.dp > 1,
             distributed_optimizer=row.get("distributed_optimizer", False),
-            degrees=[layout.tp] if uniform else None,
+            data_parallel_sharding=sharding,
+            degrees=[layout.tp] if uniform or sharding else None,
         )
         plan = choose_plan(profile, setting, candidates=settings)[0]
     except OasesConfigError:
@@ -300,11 +357,14 @@ def search(
     top=5,
     host_us_per_call=None,
     progress=None,
+    sharding=True,
 ):
     """Rank the layouts of ``gpus`` GPUs for ``args``' model on ``cluster`` (a cluster profile's
     name). Returns ``{'candidates', 'winner_plan', 'rule_of_thumb', 'search_s', ...}``: the
     candidates fastest first (the ``top`` planned in full first, ``level`` 2), the winner's plan
-    with ``launch_flags`` that include the layout."""
+    with ``launch_flags`` that include the layout. ``sharding``: True, every sharding strategy
+    (FSDP) where it runs; False, none (for comparison); or the names of those to try (e.g.
+    ``("torch_fsdp2",)`` for runs on CPU ranks, where Megatron-FSDP does not run)."""
     from ...testbed.clusters import load_cluster
 
     t0 = time.perf_counter()
@@ -320,7 +380,7 @@ def search(
     quick, stock, oases_quick, full, profiles = [], [], [], [], {}
     for i, layout in enumerate(options):
         profiles[layout] = _profile(args, layout, cluster)
-        oases_row, stock_row, full_row = _quick(profiles[layout], layout, common)
+        oases_row, stock_row, full_row = _quick(profiles[layout], layout, common, sharding)
         rows = [r for r in (oases_row, stock_row) if r]
         if rows:
             quick.append(min(rows, key=lambda r: r["iteration_time_s"]))
@@ -387,6 +447,14 @@ def search(
     ratio = None
     if best_stock is not None and best_oases is not None:
         ratio = by_time(best_stock) / by_time(best_oases)
+    notes = []
+    fsdp2 = sharding is True or "torch_fsdp2" in (sharding or ())
+    if fsdp2 and any(o.dp > 1 for o in options) and not args.untie_embeddings_and_output_weights:
+        notes.append(
+            "torch FSDP2 not searched: this model ties its embedding and output weights (FSDP2 "
+            "needs --untie-embeddings-and-output-weights, which trains another model); "
+            "Megatron-FSDP's strategies were"
+        )
     return {
         "gpus": gpus,
         "cluster": cluster,
@@ -401,12 +469,15 @@ def search(
         "best_oases": best_oases,
         # the best stock layout's predicted iteration ÷ the best Oases one's (> 1: Oases wins)
         "stock_over_oases": ratio,
+        "notes": notes,
         "search_s": time.perf_counter() - t0,
     }
 
 
 def _describe(r):
     opt = ", distributed optimizer" if r.get("distributed_optimizer") else ""
+    if r.get("data_parallel_sharding"):
+        opt = ", " + sharding_label(r["data_parallel_sharding"])
     setting = setting_name(r["schedule"], r["recompute"], r["recompute_num_layers"], r["split"])
     if r["degrees"] != [r["layout"]["tp"]]:
         setting += f" degrees {r['degrees']}"
@@ -425,8 +496,11 @@ def verdict(result):
         lines.append(f"Oases over the best stock layout: {ratio:.2f}x")
     elif s is not None:
         faster = f"{1 / ratio:.2f}x faster than the best Oases layout" if ratio else "the only fit"
+        who = "stock Megatron"
+        if s.get("data_parallel_sharding"):
+            who += f" with {sharding_label(s['data_parallel_sharding'])}"
         lines.append(
-            f"stock Megatron wins here: {s['name']} is {faster}; run stock Megatron-LM with: "
+            f"{who} wins here: {s['name']} is {faster}; run stock Megatron-LM with: "
             f"{s['stock_launch_flags']}"
         )
     return lines
@@ -482,6 +556,8 @@ def table(result, rows=10):
             setting += f" stages {first}/../{last}"
         if r.get("distributed_optimizer"):
             setting += " dist-opt"
+        if r.get("data_parallel_sharding"):
+            setting += " " + SHARDINGS[r["data_parallel_sharding"]].short
         bound = " host-bound" if r["host_bound"] else ""
         lines.append(
             f"{i:>3}  {r['name']:<22} {setting:<62} {r['iteration_time_s']:>11.3f} "

@@ -15,6 +15,7 @@ import os
 
 from ...errors import OasesConfigError
 from ...validation import samples_per_group
+from ..sharding import STRATEGIES
 
 
 def spearman(xs, ys):
@@ -94,7 +95,13 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     for i, cand in enumerate(result["candidates"][:k], 1):
-        plan = result.get("plans", {}).get(cand["name"])
+        # (a sharded candidate runs every layer at TP: no plan file; its layout's plan in
+        # ``plans`` may be another setting's)
+        plan = (
+            None
+            if cand.get("data_parallel_sharding")
+            else result.get("plans", {}).get(cand["name"])
+        )
         flags = candidate_flags(cand, plan, out_dir)
         variant = Variant(
             name=_slug(cand["name"]), flags=tuple(flags), label=cand["name"], paper=""
@@ -125,6 +132,7 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
             "split": cand["split"],
             "degrees": cand.get("degrees"),
             "tp": lay["tp"],
+            "data_parallel_sharding": cand.get("data_parallel_sharding"),
             "predicted_s": cand["device_time_s"],
             "status": run["status"],
             "dilation": emulation["dilation"],
@@ -161,6 +169,8 @@ def verify_table(verified):
         setting = r["schedule"]
         if r.get("degrees") and r["degrees"] != [r.get("tp")]:  # layers below TP: the plan file
             setting += f" degrees {r['degrees']}"
+        if r.get("data_parallel_sharding"):
+            setting += " " + STRATEGIES[r["data_parallel_sharding"]].short
         lines.append(f"{r['name']:<22} {setting:<10} {1e3 * r['predicted_s']:>13.2f} {got}")
     rho, gap = verified.get("spearman"), verified.get("chosen_gap")
     lines.append(

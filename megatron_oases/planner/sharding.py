@@ -1,0 +1,281 @@
+"""Sharded data parallelism in the planner: what each strategy shards over the data-parallel
+replicas, what it gathers, what its collectives cost and how much of them compute hides. The one
+place these rules live; :mod:`.memory_model` and :mod:`.build` call it.
+
+The strategies (plan files name them, :data:`~megatron_oases.formats.plan.DATA_PARALLEL_SHARDINGS`),
+their bytes per parameter per rank and their collectives on the data-parallel link:
+
+- none (DDP): ``wg + opt``; ``--use-distributed-optimizer`` (ZeRO-1): ``wg + opt/R``; their
+  gradient sync is :mod:`.build`'s (not here).
+- ``megatron_fsdp/optim``: ``2p + opt/R``; per iteration, exposed: the gradients' reduce-scatter
+  and the parameters' all-gather.
+- ``megatron_fsdp/optim_grads``: ``p + (p + opt)/R``; per micro-batch: the gradients'
+  reduce-scatter, each layer's hidden behind the next layer's backward; per iteration, exposed:
+  the parameters' all-gather.
+- ``megatron_fsdp/optim_grads_params``: ``(2p + opt)/R``; per micro-batch: the parameters'
+  all-gather in forward and again in backward, prefetched one layer ahead, and the gradients'
+  reduce-scatter as above.
+- ``torch_fsdp2``: ``(2p + opt + 4)/R`` (bf16); its collectives as ``optim_grads_params``'.
+
+``p``: the model's bytes per element (bf16: 2), ``opt``: the optimizer's per parameter (the
+profile's: bf16 12 = fp32 master + two Adam moments), ``R``: the layer's data-parallel replicas
+(``D·T/d``; every sharded layer runs at ``d = T``, so ``D``). Megatron-FSDP keeps its main
+gradients and reduces them in the model's dtype by default (``--megatron-fsdp-main-grads-dtype
+auto``, ``--megatron-fsdp-grad-comm-dtype auto``); FSDP2 under Megatron holds bf16 gradients and
+Megatron's float16 optimizer makes an fp32 copy of them at its step (the ``+ 4``, counted as state:
+safe). Megatron-FSDP ``optim``/``optim_grads`` gather the updated parameters synchronously after
+the step (``--overlap-param-gather`` is off by default) and ``optim`` reduce-scatters at the last
+micro-batch synchronously (``--overlap-grad-reduce`` off), so those are exposed once per
+iteration, as the DDP and ZeRO-1 syncs are; sharded gradients and parameters force the
+per-micro-batch collectives into hooks that Megatron-FSDP and FSDP2 prefetch and overlap.
+
+**The gathered units.** Stock (``off``): ZeRO-3 holds two layers' gathered parameters (the one
+running and the one prefetched) and two layers' unsharded gradients (the one being computed and
+the one being reduce-scattered): ``4·P·p`` on top of the layer's working set; ZeRO-2 the two
+gradients (``2·P·p``). The embedding and output layer (the root module under FSDP2, gathered for
+the whole pass) with their unsharded gradients: ``2·F·p`` (ZeRO-3), ``F·p`` (ZeRO-2).
+
+**Under the split schedules** (``overlap``, ``cross-pass``, ``oases``) only FSDP2 runs
+(Megatron-FSDP is refused there): the engine gathers the whole stage before its forward and again
+before its backward (``schedule/fsdp.py``), so every layer's gathered parameters and unsharded
+gradients are held at once (``2·P·p`` per layer, additive), and the all-gathers run before the
+first op and the reduce-scatters in FSDP2's end-of-backward callback: nothing hidden.
+
+**Hiding.** A collective prefetched one layer ahead is hidden behind one layer's pass (its
+compute and exposed TP communication; the contention of DP and TP traffic on a shared PCIe bus is
+not modelled): ``L`` of them cost ``c + (L − 1)·max(0, c − t)`` beyond the compute, ``c`` one
+collective, ``t`` a layer's pass. Backward under ZeRO-3 moves ``AG + RS`` per layer: the first
+all-gather and the last reduce-scatter are exposed. The embedding's and output layer's gathers run
+before the first layer and their reduce-scatters after the last: exposed. Collectives cost the
+profile's data-parallel ring fit (``grad_sync.reduce_scatter``: a ring all-gather moves what a
+reduce-scatter does) on ``R`` ranks. The host's extra calls: :func:`.host_model.sharding_calls`.
+
+What the search tries (:func:`strategies_for`): every strategy where DP > 1; FSDP2 only without
+pipeline parallelism and for a model with untied embedding and output weights (Megatron's rules;
+untying would train another model), and under the split schedules only FSDP2. Megatron-FSDP runs
+on CUDA only (refused on CPU ranks): every cluster profile is a GPU target.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import OasesConfigError
+from ..formats.plan import DATA_PARALLEL_SHARDINGS
+from ..validation import SPLIT_SCHEDULES
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One sharding strategy: what it shards (``optim``, ``grads``, ``params``), its Megatron
+    flags, and where it runs."""
+
+    name: str
+    label: str  # as messages name it
+    short: str  # as the search's table names it
+    shards: tuple
+    flags: str
+    split_schedules: bool  # runs under overlap / cross-pass / oases
+    pipeline: bool  # Megatron allows it with PP > 1
+    untied_only: bool  # needs --untie-embeddings-and-output-weights
+    step_grad_copy: bool  # the float16 optimizer's fp32 copy of the gradients at its step
+
+    @property
+    def zero3(self):
+        return "params" in self.shards
+
+    @property
+    def zero2(self):
+        return "grads" in self.shards
+
+
+def _megatron_fsdp(strategy, shards):
+    return Strategy(
+        name=f"megatron_fsdp/{strategy}",
+        label=f"Megatron-FSDP {strategy}",
+        short="mfsdp-" + "".join(part[0] for part in strategy.split("_")),
+        shards=shards,
+        flags=f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} "
+        "--ckpt-format fsdp_dtensor",
+        split_schedules=False,
+        pipeline=True,
+        untied_only=False,
+        step_grad_copy=False,
+    )
+
+
+#: Every strategy, by the name a plan file records.
+STRATEGIES = {
+    s.name: s
+    for s in (
+        Strategy(
+            name="torch_fsdp2",
+            label="torch FSDP2",
+            short="fsdp2",
+            shards=("optim", "grads", "params"),
+            flags="--use-torch-fsdp2 --untie-embeddings-and-output-weights",
+            split_schedules=True,
+            pipeline=False,
+            untied_only=True,
+            step_grad_copy=True,
+        ),
+        _megatron_fsdp("optim", ("optim",)),
+        _megatron_fsdp("optim_grads", ("optim", "grads")),
+        _megatron_fsdp("optim_grads_params", ("optim", "grads", "params")),
+    )
+}
+assert tuple(STRATEGIES) == DATA_PARALLEL_SHARDINGS  # the plan format's names: one list
+
+
+def strategy(name, source="--data-parallel-sharding"):
+    """The :class:`Strategy` called ``name`` (one line naming the choices otherwise)."""
+    if name not in STRATEGIES:
+        raise OasesConfigError(
+            f"{source}: unknown sharding {name!r}; choose one of {', '.join(STRATEGIES)}"
+        )
+    return STRATEGIES[name]
+
+
+def launch_flags(name):
+    """Megatron's flags for sharding ``name`` ('' for None)."""
+    return STRATEGIES[name].flags if name else ""
+
+
+def label(name):
+    """``"torch FSDP2"``, ``"Megatron-FSDP optim_grads"`` ('' for None)."""
+    return STRATEGIES[name].label if name else ""
+
+
+def strategies_for(dp, pp, untied, schedule="off"):
+    """The strategies a layout of ``dp`` replicas and ``pp`` stages can run ``schedule`` with,
+    for a model whose embedding and output weights are ``untied``."""
+    if dp < 2:
+        return ()
+    out = []
+    for s in STRATEGIES.values():
+        if schedule in SPLIT_SCHEDULES and not s.split_schedules:
+            continue
+        if (pp > 1 and not s.pipeline) or (s.untied_only and not untied):
+            continue
+        out.append(s.name)
+    return tuple(out)
+
+
+def check_sharding(settings):
+    """The checks that need no profile (:class:`~.settings.PlanSettings`, one line each)."""
+    s = strategy(settings.data_parallel_sharding, settings.source("data_parallel_sharding"))
+    if settings.distributed_optimizer:
+        raise OasesConfigError(
+            f"{s.label} shards the optimizer state itself (FSDP2 refuses "
+            "--use-distributed-optimizer; Megatron-FSDP sets it); drop --distributed-optimizer"
+        )
+    if settings.schedule in SPLIT_SCHEDULES and not s.split_schedules:
+        raise OasesConfigError(
+            f"--schedule {settings.schedule} does not run under {s.label} (the runtime refuses "
+            "it); use --data-parallel-sharding torch_fsdp2, or --schedule off"
+        )
+
+
+def check_profile(name, profile, pp):
+    """The checks against the layout and model of ``profile`` (``pp`` stages)."""
+    s = STRATEGIES[name]
+    if profile.dp < 2:
+        raise OasesConfigError(
+            f"{s.label} shards over data-parallel replicas and this profile has data-parallel "
+            f"size {profile.dp}; drop --data-parallel-sharding or profile with DP > 1"
+        )
+    if pp > 1 and not s.pipeline:
+        raise OasesConfigError(
+            f"{s.label} does not run with pipeline parallelism (Megatron refuses it); use a "
+            "Megatron-FSDP strategy or one pipeline stage"
+        )
+    if s.untied_only and not profile.shape.get("untie_embeddings_and_output_weights"):
+        raise OasesConfigError(
+            f"{s.label} needs --untie-embeddings-and-output-weights and this model ties them "
+            "(untying trains another model); use a Megatron-FSDP strategy"
+        )
+    fits = (profile.data.get("grad_sync") or {}).get("reduce_scatter") or {}
+    if str(profile.tp) not in fits:
+        raise OasesConfigError(
+            "this profile has no data-parallel collective timings (measured profiles lack them); "
+            "use an --analytic profile to plan sharded data parallelism"
+        )
+
+
+# ---------------------------------------------------------------------------------- memory
+def bytes_per_param(name, wg, opt, dtype_bytes, replicas):
+    """Parameters, gradients and optimizer state per parameter per rank (module table)."""
+    s, p = STRATEGIES[name], dtype_bytes
+    sharded = opt + (4 if s.step_grad_copy and p == 2 else 0)
+    unsharded = 0.0
+    for part in ("params", "grads"):
+        if part in s.shards:
+            sharded += p
+        else:
+            unsharded += p
+    return unsharded + sharded / replicas
+
+
+def gathered_layer_bytes(name, params, dtype_bytes, schedule):
+    """``(additive, runtime)`` bytes of one layer's gathered units beyond its shard: under the
+    split schedules every layer's gathered parameters and unsharded gradients (additive over the
+    stage); stock, what the layers being computed and reduced hold (the max over layers)."""
+    s, unit = STRATEGIES[name], params * dtype_bytes
+    if schedule in SPLIT_SCHEDULES:
+        return 2 * unit, 0.0
+    if s.zero3:
+        return 0.0, 4 * unit
+    if s.zero2:
+        return 0.0, 2 * unit
+    return 0.0, 0.0
+
+
+def gathered_fixed_bytes(name, fixed_params, dtype_bytes):
+    """The embedding's and output layer's gathered parameters and unsharded gradients."""
+    s, unit = STRATEGIES[name], fixed_params * dtype_bytes
+    return 2 * unit if s.zero3 else unit if s.zero2 else 0.0
+
+
+# ------------------------------------------------------------------------------------ time
+def collective_time(profile, degree, nbytes):
+    """One all-gather (of ``nbytes`` gathered) or reduce-scatter (of ``nbytes`` in) over a
+    degree-``degree`` layer's data-parallel replicas: the profile's ring fit."""
+    fit = profile.data["grad_sync"]["reduce_scatter"][str(degree)]
+    if nbytes <= 0 or fit.get("replicas", 2) <= 1:
+        return 0.0
+    return float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
+
+
+def exposed_times(name, profile, degree, schedule, forward, backward):
+    """``(per_micro_batch, per_iteration)``: ``(L,)`` arrays of one stage's exposed seconds of
+    sharding ``name`` per layer (the embedding's and output layer's on layer 0). ``forward``,
+    ``backward``: ``(L,)`` each layer's pass per micro-batch (backward with its recompute)."""
+    s = STRATEGIES[name]
+    L, p = len(forward), profile.dtype_bytes
+    params = profile.mem("params_per_layer", degree)
+    fixed = float(profile.data["memory"]["fixed_params"])
+    ag = rs = collective_time(profile, degree, params * p)  # bf16 parameters, gradients
+    ag_fixed = rs_fixed = collective_time(profile, degree, fixed * p)
+    micro, once = np.zeros(L), np.zeros(L)
+    if schedule in SPLIT_SCHEDULES:  # FSDP2: the stage gathered at once, before each pass
+        micro += 2 * ag + rs
+        micro[0] += 2 * ag_fixed + rs_fixed
+        return micro, once
+    if s.zero3:
+        # forward, layers 0 → L−1: the first gather waits, each next is prefetched behind
+        # the layer before; backward, L−1 → 0: the first gather and the last reduce-scatter
+        # wait, the others ride behind a layer's backward
+        micro[0] += ag
+        micro[1:] += np.maximum(0.0, ag - forward[:-1])
+        micro[L - 1] += ag
+        micro[: L - 1] += np.maximum(0.0, ag + rs - backward[1:])
+        micro[0] += rs + ag_fixed + rs_fixed
+    elif s.zero2:
+        micro[: L - 1] += np.maximum(0.0, rs - backward[1:])
+        micro[0] += rs + rs_fixed
+        once += ag
+        once[0] += ag_fixed
+    else:  # optim: after the last micro-batch, synchronously
+        once += rs + ag
+        once[0] += rs_fixed + ag_fixed
+    return micro, once
