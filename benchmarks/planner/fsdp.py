@@ -22,8 +22,12 @@ sys.path.insert(0, ROOT)
 GPUS, GBS = 8, 64
 
 
+#: The sequence settings (the table has a column for them, not the model's name).
+SEQ = ("seq_length", "max_position_embeddings")
+
+
 def _seq(n):
-    return {"seq_length": n, "max_position_embeddings": n}
+    return dict.fromkeys(SEQ, n)
 
 
 #: (model file, overrides, cluster)
@@ -144,8 +148,7 @@ def run_case(model, overrides, cluster):
         who = "stock FSDP" if stock.get("data_parallel_sharding") else "stock"
         verdict = f"{who} {1 / ratio:.2f}x"
     return {
-        "model": model + "".join(f" {k}={v}" for k, v in overrides.items() if k != "seq_length"
-                                 and k != "max_position_embeddings"),  # fmt: skip
+        "model": model + "".join(f" {k}={v}" for k, v in overrides.items() if k not in SEQ),
         "parameters_b": params / 1e9,
         "seq_length": args.seq_length,
         "tied_embeddings": not args.untie_embeddings_and_output_weights,

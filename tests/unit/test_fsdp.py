@@ -61,6 +61,11 @@ def test_torch_fsdp2_parses_with_tp(no_max_connections):
         ),
         ("--use-torch-fsdp2", "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"),
         (
+            FSDP2 + "--oases-schedule overlap --tensor-model-parallel-size 2 "
+            "--emulate-link rtx3090-pcie",
+            "--oases-schedule overlap under --use-torch-fsdp2 does not run under --emulate-link",
+        ),
+        (
             FSDP2 + "--save /tmp/oases-test-never-written",
             "cannot save and resume --use-torch-fsdp2 runs",
         ),

@@ -310,3 +310,23 @@ def test_the_cli_prints_and_writes_the_sharded_winner(cluster, tmp_path, capsys)
     assert main(argv + ["--data-parallel-sharding", "torch_fsdp2"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--gpus chooses --data-parallel-sharding itself" in err[0], err
+
+
+def test_evaluate_predicts_a_sharded_plan_as_made(profile):
+    """``--evaluate`` reads the sharding back from the plan and predicts the same run; a flag
+    that contradicts it is one line."""
+    from argparse import Namespace
+
+    from megatron_oases.planner.evaluate import evaluate_plan, evaluated_run
+
+    made = _settings(data_parallel_sharding="torch_fsdp2", micro_batch_size=2)
+    plan = make_plan(profile, made)[0]
+    back = evaluated_run(plan, profile)
+    assert back.data_parallel_sharding == "torch_fsdp2"
+    again = evaluate_plan(plan, profile)
+    assert again["iteration_time_s"] == pytest.approx(plan["predicted"]["iteration_time_s"])
+    assert again["prediction"]["sharding_s"] == pytest.approx(plan["predicted"]["sharding_s"])
+    assert again["prediction"]["sharding_s"] > 0
+    flags = Namespace(data_parallel_sharding="megatron_fsdp/optim")
+    with pytest.raises(OasesConfigError, match="--data-parallel-sharding megatron_fsdp/optim"):
+        evaluated_run(plan, profile, flags)
