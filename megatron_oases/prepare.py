@@ -13,19 +13,27 @@ def install(config):
 
 
 def changes_model(config):
-    """Whether a built stage needs :func:`prepare_model` (a plan, or a swapped core attention)."""
-    return config.plan is not None or choose_core_attention(config.attention_backend) != STOCK
+    """Whether a built stage needs :func:`prepare_model` (a split schedule, a plan, or a swapped
+    core attention)."""
+    return config.patches_model or choose_core_attention(config.attention_backend) != STOCK
 
 
 def prepare_model(model, config):
-    """One built model stage, where the plan joins this model instance (torchtitan's
-    ``parallelize_llama(model, ...)`` style): the per-layer plan's layers rebuilt at their degrees
-    and the degrees bound to *this* decoder's forward (other models in the process keep the
-    class's), then ``--attention-backend``'s core attention (after the plan, which rebuilds
-    layers)."""
-    if config.plan is not None:
-        from .layer_degrees.runtime import attach_plan, bind_block_forward
+    """One built model stage (before DDP or FSDP wraps it), where the schedule joins this model
+    instance (torchtitan's ``parallelize_llama(model, ...)`` style; other models in the process
+    stay Megatron's): a per-layer plan's layers rebuilt at their degrees, the schedule bound to
+    this stage (:func:`.schedule.binding.bind_schedule`: its forwards and its TP linears), then
+    ``--attention-backend``'s core attention (after the plan, which rebuilds layers)."""
+    if config.patches_model:
+        from .schedule.binding import bind_schedule
+        from .schedule.patch import installed
 
-        bind_block_forward(model.decoder, attach_plan(model, config))
+        degrees = None
+        if config.plan is not None:
+            from .layer_degrees.runtime import attach_plan
+
+            degrees = attach_plan(model, config)
+        patch = installed()
+        bind_schedule(model, patch.layer_schedule, degrees, ends=patch.stage_ends)
     apply_core_attention(model, config)
     return model

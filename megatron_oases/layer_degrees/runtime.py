@@ -2,11 +2,12 @@
 
 The plan joins one model instance, as torchtitan's ``parallelize_llama(model, ...)`` does:
 :func:`megatron_oases.prepare.prepare_model` rebuilds its layers (:func:`attach_plan`) and binds
-the schedule's block forward to *that* decoder with its :class:`LayerDegrees` as an argument
-(:func:`bind_block_forward`); other model instances in the process keep the class's forward.
+the schedule to *that* model with its :class:`LayerDegrees` as an argument
+(:func:`megatron_oases.schedule.binding.bind_schedule`); other model instances in the process
+stay Megatron's.
 """
 
-import functools
+import weakref
 from dataclasses import dataclass
 
 from ..compat import set_finalize_model_grads
@@ -33,37 +34,23 @@ class LayerDegrees:
         return out
 
 
-def bind_block_forward(decoder, layer_degrees):
-    """Give this ``decoder`` instance (only) the ``oases-schedule`` patch's block forward with
-    ``layer_degrees`` bound as its argument. The patch must be installed (it is, by
-    :func:`megatron_oases.prepare.install`, before any model is built)."""
-    forward = type(decoder).forward
-    if not getattr(forward, "takes_layer_degrees", False):
-        raise RuntimeError(
-            "megatron-oases: a per-layer plan needs the oases-schedule patch installed before the "
-            "model is built (megatron_oases.prepare.install(config), then prepare_model)"
-        )
-    decoder.forward = functools.partial(forward, decoder, layer_degrees=layer_degrees)
+#: decoder -> the :class:`LayerDegrees` its plan gave it (:func:`attach_plan`)
+_ATTACHED = weakref.WeakKeyDictionary()
 
 
 def layer_degrees_of(decoder):
-    """The :class:`LayerDegrees` :func:`bind_block_forward` bound to ``decoder``, or None.
-
-    The one lookup from a module, for the checkpoint hook (:mod:`.checkpoint`): Megatron's
-    ``save_checkpoint``/``load_checkpoint`` hand it the model chunks, not the plan, so it reads
-    the degrees back from the forward they were bound to. Nothing else calls this: the forward
-    receives them as its argument."""
-    forward = vars(decoder).get("forward") if decoder is not None else None
-    if isinstance(forward, functools.partial):
-        return forward.keywords.get("layer_degrees")
-    return None
+    """The :class:`LayerDegrees` :func:`attach_plan` gave ``decoder``, or None: for the
+    checkpoint hook (:mod:`.checkpoint`), which Megatron's ``save_checkpoint``/``load_checkpoint``
+    hand the model chunks, not the plan. The forward gets them as its argument."""
+    return _ATTACHED.get(decoder) if decoder is not None else None
 
 
 def attach_plan(model, config):
     """Rebuild ``model``'s layers at the degrees of ``config.plan`` (an
     :class:`~megatron_oases.config.OasesConfig`'s, read and checked once) and route the replica
     gradient sum through the model config's ``finalize_model_grads_func``; returns the
-    :class:`LayerDegrees` that ``prepare_model`` binds (:func:`bind_block_forward`)."""
+    :class:`LayerDegrees` that ``prepare_model`` binds to the decoder's forward (recorded for
+    :func:`layer_degrees_of`)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     if not isinstance(model.decoder, TransformerBlock):  # validation refuses it first
@@ -74,6 +61,7 @@ def attach_plan(model, config):
     groups = LayerDegreeGroups(config.tensor_model_parallel_size, degrees)
     layer_degrees = LayerDegrees(groups, apply_plan(model, degrees, groups))
     set_finalize_model_grads(model.config, finalize_with_replica_sync(groups))
+    _ATTACHED[model.decoder] = layer_degrees
     return layer_degrees
 
 

@@ -7,7 +7,7 @@ half is Megatron's ``IdentityOp``):
 
     H_j ──ln_j──▶ L_j ──main_j──▶ partial_j ══all-reduce══▶ R_j ──bda_j(R_j, bias_j, H_j)──▶ H_{j+1}
 
-``main_j`` is ``self_attention`` or ``mlp`` with TMP communication deferred (see :mod:`.deferral`):
+``main_j`` is ``self_attention`` or ``mlp`` with TMP communication deferred (see :mod:`.linears`):
 its forward all-reduce follows it, and its backward all-reduce is on the gradient of ``L_j``.
 Under sequence parallelism H_j, R_j and the ln output hold s/t of the sequence, and the one
 all-reduce becomes two collectives (Korthikanti et al. 2022)::
@@ -33,12 +33,20 @@ from ..validation import check_transformer_impl
 
 class LayerBlocks:
     """The blocks of a stage's layers plus the per-forward arguments (mask, RoPE); ``graphs``: a
-    :class:`.graphs.BlockGraphs` replaying each main op from a CUDA graph, or None (eager)."""
+    :class:`.graphs.BlockGraphs` replaying each main op from a CUDA graph, or None (eager);
+    ``deferral``: the :class:`.deferral.Deferral` the layers' linears hold."""
 
     def __init__(
-        self, layers, attention_mask=None, rotary_pos_emb=None, attention_bias=None, graphs=None
+        self,
+        layers,
+        attention_mask=None,
+        rotary_pos_emb=None,
+        attention_bias=None,
+        graphs=None,
+        deferral=None,
     ):
         self.layers = list(layers)
+        self.deferral = deferral  # the stage's (.deferral): a graph's capture defers to it
         # (layer, kind, position of the layer in the stage) per block, in forward order
         self.table = [
             (layer, kind, i) for i, layer in enumerate(self.layers) for kind in _checked(layer)
@@ -159,7 +167,7 @@ class LayerBlocks:
             args = (x, mask, rotary_pos_emb, self.attention_bias)
             # the graphs keep the callable: one that holds no micro-batch's LayerBlocks
             call = functools.partial(LayerBlocks._main, owner, attention)
-            return self.graphs.run(owner, call, args)
+            return self.graphs.run(owner, call, args, self.deferral)
         return self._main(owner, attention, x, mask, rotary_pos_emb, self.attention_bias)
 
     @staticmethod

@@ -1,10 +1,12 @@
 """What the executor needs to communicate: starting a collective asynchronously
 (:func:`start_collective`), and the column linears' input-gradient reductions that Megatron itself
 started inside a backward op, kept until the program's collective of that gradient adopts them
-(:class:`EarlyReductions`). No Megatron and no thread-local here: how Megatron's own TMP
-communication is deferred to the schedule, and how those early reductions reach
-:class:`EarlyReductions`, is :mod:`.deferral`.
+(:class:`EarlyReductions`). No Megatron here: how Megatron's own TMP communication is deferred
+to the schedule is :mod:`.deferral`, and the column linears that start those early reductions
+are :mod:`.linears`.
 """
+
+import collections
 
 import torch
 import torch.distributed as dist
@@ -37,54 +39,41 @@ def start_collective(kind, tensor, group, op=dist.ReduceOp.SUM):
     return work, lambda: out
 
 
-class _Started:
-    """What Megatron's column linear gets back from its all-reduce: ``wait()`` returns at once;
-    the schedule waits on the real work when the gradient is needed."""
-
-    def wait(self, *args, **kwargs):
-        return True
-
-    def is_completed(self):
-        return False
-
-
 class EarlyReductions:
-    """Input-gradient reductions that Megatron's column linears started in a backward op, by the
-    storage of the gradient they reduce, until the engine's collective for that gradient adopts
-    them (:meth:`take`): an all-reduce in place or, under sequence parallelism, a reduce-scatter
-    into a new s/t tensor. One per micro-batch's schedule; :meth:`check_empty` after the
-    backward proves every one was adopted (so waited on)."""
+    """Input-gradient reductions that a scheduled stage's column linears started inside a
+    backward op (:func:`.linears.linear_with_early_dgrad`), in the order started, until the
+    program's collective of that gradient adopts them (:meth:`take`): an all-reduce in place or,
+    under sequence parallelism, a reduce-scatter into a new s/t tensor. A backward op's
+    collectives follow it in its program, before any other op of that sub-batch, so the oldest
+    started is the one the next collective wants; :meth:`take` checks it is the very gradient
+    tensor. One per micro-batch's schedule; :meth:`check_empty` after the backward proves every
+    one was adopted (so waited on)."""
 
     def __init__(self):
-        self._started = {}
+        self._started = collections.deque()
 
-    def start(self, all_reduce, tensor, group, op, scatter=False):
-        if scatter:
-            work, scattered = start_collective("reduce_scatter", tensor, group, op)
-            result = scattered()
-        else:
-            result, work = tensor, all_reduce(tensor, op=op, group=group, async_op=True)
-        self._started[tensor.untyped_storage().data_ptr()] = (tensor, work, result, scatter)
-        return _Started()
+    def start(self, tensor, group, scatter=False):
+        """Start the reduction of ``tensor`` on ``group`` (``scatter``: a reduce-scatter)."""
+        work, result = start_collective(
+            "reduce_scatter" if scatter else "all_reduce", tensor, group
+        )
+        self._started.append((tensor, work, result, scatter))
 
     def take(self, tensor, scatter=False):
-        """``(work, result)`` of the reduction started on ``tensor``'s storage, or None (then
+        """``(work, result function)`` of the reduction started on ``tensor``, or None (then
         nothing reduced it yet)."""
-        found = self._started.pop(tensor.untyped_storage().data_ptr(), None)
-        if found is None:
+        if not self._started or self._started[0][0] is not tensor:
+            if any(started is tensor for started, _, _, _ in self._started):
+                raise RuntimeError("oases: input-gradient reductions adopted out of order")
             return None
-        started, work, result, scattered = found
-        if (
-            started.shape != tensor.shape
-            or started.data_ptr() != tensor.data_ptr()
-            or scattered != scatter
-        ):
-            raise RuntimeError("oases: an input-gradient reduction covers another tensor")
+        _, work, result, scattered = self._started.popleft()
+        if scattered != scatter:
+            raise RuntimeError("oases: an input-gradient reduction of another kind")
         return work, result
 
     def check_empty(self):
         if self._started:
-            for _, work, _, _ in self._started.values():
+            for _, work, _, _ in self._started:
                 work.wait()
             self._started.clear()
             raise RuntimeError(

@@ -1,6 +1,6 @@
 """The overlapped TMP schedule of one pipeline stage's layers, as one autograd node (paper §3).
 
-:func:`schedule_layers` is the entry the replaced forwards call (:mod:`.patch`). Forward cuts
+:func:`schedule_layers` is the entry the bound forwards call (:mod:`.binding`). Forward cuts
 the micro-batch into sub-batches (:mod:`.split`), builds each one's forward program
 (:mod:`.forward`) and runs them interleaved (:mod:`.executor`), so one sub-batch's collective
 hides behind another's compute. Backward builds the schedule's backward rounds (:mod:`.backward`,
@@ -17,7 +17,7 @@ from ..validation import SUB_BATCHES
 from . import backward as programs
 from .blocks import LayerBlocks
 from .comm import EarlyReductions
-from .deferral import deferred_tmp_comm
+from .deferral import Deferral
 from .executor import Interleave, run_programs
 from .forward import forward_program
 from .fsdp import ShardedParams
@@ -89,7 +89,9 @@ class ScheduledLayers:
     ``recomputed_layers``: how many leading layers Megatron's full recompute checkpoints
     (:func:`recomputed_layers`; 0: every block keeps its graph). ``parts``: sub-batches;
     ``split``: how they are cut (``--oases-split``). ``embedding`` / ``output``: the stage's ends
-    run in the programs (:mod:`.stage_ends`), or None. ``tracer``: records each op (optional)."""
+    run in the programs (:mod:`.stage_ends`), or None. ``tracer``: records each op (optional).
+    ``deferral``: the stage's :class:`.deferral.Deferral`, which its linears defer to (a fresh one
+    for blocks without Megatron linears)."""
 
     def __init__(
         self,
@@ -102,7 +104,9 @@ class ScheduledLayers:
         embedding=None,
         output=None,
         split="batch",
+        deferral=None,
     ):
+        self.deferral = Deferral() if deferral is None else deferral
         self.blocks, self.schedule, self.microbatch, self.tracer = (
             blocks,
             schedule,
@@ -141,7 +145,7 @@ class ScheduledLayers:
                 early=self.early,
                 interleave=self.interleave,
                 ids=order,
-                compute_context=deferred_tmp_comm(early=self.early),
+                compute_context=self.deferral.deferring(early=self.early),
             )
 
     def forward(self, hidden):
@@ -248,7 +252,7 @@ def recomputed_layers(config, indices):
 
 @dataclasses.dataclass
 class LayerSchedule:
-    """How the replaced forwards (:mod:`.patch`) run a stage's layers, read at each call:
+    """How the bound forwards (:mod:`.binding`) run a stage's layers, read at each call:
     ``schedule`` (``--oases-schedule``, the config's :class:`~megatron_oases.config.Schedule`,
     checked once when parsed; ``off``: stock Megatron, or a plan's degree spans in Megatron's own
     loop), ``parts`` sub-batches cut as ``split``, ``graphs`` (``--oases-cuda-graphs``'
@@ -273,7 +277,7 @@ class LayerSchedule:
 
 
 def schedule_layers(
-    layer_schedule,
+    stage,
     layers,
     hidden,
     config,
@@ -286,13 +290,15 @@ def schedule_layers(
     output=None,
 ):
     """A stage's ``layers`` (``indices``: their positions in the stage, default all of them) on
-    ``hidden`` under ``layer_schedule`` (a :class:`LayerSchedule`): one autograd node, the one entry of
-    the replaced forwards. ``config``: Megatron's TransformerConfig, whose full recompute decides
+    ``hidden`` under ``stage`` (a :class:`~megatron_oases.schedule.binding.StageSchedule`: its
+    :class:`LayerSchedule` and the deferral its linears hold): one autograd node, the one entry of
+    the bound forwards. ``config``: Megatron's TransformerConfig, whose full recompute decides
     what forward keeps. ``embedding`` / ``output``: the stage ends (:mod:`.stage_ends`) or None."""
     indices = range(len(layers)) if indices is None else indices
+    layer_schedule, deferral = stage.layer_schedule, stage.deferral
     graphs = layer_schedule.graphs
     scheduled = ScheduledLayers(
-        LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias, graphs),
+        LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias, graphs, deferral),
         layer_schedule.schedule,
         recomputed_layers=recomputed_layers(config, indices),
         microbatch=microbatch,
@@ -301,5 +307,6 @@ def schedule_layers(
         embedding=embedding,
         output=output,
         split=layer_schedule.split,
+        deferral=deferral,
     )
     return ScheduledLayersFunction.apply(scheduled, hidden)

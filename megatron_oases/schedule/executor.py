@@ -86,7 +86,7 @@ def _issue(sub_batch, op, tracer, early):
         started = early.take(tensor, scatter=op.kind == "reduce_scatter")
     if started is not None:  # Megatron's linear started it in the compute op before (see .comm)
         work, result = started
-        return _InFlight(sub_batch, work, lambda: result, op)
+        return _InFlight(sub_batch, work, result, op)
     ctx = tracer.context(sub_batch=sub_batch, **op.labels) if tracer else contextlib.nullcontext()
     with ctx, torch.no_grad():
         reduce_op = {} if op.reduce_op is None else dict(op=op.reduce_op)
@@ -236,7 +236,7 @@ def run_programs(
     optional): the yield points inside compute ops call into this execution. ``ids``: each program's
     sub-batch index for the trace (default its position; the first program leads).
     ``compute_context``: a context manager the run executes in (the engine's deferral of
-    Megatron's own TMP communication, :class:`.deferral.deferred_tmp_comm`): entered once, not per
+    Megatron's own TMP communication, :meth:`.deferral.Deferral.deferring`): entered once, not per
     compute op, as only compute ops call Megatron's layers (a collective's issue and its ``done``
     do not)."""
     outer = tracer.context(**labels) if (tracer and labels) else contextlib.nullcontext()

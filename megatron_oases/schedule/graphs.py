@@ -23,7 +23,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..validation import CUDA_GRAPH_MODES
-from .deferral import deferred_tmp_comm
+from .deferral import Deferral
 
 #: copies of one block's graph at most (sub-batches × micro-batches in flight); more means a
 #: forward whose backward never comes, i.e. a bug, not a schedule
@@ -104,7 +104,8 @@ class GraphedCall:
     ``grad`` (or, in ``eager`` mode, eager calls on the same buffers). A copy for forwards without
     grad (blocks recomputed later) captures no backward and keeps no activations."""
 
-    def __init__(self, fn, flat, spec, params, mode, grad):
+    def __init__(self, fn, flat, spec, params, mode, grad, deferral):
+        self.deferral = deferral  # the stage's (.deferral): its linears defer while captured
         self.fn, self.spec, self.params, self.mode, self.grad = fn, spec, list(params), mode, grad
         self.busy = False
         # static inputs (tensors), in flat order; non-tensor leaves are constants of the graph
@@ -126,7 +127,7 @@ class GraphedCall:
 
     # ------------------------------------------------------------------ running fn
     def _call(self):
-        with deferred_tmp_comm(True, early=None), torch.set_grad_enabled(self.grad):
+        with self.deferral.deferring(early=None), torch.set_grad_enabled(self.grad):
             # no collective inside (the engine issues the reductions), grad as the copy's
             leaves, spec = tree_flatten(self.fn(*tree_unflatten(self.static, self.spec)))
         self.out_spec = spec
@@ -235,8 +236,9 @@ class BlockGraphs:
         """Copies made so far (each captured once)."""
         return sum(len(c) for c in self.copies.values())
 
-    def run(self, owner, fn, args):
-        """``fn(*args)`` (``fn``'s parameters: ``owner``'s) through a free copy of its graph."""
+    def run(self, owner, fn, args, deferral=None):
+        """``fn(*args)`` (``fn``'s parameters: ``owner``'s, whose linears defer to ``deferral``)
+        through a free copy of its graph."""
         flat, spec = tree_flatten(args)
         tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         if id(owner) not in self._params:
@@ -259,7 +261,8 @@ class BlockGraphs:
                     f"oases: {MAX_COPIES} copies of one graphed block are busy (a forward whose "
                     "backward never ran); run without --oases-cuda-graphs and report it"
                 )
-            call = GraphedCall(fn, flat, spec, params, self.mode, grad)
+            deferral = Deferral() if deferral is None else deferral  # none: no linears of ours
+            call = GraphedCall(fn, flat, spec, params, self.mode, grad, deferral)
             copies.append(call)
         if not grad:  # nothing will backpropagate: clones, and the copy stays free
             call.forward(tensors)

@@ -2,8 +2,8 @@
 
 Stock Megatron leaves the embedding's forward all-reduce and the output layer's input-gradient
 all-reduce with little to hide them; here each sub-batch's ends are ops of its programs
-(:class:`EmbeddingEnd`, :class:`OutputEnd`), wired in without rewriting ``GPTModel`` by the
-replacements :class:`StageEnds` makes. Numerics, SP and the wiring: ``docs/schedules.md`` (the
+(:class:`EmbeddingEnd`, :class:`OutputEnd`), wired into one ``GPTModel`` instance by
+:mod:`.gpt_model`. Numerics, SP and the wiring: ``docs/schedules.md`` (the
 stage's ends; how the engine is built).
 """
 
@@ -13,7 +13,6 @@ import torch
 
 from . import loss
 from .cuts import grad_sink
-from .deferral import cut_at_scatter, supplied_reduction
 from .executor import Comm, Compute
 from .rng import replay, snapshot
 
@@ -27,9 +26,10 @@ class EmbeddingEnd:
 
     LABELS = dict(layer=-1, block="embedding")
 
-    def __init__(self, module, forward, input_ids, position_ids):
+    def __init__(self, module, forward, input_ids, position_ids, deferral):
         self.module, self.forward = module, forward  # Megatron's LanguageModelEmbedding.forward
         self.input_ids, self.position_ids = input_ids, position_ids
+        self.deferral = deferral  # the stage's (.deferral), which its vocab lookup defers to
         self.ids = self.pos = None
 
     def stock(self):
@@ -98,7 +98,9 @@ class EmbeddingEnd:
     def _finish(self, sb):
         reduced = self._reduced(sb)
         sb.ends.rng = snapshot()
-        supply = supplied_reduction(reduced) if self.group.size() > 1 else contextlib.nullcontext()
+        supply = (
+            self.deferral.supplied(reduced) if self.group.size() > 1 else contextlib.nullcontext()
+        )
         with torch.no_grad(), supply:
             return self.forward(self.module, self.ids[sb.index], self.pos[sb.index])
 
@@ -133,7 +135,7 @@ class EmbeddingEnd:
     def _backward_to_scatter(self, sb):
         """Backward of the ops after Megatron's scatter (dropout, ...): the gradient of the
         local shard, which the schedule all-gathers, as the scatter's backward would."""
-        with cut_at_scatter() as cuts:
+        with self.deferral.cut_at_scatter() as cuts:
             out = self._rerun(sb)
         ((full, leaf),) = cuts
         _backward(out, sb.blocks[0].take("input_grad"))
@@ -252,143 +254,3 @@ class OutputEnd:
                 **labels,
             ),
         ]
-
-
-#: The keyword a :class:`StageCall` travels under, from ``GPTModel.forward`` (in its
-#: ``extra_block_kwargs``) to ``TransformerBlock.forward`` and ``GPTModel._postprocess``.
-CALL_KWARG = "oases_stage_call"
-
-
-class StageCall:
-    """One ``GPTModel.forward`` call's ends, passed as an argument (:data:`CALL_KWARG`): the
-    embedding the schedule runs instead of Megatron (with the placeholder given to Megatron as
-    ``decoder_input``), and the loss the schedule computed."""
-
-    def __init__(self, model, labels, runtime_gather_output, embedding=None, placeholder=None):
-        self.model, self.labels, self.runtime_gather_output = model, labels, runtime_gather_output
-        self.embedding, self.placeholder = embedding, placeholder  # until the schedule takes them
-        self.loss = None  # the schedule's per-token loss, for _postprocess
-
-    def take(self, block, hidden):
-        """The ends the schedule of ``block`` runs for input ``hidden``: (embedding, output),
-        each None when it stays stock."""
-        embedding = None
-        if self.embedding is not None:
-            if hidden is not self.placeholder:
-                raise RuntimeError(
-                    "oases: the embedding's output was changed before the transformer layers "
-                    "(Megatron's GPTModel changed?); run with --oases-schedule off and report it"
-                )
-            embedding, self.embedding, self.placeholder = self.embedding, None, None
-        output = None
-        if self.labels is not None and block is self.model.decoder and block.post_process:
-            output = OutputEnd(
-                self.model, block.final_layernorm, self.labels, self.runtime_gather_output
-            )
-        return embedding, output
-
-    def resolve(self, hidden):
-        """``hidden`` as real data for a block that runs stock code: the placeholder becomes the
-        embedding computed as Megatron does."""
-        if self.embedding is None or hidden is not self.placeholder:
-            return hidden
-        embedding, self.embedding, self.placeholder = self.embedding, None, None
-        return embedding.stock()
-
-    def check_taken(self):
-        if self.embedding is not None:  # nothing took the embedding: a Megatron change
-            raise RuntimeError(
-                "oases: the embedding's output never reached the schedule (Megatron's GPTModel "
-                "changed?); run with --oases-schedule off and report it"
-            )
-
-
-def qualifies(model, a):
-    """Whether a ``GPTModel.forward`` call (bound arguments ``a``) runs its ends in the schedule:
-    training, plain decoder-only language modelling without MTP or hooks."""
-    from megatron.core.config_logger import has_config_logger_enabled
-    from megatron.core.transformer.transformer_block import TransformerBlock
-
-    config = model.config
-    return (
-        model.training
-        and torch.is_grad_enabled()
-        and isinstance(getattr(model, "decoder", None), TransformerBlock)
-        and not getattr(model, "mtp_process", False)
-        and not getattr(config, "mtp_num_layers", None)
-        and not has_config_logger_enabled(config)
-        and all(
-            a.get(k) is None
-            for k in (
-                "decoder_input",
-                "inference_context",
-                "inference_params",
-                "packed_seq_params",
-                "output_processor",
-            )
-        )
-        and not a.get("extra_block_kwargs")
-    )
-
-
-def _embedding_placeholder(module, input_ids):
-    """What Megatron gets as ``decoder_input`` instead of the embedding's output: a tensor of its
-    shape (Megatron reads only that, for RoPE) whose data is never read."""
-    config = module.config
-    dtype = torch.float32 if config.fp32_residual_connection else None
-    dtype = dtype or module.word_embeddings.weight.dtype
-    anchor = torch.zeros((), dtype=dtype, device=input_ids.device, requires_grad=True)
-    b, s = input_ids.shape
-    if config.sequence_parallel:  # Megatron's embedding scatters its output along s
-        s //= module.word_embeddings.tp_group.size()
-    return anchor.expand(s, b, config.hidden_size)
-
-
-def model_forward(original, embedding_forward):
-    """Replacement for ``GPTModel.forward``: a call that qualifies runs with its
-    :class:`StageCall` in ``extra_block_kwargs`` and, on the first stage, the placeholder as
-    ``decoder_input`` (the schedule runs the embedding, through ``embedding_forward``,
-    Megatron's ``LanguageModelEmbedding.forward``)."""
-    import inspect
-
-    sig = inspect.signature(original)
-
-    def forward(model, *args, **kwargs):
-        bound = sig.bind(model, *args, **kwargs)
-        a = bound.arguments
-        if not qualifies(model, a):
-            return original(model, *args, **kwargs)
-        labels = a.get("labels") if model.post_process else None
-        call = StageCall(model, labels, a.get("runtime_gather_output"))
-        module = getattr(model, "embedding", None)
-        if (
-            model.pre_process
-            and module is not None
-            and (
-                not module.config.sequence_parallel
-                or getattr(module, "scatter_to_sequence_parallel", True)
-            )
-        ):
-            input_ids, position_ids = a["input_ids"], a["position_ids"]
-            call.embedding = EmbeddingEnd(module, embedding_forward, input_ids, position_ids)
-            call.placeholder = a["decoder_input"] = _embedding_placeholder(module, input_ids)
-        a["extra_block_kwargs"] = {CALL_KWARG: call}
-        out = original(*bound.args, **bound.kwargs)
-        call.check_taken()
-        return out
-
-    forward.__wrapped__ = original
-    return forward
-
-
-def postprocess(original):
-    """Replacement for ``GPTModel._postprocess``: the loss the schedule computed passes through."""
-
-    def postprocess(model, *args, **kwargs):
-        call = (kwargs.get("extra_block_kwargs") or {}).get(CALL_KWARG)
-        if call is not None and call.loss is not None:
-            return kwargs["hidden_states"]
-        return original(model, *args, **kwargs)
-
-    postprocess.__wrapped__ = original
-    return postprocess

@@ -1,11 +1,11 @@
-"""``TransformerBlock.forward`` under the ``oases-schedule`` patch (:mod:`.patch`).
+"""A GPT stage's decoder (``TransformerBlock``) forward under the schedule, bound to one decoder
+instance by :func:`megatron_oases.schedule.binding.bind_schedule`.
 
 In training with grad enabled, the layer loop (and Megatron's ``_checkpointed_forward``) becomes
 one :func:`.engine.schedule_layers` node per span of equal-degree layers (one span without a
 plan), with batch resharding between spans (:mod:`megatron_oases.layer_degrees.reshard`);
-everything else (PP input tensor, final layernorm) is as stock. Eval/inference runs stock code.
-A plan's degrees are this forward's ``layer_degrees`` argument, bound to one decoder instance by
-:func:`megatron_oases.layer_degrees.runtime.bind_block_forward`; the class's forward has none.
+everything else (PP input tensor, final layernorm) is as stock. Eval/inference runs Megatron's
+own ``TransformerBlock.forward``.
 """
 
 import contextlib
@@ -16,122 +16,111 @@ from megatron.core.utils import make_viewless_tensor
 from ..errors import OasesConfigError
 from ..layer_degrees.reshard import reshard
 from .engine import recomputed_layers, schedule_layers
-from .stage_ends import CALL_KWARG
 
 
-def make_block_forward(original, layer_schedule):
-    """``TransformerBlock.forward`` running the layers under ``layer_schedule`` (an
-    :class:`.engine.LayerSchedule`), as degree spans where a plan bound ``layer_degrees`` (a
-    :class:`~megatron_oases.layer_degrees.runtime.LayerDegrees`) to this instance; a
-    :class:`.stage_ends.StageCall` in the call's keywords (from ``GPTModel.forward``) brings the
-    embedding and the output layer + loss into the programs."""
+def block_forward(
+    self,
+    stage,
+    hidden_states,
+    attention_mask=None,
+    context=None,
+    context_mask=None,
+    rotary_pos_emb=None,
+    rotary_pos_cos=None,
+    rotary_pos_sin=None,
+    rotary_pos_cos_sin=None,
+    attention_bias=None,
+    inference_context=None,
+    packed_seq_params=None,
+    sequence_len_offset=None,
+    padding_mask=None,
+    **kwargs,
+):
+    """This decoder's forward (bound to the instance with its ``stage``, a
+    :class:`~megatron_oases.schedule.binding.StageSchedule`): the layers under the stage's
+    :class:`.engine.LayerSchedule`, as degree spans where a plan gave ``stage.degrees``; the
+    ends of the model's current call (``stage.call``, :mod:`.gpt_model`) join the programs."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
 
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        context=None,
-        context_mask=None,
-        rotary_pos_emb=None,
-        rotary_pos_cos=None,
-        rotary_pos_sin=None,
-        rotary_pos_cos_sin=None,
-        attention_bias=None,
-        inference_context=None,
-        packed_seq_params=None,
-        sequence_len_offset=None,
-        padding_mask=None,
-        *,
-        layer_degrees=None,
-        **kwargs,
-    ):
-        call = kwargs.pop(CALL_KWARG, None)  # the stage's ends, when GPTModel gave them
-        # Eval/inference: stock code. (A degree-d layer fed the whole micro-batch is still
-        # correct — each d-group computes the same result — so plans need no special case.)
-        # So is stock without a plan's degrees (``--oases-schedule auto`` selecting ``off``).
-        stock = layer_degrees is None and layer_schedule.schedule == "off"
-        if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0 or stock:
-            if call is not None:  # a placeholder from the embedding becomes real data
-                hidden_states = call.resolve(hidden_states)
-            return original(
-                self,
-                hidden_states,
-                attention_mask,
-                context,
-                context_mask,
-                rotary_pos_emb,
-                rotary_pos_cos,
-                rotary_pos_sin,
-                rotary_pos_cos_sin,
-                attention_bias,
-                inference_context,
-                packed_seq_params,
-                sequence_len_offset,
-                padding_mask,
-                **kwargs,
-            )
-        if context is not None or packed_seq_params is not None or inference_context is not None:
-            raise OasesConfigError(
-                "--oases-schedule supports decoder-only training without packed "
-                "sequences or cross-attention; use --oases-schedule off"
-            )
-        embedding, output = call.take(self, hidden_states) if call is not None else (None, None)
-        if not self.pre_process:
-            hidden_states = self.input_tensor
-        if embedding is None:
-            hidden_states = make_viewless_tensor(
-                inp=hidden_states, requires_grad=True, keep_graph=True
-            )
-        mb = layer_schedule.next_microbatch()
-        if layer_degrees is None:
-            spans, T = [(None, list(range(len(self.layers))))], None
-        else:
-            spans, T = layer_degrees.spans(), layer_degrees.groups.domain_size
-        degree, mask = T, attention_mask
-        # As stock: under sequence parallelism the layers run in the model-parallel RNG fork
-        # (TP ranks hold different tokens); recomputation replays snapshots taken inside it.
-        with _sequence_parallel_rng(self.config):
-            for d, idx in spans:
-                layers = [self.layers[i] for i in idx]
-                if layer_degrees is not None:
-                    groups = layer_degrees.groups
-                    hidden_states = reshard(hidden_states, degree, d, groups)
-                    mask = _mask_share(attention_mask, hidden_states.size(1), d, groups)
-                    degree = d
-                if layer_schedule.schedule == "off":  # a plan's degree spans, unscheduled
-                    recomputed = recomputed_layers(self.config, idx)
-                    hidden_states = _stock_layers(
-                        layers, recomputed, hidden_states, mask, rotary_pos_emb, attention_bias
-                    )
-                else:
-                    hidden_states = schedule_layers(
-                        layer_schedule,
-                        layers,
-                        hidden_states,
-                        self.config,
-                        idx,
-                        mask,
-                        rotary_pos_emb,
-                        attention_bias,
-                        mb,
-                        embedding,
-                        output,
-                    )
-        if output is not None:  # the per-token loss; GPTModel._postprocess passes it through
-            call.loss = hidden_states
-            return hidden_states
-        if layer_degrees is not None:
-            hidden_states = reshard(hidden_states, degree, T, layer_degrees.groups)
-        if self.final_layernorm is not None:
-            hidden_states = self.final_layernorm(hidden_states)
-            hidden_states = make_viewless_tensor(
-                inp=hidden_states, requires_grad=True, keep_graph=True
-            )
+    layer_schedule, layer_degrees, call = stage.layer_schedule, stage.degrees, stage.call
+    # Eval/inference: stock code. (A degree-d layer fed the whole micro-batch is still
+    # correct — each d-group computes the same result — so plans need no special case.)
+    # So is stock without a plan's degrees (``--oases-schedule auto`` selecting ``off``).
+    stock = layer_degrees is None and layer_schedule.schedule == "off"
+    if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0 or stock:
+        if call is not None:  # the stand-in for the embedding becomes real data
+            hidden_states = call.resolve(hidden_states)
+        return TransformerBlock.forward(
+            self,
+            hidden_states,
+            attention_mask,
+            context,
+            context_mask,
+            rotary_pos_emb,
+            rotary_pos_cos,
+            rotary_pos_sin,
+            rotary_pos_cos_sin,
+            attention_bias,
+            inference_context,
+            packed_seq_params,
+            sequence_len_offset,
+            padding_mask,
+            **kwargs,
+        )
+    if context is not None or packed_seq_params is not None or inference_context is not None:
+        raise OasesConfigError(
+            "--oases-schedule supports decoder-only training without packed "
+            "sequences or cross-attention; use --oases-schedule off"
+        )
+    embedding, output = call.take(self, hidden_states) if call is not None else (None, None)
+    if not self.pre_process:
+        hidden_states = self.input_tensor
+    if embedding is None:
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+    mb = layer_schedule.next_microbatch()
+    if layer_degrees is None:
+        spans, T = [(None, list(range(len(self.layers))))], None
+    else:
+        spans, T = layer_degrees.spans(), layer_degrees.groups.domain_size
+    degree, mask = T, attention_mask
+    # As stock: under sequence parallelism the layers run in the model-parallel RNG fork
+    # (TP ranks hold different tokens); recomputation replays snapshots taken inside it.
+    with _sequence_parallel_rng(self.config):
+        for d, idx in spans:
+            layers = [self.layers[i] for i in idx]
+            if layer_degrees is not None:
+                groups = layer_degrees.groups
+                hidden_states = reshard(hidden_states, degree, d, groups)
+                mask = _mask_share(attention_mask, hidden_states.size(1), d, groups)
+                degree = d
+            if layer_schedule.schedule == "off":  # a plan's degree spans, unscheduled
+                recomputed = recomputed_layers(self.config, idx)
+                hidden_states = _stock_layers(
+                    layers, recomputed, hidden_states, mask, rotary_pos_emb, attention_bias
+                )
+            else:
+                hidden_states = schedule_layers(
+                    stage,
+                    layers,
+                    hidden_states,
+                    self.config,
+                    idx,
+                    mask,
+                    rotary_pos_emb,
+                    attention_bias,
+                    mb,
+                    embedding,
+                    output,
+                )
+    if output is not None:  # the per-token loss; the bound _postprocess passes it through
+        call.loss = hidden_states
         return hidden_states
-
-    forward.__wrapped__ = original
-    forward.takes_layer_degrees = True  # what bind_block_forward binds a plan to
-    return forward
+    if layer_degrees is not None:
+        hidden_states = reshard(hidden_states, degree, T, layer_degrees.groups)
+    if self.final_layernorm is not None:
+        hidden_states = self.final_layernorm(hidden_states)
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+    return hidden_states
 
 
 def _sequence_parallel_rng(config):

@@ -33,9 +33,9 @@ def counting_worker(base, variants):
 
     original, calls = graphs.BlockGraphs.run, []
 
-    def run(self, owner, fn, args):
+    def run(self, owner, fn, args, deferral=None):
         calls.append(owner)
-        return original(self, owner, fn, args)
+        return original(self, owner, fn, args, deferral)
 
     graphs.BlockGraphs.run = run
     try:

@@ -34,13 +34,12 @@ def _embedding(dropout, sequence_parallel=False, positions="learned_absolute"):
     )
 
 
-def _run(program):
+def _run(program, deferral):
     """Run one sub-batch's ops in order, each collective to completion (TP=1: its result is its
-    input), compute as the executor runs it (TMP communication deferred)."""
+    input), compute as the executor runs it (TMP communication deferred to ``deferral``)."""
     import torch.distributed as dist
 
     from megatron_oases.schedule.comm import start_collective
-    from megatron_oases.schedule.deferral import deferred_tmp_comm
     from megatron_oases.schedule.executor import Comm
 
     for op in program:
@@ -54,7 +53,7 @@ def _run(program):
             work.wait()
             op.done(result())
         else:
-            with deferred_tmp_comm():
+            with deferral.deferring():
                 op.fn()
 
 
@@ -74,31 +73,18 @@ def _sequence_parallel_worker(positions, dropout):
     """One TP=2 rank: the end's programs under SP (the lookup reduce-scattered, the gradient's
     all-gather issued by the program) against autograd through the stock module."""
     from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.tensor_parallel import layers as tp_layers
 
     from megatron_oases import platform
     from megatron_oases.patching import Patch
-    from megatron_oases.schedule.deferral import make_deferred_reduction, make_scatter
+    from megatron_oases.schedule.deferral import make_scatter
 
     platform.install_cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    reduce_from, reduce_scatter = (
-        "reduce_from_tensor_model_parallel_region",
-        "reduce_scatter_to_sequence_parallel_region",
-    )
     split = tensor_parallel.scatter_to_sequence_parallel_region
     patch = Patch(  # what the oases-schedule patch replaces for the embedding
         "embedding-end",
-        [
-            (tp_layers, reduce_from, make_deferred_reduction(getattr(tp_layers, reduce_from))),
-            (
-                tp_layers,
-                reduce_scatter,
-                make_deferred_reduction(getattr(tp_layers, reduce_scatter), True),
-            ),
-            (tensor_parallel, "scatter_to_sequence_parallel_region", make_scatter(split)),
-        ],
+        [(tensor_parallel, "scatter_to_sequence_parallel_region", make_scatter(split))],
     )
     torch.manual_seed(0)
     emb = _embedding(dropout, sequence_parallel=True, positions=positions)
@@ -150,7 +136,9 @@ def _cross_entropy_worker(vocab):
     got = []
     ops = cross_entropy_ops(group, lambda: logits * 1.0, labels, got.append, block="output")
     assert [type(op).__name__ for op in ops] == ["Compute", "Comm", "Compute", "Comm", "Compute"]
-    _run(ops)
+    from megatron_oases.schedule.deferral import Deferral
+
+    _run(ops, Deferral())
     (loss,) = got
     assert loss.shape == (B, S) and torch.equal(loss, ref.detach()), max_rel_diff(loss, ref)
     loss.backward(grad)
@@ -171,6 +159,8 @@ def _check_embedding_end(emb, sizes, dropout, kind="batch"):
         LanguageModelEmbedding,
     )
 
+    from megatron_oases.schedule.deferral import Deferral
+    from megatron_oases.schedule.linears import DeferringEmbedding, defer_linears
     from megatron_oases.schedule.rng import replay, snapshot
     from megatron_oases.schedule.split import make_split
     from megatron_oases.schedule.stage_ends import EmbeddingEnd
@@ -195,19 +185,22 @@ def _check_embedding_end(emb, sizes, dropout, kind="batch"):
     ref = _grads(emb)
 
     # the end's ops: all forward programs first (as the executor interleaves them), then backward
-    end = EmbeddingEnd(emb, LanguageModelEmbedding.forward, ids, pos)
+    deferral = Deferral()  # the lookup defers to it, as prepare_model re-classes it
+    assert defer_linears([emb], deferral) == 1
+    assert isinstance(emb.word_embeddings, DeferringEmbedding)
+    end = EmbeddingEnd(emb, LanguageModelEmbedding.forward, ids, pos, deferral)
     split = make_split(kind, torch.empty(S // tp, B, H), parts=len(sizes))
     assert split.sizes == sizes
     end.split(split)
     sbs = [SubBatch(i, None, None, None, n, num_blocks=0) for i, n in enumerate(sizes)]
     with replay(start):
         for sb in sbs:
-            _run(end.forward_ops(sb, lambda h, sb=sb: setattr(sb, "input", h)))
+            _run(end.forward_ops(sb, lambda h, sb=sb: setattr(sb, "input", h)), deferral)
         for sb, out in zip(sbs, outs):
             assert torch.equal(sb.input, out)  # same masks, same values
         for sb, g in zip(sbs, grads_out):
             sb[0].input_grad = g
-            _run(end.backward_ops(sb))
+            _run(end.backward_ops(sb), deferral)
     got = _grads(emb)
     assert set(got) == set(ref) and ref
     for name, g in ref.items():

@@ -98,6 +98,10 @@ def test_a_comm_passes_its_reduction(fake):
         Comm(get=None, done=None, group=g, kind="all_gather", reduce_op="MAX")
 
 
+#: the stage deferral the test programs record (the engine's compute context switches it)
+STAGE = deferral.Deferral()
+
+
 def program(fake, name, n_comms, group, state=None):
     """A layer-like program ``c0 C0 c1 C1 ... c_n``: compute k reads the result of comm k-1.
 
@@ -111,7 +115,7 @@ def program(fake, name, n_comms, group, state=None):
         def fn(k=k):
             fake.log.append(("compute", f"{name}{k}"))
             state.setdefault("seen", []).append(state.get(k - 1))
-            state.setdefault("deferring", []).append(deferral.deferring())
+            state.setdefault("deferring", []).append(STAGE.active)
 
         ops.append(Compute(fn, block=f"{name}{k}"))
         if k == n_comms:
@@ -120,13 +124,13 @@ def program(fake, name, n_comms, group, state=None):
         def get(k=k):
             t = torch.full((2,), float(k + 1))
             fake.name_of[id(t)] = f"{name.upper()}{k}"
-            state.setdefault("get_deferring", []).append(deferral.deferring())
+            state.setdefault("get_deferring", []).append(STAGE.active)
             return t
 
         def done(t, k=k):
             fake.log.append(("done", f"{name.upper()}{k}"))
             state[k] = t.clone()
-            state.setdefault("done_deferring", []).append(deferral.deferring())
+            state.setdefault("done_deferring", []).append(STAGE.active)
 
         ops.append(Comm(get, done, group, block=f"{name.upper()}{k}"))
     return ops, state
@@ -343,12 +347,12 @@ def test_run_executes_with_tmp_comm_deferred(fake):
     layer; the caller's state is back afterwards."""
     a, sa = program(fake, "a", 2, FakeGroup(2))
     b, _ = program(fake, "b", 2, FakeGroup(2))
-    assert not deferral.deferring()
-    run_programs([a, b], compute_context=deferral.deferred_tmp_comm())
+    assert not STAGE.active
+    run_programs([a, b], compute_context=STAGE.deferring())
     assert sa["deferring"] == [True, True, True]
     assert sa["get_deferring"] == [True, True]
     assert sa["done_deferring"] == [True, True]
-    assert not deferral.deferring()
+    assert not STAGE.active
 
 
 def test_compute_error_propagates_and_restores_deferral(fake):
@@ -357,8 +361,8 @@ def test_compute_error_propagates_and_restores_deferral(fake):
 
     a, _ = program(fake, "a", 1, FakeGroup(2))
     with pytest.raises(ValueError, match="compute failed"):
-        run_programs([a, [Compute(boom)]], compute_context=deferral.deferred_tmp_comm())
-    assert not deferral.deferring()
+        run_programs([a, [Compute(boom)]], compute_context=STAGE.deferring())
+    assert not STAGE.active
     assert ("compute", "a0") in fake.log
 
 
@@ -399,98 +403,107 @@ def test_tracer_sees_sub_batch_and_labels(fake, monkeypatch):
     assert [(s["block"], s["sub_batch"], s["layer"]) for s in seen] == [("A0", 0, 7), ("B0", 1, 7)]
 
 
-class TestDeferredTmpComm:
-    """The replacements Megatron's TP linears get: stock outside the context, deferred inside."""
+class TestDeferral:
+    """A stage's :class:`~megatron_oases.schedule.deferral.Deferral`: off outside the engine's
+    context, on inside, each exit restoring what its enter found."""
 
     def test_context_nests_and_restores(self):
-        assert not deferral.deferring()
-        with deferral.deferred_tmp_comm():
-            assert deferral.deferring()
-            with deferral.deferred_tmp_comm(enabled=False):
-                assert not deferral.deferring()
-            assert deferral.deferring()
-        assert not deferral.deferring()
+        d = deferral.Deferral()
+        assert not d.active
+        with d.deferring(early="e") as entered:
+            assert entered is d and d.active and d.early == "e"
+            with d.deferring(enabled=False):
+                assert not d.active and d.early is None
+            assert d.active and d.early == "e"
+        assert not d.active and d.early is None
         with pytest.raises(ZeroDivisionError):
-            with deferral.deferred_tmp_comm():
+            with d.deferring():
                 1 / 0
-        assert not deferral.deferring()
+        assert not d.active
 
-    @pytest.mark.parametrize(
-        "name",
-        ["reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region"],
-    )
-    def test_deferred_reduction(self, name):
-        calls = []
+    def test_a_supplied_reduction_is_used_once(self):
+        d = deferral.Deferral()
+        with d.supplied("r"):
+            assert d.take_supplied() == "r" and d.take_supplied() is None
+        with pytest.raises(RuntimeError, match="not consumed"):
+            with d.supplied("r"):
+                pass
+        assert d.supply is None
 
-        def original(x, group=None):
-            calls.append(group)
-            return x * 2
+    def test_a_cut_records_one_leaf_and_the_scatter_honours_only_an_open_cut(self):
+        d = deferral.Deferral()
+        scatter = deferral.make_scatter(lambda x, group=None: x[:1])
+        x = torch.ones(2, 3, requires_grad=True)
+        assert scatter(x).grad_fn is not None  # stock outside a cut
+        with d.cut_at_scatter() as cuts:
+            leaf = scatter(x * 2)
+        ((full, got),) = cuts
+        assert got is leaf and leaf.is_leaf and leaf.requires_grad and full.grad_fn is not None
+        with pytest.raises(RuntimeError, match="scattered its output 0 times"):
+            with d.cut_at_scatter():
+                pass
+        assert not deferral._CUTTING
 
-        original.__name__ = name
-        reduce = deferral.make_deferred_reduction(original)
-        assert reduce.__wrapped__ is original and reduce.__name__ == name
-        x = torch.ones(3)
-        torch.testing.assert_close(reduce(x, group="g"), torch.full((3,), 2.0))
-        assert calls == ["g"]
-        with deferral.deferred_tmp_comm():
-            assert reduce(x, group="g") is x  # the partial sum, unchanged
-        assert calls == ["g"]
 
-    def test_column_forward_switches_its_communication_off_for_the_call(self):
-        seen = []
+class _Early:
+    """Records what a column linear's backward hands over (EarlyReductions' interface)."""
 
-        def original(self, x, *args, **kwargs):
-            seen.append(
-                (
-                    self.allreduce_dgrad,
-                    self.disable_grad_reduce,
-                    self.sequence_parallel,
-                    args,
-                    kwargs,
-                )
-            )
-            if kwargs.get("fail"):
-                raise RuntimeError("forward failed")
-            return x + 1
+    def __init__(self):
+        self.started = []
 
-        class Linear:  # Megatron's instance attributes, set in __init__
-            def __init__(self):
-                self.tp_group, self.gather_output = "tp", False
-                self.allreduce_dgrad, self.disable_grad_reduce = True, False
-                self.sequence_parallel = True
+    def start(self, tensor, group, scatter=False):
+        self.started.append((tensor, group, scatter))
 
-        lin = Linear()
-        forward = deferral.make_column_forward(original)
-        assert forward.__wrapped__ is original
-        assert forward(lin, 1, "w") == 2
-        with deferral.deferred_tmp_comm():
-            assert forward(lin, 1, k=3) == 2
-            with pytest.raises(RuntimeError, match="forward failed"):
-                forward(lin, 1, fail=True)
-        assert seen == [
-            (True, False, True, ("w",), {}),
-            (False, True, False, (), {"k": 3}),
-            (False, True, False, (), {"fail": True}),
-        ]
-        assert (lin.allreduce_dgrad, lin.disable_grad_reduce, lin.sequence_parallel) == (
-            True,
-            False,
-            True,
-        )
-        assert lin.tp_group == "tp"
 
-    def test_column_forward_refuses_a_linear_without_the_attributes_it_overrides(self):
-        class Linear:
-            tp_group = property(lambda self: "tp")  # not an instance attribute
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_with_early_dgrad_is_the_linear_and_hands_over_its_input_gradient(bias):
+    """Megatron's column linear with its input-gradient reduction handed to the schedule: the
+    gradients of a plain linear, and the very input-gradient tensor it returns started on the
+    linear's group, once."""
+    from megatron_oases.schedule.linears import linear_with_early_dgrad
 
-            def __init__(self):
-                self.allreduce_dgrad = self.disable_grad_reduce = self.sequence_parallel = False
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 4, requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    b = torch.randn(5, requires_grad=True) if bias else None
+    ref = [t.detach().clone().requires_grad_() for t in (x, w)]
+    ref_b = b.detach().clone().requires_grad_() if bias else None
+    early, seen = _Early(), []
+    x.register_hook(lambda g: seen.append(g))
+    out = linear_with_early_dgrad(x, w, b, False, early, "tp", scatter=True)
+    expected = torch.nn.functional.linear(ref[0], ref[1], ref_b)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, ref[0].grad)
+    torch.testing.assert_close(w.grad, ref[1].grad)
+    if bias:
+        torch.testing.assert_close(b.grad, ref_b.grad)
+    ((started, group, scatter),) = early.started
+    assert started is seen[0] and group == "tp" and scatter
 
-        forward = deferral.make_column_forward(lambda self, x: x)
-        assert forward(Linear(), 1) == 1  # not deferring: Megatron's own call
-        with deferral.deferred_tmp_comm():
-            with pytest.raises(RuntimeError, match="no instance attribute 'tp_group'"):
-                forward(Linear(), 1)
+
+def test_early_reductions_are_adopted_in_order_by_the_very_tensor(fake):
+    """What a column linear started is adopted by the program's next collective of that very
+    gradient; another tensor finds nothing, one started later first is an error, and one left
+    over is reported after the backward (waited on first)."""
+    g = FakeGroup(2)
+    early = comm.EarlyReductions()
+    a, b = torch.ones(2), torch.ones(2)
+    fake.name_of[id(a)], fake.name_of[id(b)] = "a", "b"
+    early.start(a, g)
+    early.start(b, g)
+    assert early.take(torch.ones(2)) is None
+    with pytest.raises(RuntimeError, match="out of order"):
+        early.take(b)
+    work, result = early.take(a)
+    assert result() is a
+    with pytest.raises(RuntimeError, match="another kind"):
+        early.take(b, scatter=True)
+    early.start(a, g)
+    with pytest.raises(RuntimeError, match="no collective of the schedule took it"):
+        early.check_empty()
 
 
 def test_early_compute_runs_before_its_sub_batch_waits(fake):
@@ -617,16 +630,3 @@ def test_yield_point_splits_the_running_op_trace_segment(fake):
     segments = sorted((e["ts"], e["ts"] + e["dur"], e["args"]["block"]) for e in tracer.events)
     assert [s[2] for s in segments] == ["a0", "b0", "a1", "b0", "a2", "b1", "a2", "b2"]
     assert all(end <= nxt + 1e-6 for (_, end, _), (nxt, _, _) in zip(segments, segments[1:]))
-
-
-def test_deferral_context_is_reentrant():
-    """One deferral object is entered around every compute op, nested where a yield point runs
-    another sub-batch's ops inside a running one: each exit restores what its enter found."""
-    ctx, off = deferral.deferred_tmp_comm(early="e"), deferral.deferred_tmp_comm(False)
-    with ctx:
-        with off:
-            with ctx:
-                assert deferral.deferring()
-            assert not deferral.deferring()
-        assert deferral.deferring()
-    assert not deferral.deferring()

@@ -53,44 +53,17 @@ def test_replica_grad_runs_are_in_place_views():
     assert _contiguous_runs([other])[0] is other
 
 
-class _Block:
-    """A decoder whose class forward stands in for the ``oases-schedule`` patch's."""
+def test_the_plans_degrees_are_recorded_for_the_checkpoint_hook():
+    """``layer_degrees_of`` finds the degrees :func:`attach_plan` gave a decoder (recorded when
+    ``prepare_model`` attaches the plan), nothing for another one; the spans of equal degree."""
+    from megatron_oases.layer_degrees import runtime
 
-    def forward(self, x, *, layer_degrees=None):
-        return x, layer_degrees
+    class Decoder:
+        pass
 
-    forward.takes_layer_degrees = True
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-
-def test_a_plan_binds_to_one_decoder_instance():
-    """The degrees reach the bound decoder's forward as its argument; another instance of the
-    same class stays as it was, and the checkpoint's accessor finds them on the bound one only."""
-    from megatron_oases.layer_degrees.runtime import (
-        LayerDegrees,
-        bind_block_forward,
-        layer_degrees_of,
-    )
-
-    planned, other = _Block(), _Block()
-    degrees = LayerDegrees(groups=None, degrees=[1, 1, 2, 2, 1])
-    bind_block_forward(planned, degrees)
-    assert planned("h") == ("h", degrees)
-    assert other("h") == ("h", None)
-    assert layer_degrees_of(planned) is degrees
-    assert layer_degrees_of(other) is None and layer_degrees_of(None) is None
+    planned, other = Decoder(), Decoder()
+    degrees = runtime.LayerDegrees(groups=None, degrees=[1, 1, 2, 2, 1])
+    runtime._ATTACHED[planned] = degrees
+    assert runtime.layer_degrees_of(planned) is degrees
+    assert runtime.layer_degrees_of(other) is None and runtime.layer_degrees_of(None) is None
     assert degrees.spans() == [(1, [0, 1]), (2, [2, 3]), (1, [4])]
-
-
-def test_binding_needs_the_schedule_patch():
-    """A decoder whose class forward is not the patch's (patches not installed): refused."""
-    from megatron_oases.layer_degrees.runtime import LayerDegrees, bind_block_forward
-
-    class Stock:
-        def forward(self, x):
-            return x
-
-    with pytest.raises(RuntimeError, match="oases-schedule patch installed"):
-        bind_block_forward(Stock(), LayerDegrees(groups=None, degrees=[1]))

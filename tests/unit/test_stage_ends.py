@@ -35,11 +35,11 @@ def test_only_megatrons_unfused_loss_runs_in_steps():
 def test_a_placeholder_never_passes_as_data():
     """The embedding's placeholder is data for nothing but the schedule: one changed on its way,
     or never taken, is an error, never a silent wrong result."""
-    from megatron_oases.schedule.stage_ends import StageCall
+    from megatron_oases.schedule.gpt_model import StageCall
 
     model = types.SimpleNamespace(decoder=None)
     placeholder = torch.zeros(2)
-    call = StageCall(model, None, None, embedding=object(), placeholder=placeholder)
+    call = StageCall(model, None, None, embedding=object(), stand_in=placeholder)
     with pytest.raises(RuntimeError, match="never reached the schedule"):
         call.check_taken()
     with pytest.raises(RuntimeError, match="changed before the transformer layers"):

@@ -114,26 +114,25 @@ def test_replaced_symbols_are_what_megatron_calls():
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.training import checkpointing, training
 
-    from megatron_oases.schedule.engine import LayerSchedule
-    from megatron_oases.schedule.transformer_block import make_block_forward
+    from megatron_oases.schedule.transformer_block import block_forward
 
     req = compat.require_symbol
     # oases-schedule: RowParallelLinear's forward all-reduce / SP reduce-scatter, by the names
-    # imported into layers.
+    # imported into layers, which the deferring row linear stops short of (.linears).
     for name in (
         "reduce_from_tensor_model_parallel_region",
         "reduce_scatter_to_sequence_parallel_region",
     ):
         req(layers, name, called_by=[layers.RowParallelLinear.forward], parameters=("input_",))
-    # ColumnParallelLinear.forward reads the three flags the deferral switches off per call.
+    # ColumnParallelLinear.forward hands its flags to _forward_impl, which the deferring one
+    # overrides.
     forward = req(layers.ColumnParallelLinear, "forward")
-    for flag in ("allreduce_dgrad", "disable_grad_reduce", "sequence_parallel"):
+    for flag in ("allreduce_dgrad=", "sequence_parallel=", "self._forward_impl("):
         assert flag in inspect.getsource(forward), flag
-    # Our TransformerBlock.forward hands the stock one its arguments by position.
-    ours = make_block_forward(TransformerBlock.forward, LayerSchedule("oases"))
-    ours = inspect.signature(ours).parameters
+    # Our bound TransformerBlock forward hands the stock one its arguments by position.
+    ours = inspect.signature(block_forward).parameters
     stock = list(inspect.signature(TransformerBlock.forward).parameters)
-    positional = [n for n, p in ours.items() if p.kind == p.POSITIONAL_OR_KEYWORD][1:]
+    positional = [n for n, p in ours.items() if p.kind == p.POSITIONAL_OR_KEYWORD][2:]
     assert stock[1 : 1 + len(positional)] == positional
     # Plans: grad-norm clipping asks, by the name imported into clip_grads.
     req(
@@ -215,3 +214,27 @@ def test_megatron_features_the_schedules_cannot_split_are_refused(field, value, 
         check_megatron_features("oases", types.SimpleNamespace(**{field: value}))
     assert "\n" not in str(err.value)
     check_megatron_features("oases", types.SimpleNamespace(gtp_weight_remat_size=1))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--oases-schedule overlap",
+        "--oases-schedule oases --recompute-granularity full --recompute-method uniform "
+        "--recompute-num-layers 1 --sequence-parallel",
+        "--oases-schedule auto --oases-tune-steps 8",
+    ],
+)
+def test_the_schedule_without_a_plan_replaces_at_most_two_process_wide_symbols(flags):
+    """The schedule is applied per model instance (``prepare_model``); process-wide, without a
+    plan, the ``oases-schedule`` patch replaces at most 2 symbols (today one: the embedding's
+    split under SP, which Megatron calls through the module)."""
+    from megatron.core import tensor_parallel
+
+    from megatron_oases.schedule import patch as schedule
+
+    patch = schedule.make_patch(OasesConfig.from_args(parse(TINY + flags, world_size=2)))
+    assert patch is not None and patch.stage_ends
+    replaced = [(owner, attr) for owner, attr, _ in patch.replacements]
+    assert len(replaced) <= 2, replaced
+    assert replaced == [(tensor_parallel, "scatter_to_sequence_parallel_region")]
