@@ -477,12 +477,6 @@ def check_sharded_data_parallel(args, schedule, cuda_available):
             "--oases-cuda-graphs does not run under --use-torch-fsdp2 (FSDP2 re-allocates the "
             "gathered parameters at every all-gather, under the captured graphs); drop one of them"
         )
-    if torch_fsdp2 and schedule != "off" and getattr(args, "emulate_link", None):
-        raise OasesConfigError(
-            f"--oases-schedule {schedule} under --use-torch-fsdp2 does not run under --emulate-link "
-            "yet (its gradients come out wrong there: a known bug, not yet found); drop "
-            "--emulate-link, or use --oases-schedule off"
-        )
     checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
     if torch_fsdp2 and checkpoints:
         from .compat import fsdp2_checkpoint_gap

@@ -26,8 +26,10 @@ so it can be driven with a fake clock:
   makes the caller's stream wait for its event (:class:`CudaEmulatedWork`). The host never
   blocks. Unverified until a GPU check report (``benchmarks/gpu/check.sh``) exists.
 
-``EmulatedWork`` behaves like a ``torch.distributed.Work`` (``wait``, ``is_completed``, ``is_success``,
-``exception``, …; only ``get_future()`` is the real work's future, not delayed).
+``EmulatedWork`` is a ``torch.distributed.Work`` (a subclass: callers that wait only on what
+``isinstance(work, Work)`` accepts, such as FSDP2's all-gather copy-out, wait on it; a duck-typed
+handle they would skip, reading the output before gloo wrote it) with ``wait``, ``is_completed``,
+``is_success``, ``exception``, …; only ``get_future()`` is the real work's future, not delayed.
 ``EmulatedWork.done_at`` is the modelled completion on the ``time.perf_counter`` clock, for tracers
 that want to record it. Every op is recorded (``LinkEmulator.records``), and the time this rank spent
 blocked is kept for :meth:`LinkEmulator.usage`.
@@ -40,11 +42,17 @@ import time
 from ..errors import OasesConfigError
 from .hostcpu import runqueue_us
 
+try:
+    from torch.distributed import Work as _Work
+except ImportError:  # a torch built without distributed: nothing to emulate, nor to check against
+    _Work = object
 
-class EmulatedWork:
+
+class EmulatedWork(_Work):
     """A ``Work`` whose ``wait()`` returns no earlier than the modelled completion time."""
 
     def __init__(self, work, done_at, emulator, record):
+        super().__init__()
         self._work = work
         self.done_at = done_at
         self._emu = emulator
@@ -89,11 +97,40 @@ class EmulatedWork:
         self.wait()
         return [] if self._work is None else self._work.result()
 
-    def __getattr__(self, name):  # anything else (source_rank, get_future, ...) from the real Work
+    def _real(self, name):
         work = self.__dict__.get("_work")
         if work is None:
             raise AttributeError(name)
         return getattr(work, name)
+
+    # the base class's own methods (unimplemented on a Python subclass) answered by the real Work
+    def get_future(self):
+        return self._real("get_future")()
+
+    def get_future_result(self):
+        return self._real("get_future_result")()
+
+    def source_rank(self):
+        return self._real("source_rank")()
+
+    def _source_rank(self):
+        return self._real("_source_rank")()
+
+    def _get_duration(self):
+        return self._real("_get_duration")()
+
+    def _get_op_type(self):
+        return self._real("_get_op_type")()
+
+    def _get_sequence_number(self):
+        return self._real("_get_sequence_number")()
+
+    @property
+    def timeout(self):
+        return self._real("timeout")
+
+    def __getattr__(self, name):  # anything else from the real Work
+        return self._real(name)
 
     def __repr__(self):
         return f"EmulatedWork({self._work!r}, done_at={self.done_at:.6f})"

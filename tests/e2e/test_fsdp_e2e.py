@@ -21,7 +21,7 @@ cross-pass and oases against overlap, as in ``test_parity_dp_bf16.py``); ``--bf1
 bounds, with one bf16 rounding more: below).
 
 And: the emulated link (``--emulate-link``) dilates FSDP2's all-gathers and reduce-scatters on the
-data-parallel group.
+data-parallel group, and leaves a split schedule's numbers under FSDP2 as stock FSDP2's.
 """
 
 import pytest
@@ -184,3 +184,25 @@ def test_emulated_link_dilates_fsdp2_collectives(monkeypatch):
             assert r["done_at"] - r["start"] == pytest.approx(r["emulated_s"], rel=1e-6)
             if r["returned"] is not None:  # a synchronous op: blocked until its emulated end
                 assert r["returned"] >= r["done_at"]
+
+
+#: A split schedule under FSDP2 and the emulated link (D = 1: the numbers, not the timing), TP=2 x
+#: DP=2, against stock FSDP2 with the same flags. The engine gathers with ``unshard(async_op=True)``
+#: (``schedule/fsdp.py``), whose copy-out waits on the all-gather only if its handle is a
+#: ``torch.distributed.Work``: the emulator's handle must be one, or the copy-out reads the output
+#: buffer before gloo wrote it (wrong gradients).
+EMULATED_VARIANTS = [
+    ("fsdp2", FSDP2 + "--oases-schedule off"),
+    ("overlap-emulated", FSDP2 + "--oases-schedule overlap --emulate-link rtx3090-pcie"),
+]
+
+
+@pytest.mark.timeout(600)
+def test_split_schedule_under_fsdp2_and_emulated_link_matches_stock(monkeypatch):
+    monkeypatch.setenv("OASES_EMULATE_DILATION", "1")
+    argv = TP2_DP2 + "--train-iters 1"
+    results = run_distributed(variants_worker, 4, argv, EMULATED_VARIANTS, timeout=560)
+    for rank, res in enumerate(results):
+        got = res["overlap-emulated"]
+        assert sorted(got["installed"]) == ["emulate-link", "oases-schedule"], got["installed"]
+        assert_matches(got, res["fsdp2"], f"overlap-emulated rank {rank}")

@@ -220,3 +220,34 @@ def test_oversubscribed_host_scales_the_per_rank_rate():
     assert oversubscription_share(1, 1, cpus=2) == 1.0
     assert oversubscription_share(4, 1, cpus=2) == 0.5
     assert oversubscription_share(2, 2, cpus=2) == 0.5
+
+
+def test_async_handle_is_a_torch_work_that_waits_for_the_real_op():
+    """FSDP2's all-gather copy-out waits on its handle only ``if isinstance(work, Work)``: an
+    emulated handle that is not one was never waited on and the copy-out read the output before
+    gloo wrote it (wrong gradients of the split schedules under FSDP2 and ``--emulate-link``)."""
+    import torch.distributed as dist
+
+    class RealWork:
+        waited = False
+
+        def wait(self, timeout=None):
+            RealWork.waited = True
+            return True
+
+        def get_future(self):
+            return "real future"
+
+        def source_rank(self):
+            return 3
+
+    now = [10.0]
+    emu = LinkEmulator(load_cluster("rtx3090-pcie"), D, clock=lambda: now[0])
+    emu._sleep = lambda s: now.__setitem__(0, now[0] + s)
+    done, info = emu.issue("all_gather_single", "all_gather", 1 << 20, [0, 1], ("coll", (0, 1)))
+    work = emu.wrap_async(RealWork(), done, info)
+    assert isinstance(work, dist.Work)
+    if isinstance(work, dist.distributed_c10d.Work):  # FSDP2's foreach_all_gather_copy_out
+        work.wait()
+    assert RealWork.waited and now[0] >= done > 10.0
+    assert work.get_future() == "real future" and work.source_rank() == 3
