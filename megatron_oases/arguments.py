@@ -14,7 +14,7 @@ import sys
 
 from .config import OasesConfig, transformer_engine_installed
 from .errors import OasesConfigError
-from .tuning.candidates import AUTO, MIN_TRIAL, TUNE_SHARE
+from .tuning.candidates import AUTO, DROP_MARGIN, MIN_TRIAL, RETUNE_STEPS, TUNE_SHARE
 from .validation import (
     CUDA_GRAPH_MODES,
     SCHEDULES,
@@ -121,6 +121,17 @@ def add_oases_args(parser):
         action="store_true",
         help="--oases-schedule auto, resumed: time the schedules again instead of keeping the "
         "choice saved in the checkpoint",
+    )
+    g.add_argument(
+        "--oases-retune-interval",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--oases-schedule auto: every N iterations after the choice, re-time the last "
+        f"timing's best two (the choice and the runner-up; up to {RETUNE_STEPS} iterations, "
+        "interleaved, the runner-up after a warm-up step) and switch if the runner-up is now "
+        f"clearly faster (the choice's fastest step over {round(100 * DROP_MARGIN)}%% slower "
+        f"than its slowest); N > {RETUNE_STEPS}. Re-timing steps train the model like any others",
     )
     g.add_argument(
         "--oases-split",

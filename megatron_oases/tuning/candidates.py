@@ -11,6 +11,12 @@ flags is simply not tried.
 :class:`Trial` runs them interleaved (A B C A B C ...), each first for one warm-up step, then
 timed; a candidate clearly slower than the best after two timed rounds is dropped, the others get
 a third, and the lowest median wins (stock unless beaten by more than :data:`STOCK_MARGIN`).
+
+``--oases-retune-interval N`` re-times the last timing's best two (:func:`runner_up`) every N
+iterations after the choice (:func:`next_retune`): the same :class:`Trial` with the current choice
+as its ``incumbent`` (warm already, so only the runner-up takes a warm-up step), kept unless
+clearly slower (:func:`clearly_slower`, the trial's drop rule).
+
 Pure Python: no torch, no process group (``tests/unit/test_autotune.py``).
 """
 
@@ -50,6 +56,9 @@ STOCK_MARGIN = 0.02
 TUNE_SHARE = 0.05
 #: The shortest trial: stock and one schedule.
 MIN_TRIAL = 2 * STEPS_PER_CANDIDATE
+#: A re-timing's steps at most: the runner-up's warm-up, then both timed (the current choice runs
+#: warm); ``--oases-retune-interval`` must be longer.
+RETUNE_STEPS = 2 * STEPS_PER_CANDIDATE - WARMUP_STEPS
 
 
 @dataclass(frozen=True)
@@ -110,13 +119,15 @@ STOCK = Candidate()
 class AutoTune:
     """``--oases-schedule auto``'s settings, checked once (:func:`plan_autotune`): the eligible
     ``candidates`` in trial order (stock first), ``budget`` (the trial's steps at most),
-    ``retune`` (``--oases-retune``: time again on a resumed run), ``train_iters`` (the run's
-    length, for what is left of it on a resume; None: unknown) and ``excluded`` (``(name,
-    reason)`` of each split candidate that cannot run here)."""
+    ``retune`` (``--oases-retune``: time again on a resumed run), ``retune_interval``
+    (``--oases-retune-interval``: re-time the best two every that many iterations; None: never),
+    ``train_iters`` (the run's length, for what is left of it on a resume; None: unknown) and
+    ``excluded`` (``(name, reason)`` of each split candidate that cannot run here)."""
 
     candidates: tuple = (STOCK,)
     budget: int = 0
     retune: bool = False
+    retune_interval: Optional[int] = None
     train_iters: Optional[int] = None
     excluded: tuple = ()
 
@@ -131,13 +142,17 @@ def _given(args, name):
 
 
 def check_autotune_flags(args, schedule):
-    """``--oases-tune-steps`` and ``--oases-retune`` act only under ``--oases-schedule auto``."""
+    """``--oases-tune-steps``, ``--oases-retune`` and ``--oases-retune-interval`` act only under
+    ``--oases-schedule auto``."""
     if schedule == AUTO:
         return
-    for name, flag in (("oases_tune_steps", "--oases-tune-steps"), ("oases_retune", None)):
+    for name, flag in (
+        ("oases_tune_steps", "--oases-tune-steps"),
+        ("oases_retune", "--oases-retune"),
+        ("oases_retune_interval", "--oases-retune-interval"),
+    ):
         value = getattr(args, name, None)
-        if value:
-            flag = flag or "--oases-retune"
+        if value is not None and value is not False:
             raise OasesConfigError(
                 f"{flag} times the schedules of --oases-schedule auto; add --oases-schedule auto "
                 f"or drop {flag}"
@@ -198,8 +213,9 @@ def plan_autotune(args, plan=None, cuda_available=None, te_installed=None):
     asked: no split schedule can run with a split-only flag the user gave (``--oases-split
     sequence``, ``--oases-sub-batches``, ``--oases-cuda-graphs``: the first candidate's reason),
     or a trial that does not fit (``--oases-tune-steps`` too short or longer than the run; the
-    default trial more than :data:`TUNE_SHARE` of the run). Without a split candidate and without
-    such a flag, ``auto`` runs stock (``excluded`` says why)."""
+    default trial more than :data:`TUNE_SHARE` of the run), or a re-timing that does not
+    (:func:`check_retune_interval`). Without a split candidate and without such a flag, ``auto``
+    runs stock (``excluded`` says why)."""
     eligible, excluded, first_error = [STOCK], [], None
     for candidate in split_candidates(args, cuda_available):
         try:
@@ -224,6 +240,8 @@ def plan_autotune(args, plan=None, cuda_available=None, te_installed=None):
         )
     train_iters = getattr(args, "train_iters", None)
     steps = getattr(args, "oases_tune_steps", None)
+    interval = getattr(args, "oases_retune_interval", None)
+    check_retune_interval(interval, train_iters)
     budget = 0
     if len(eligible) > 1:
         budget = _check_budget(steps, eligible, train_iters)
@@ -231,6 +249,7 @@ def plan_autotune(args, plan=None, cuda_available=None, te_installed=None):
         candidates=tuple(eligible),
         budget=budget,
         retune=bool(getattr(args, "oases_retune", False)),
+        retune_interval=interval,
         train_iters=train_iters,
         excluded=tuple(excluded),
     )
@@ -263,6 +282,73 @@ def _check_budget(steps, candidates, train_iters):
     return budget
 
 
+def check_retune_interval(interval, train_iters):
+    """``--oases-retune-interval N``: a positive number of iterations, longer than a re-timing
+    (:data:`RETUNE_STEPS`, so that one ends before the next is due), and short enough that a
+    re-timing fits in ``--train-iters`` at all."""
+    if interval is None:
+        return
+    if interval < 1:
+        raise OasesConfigError(
+            f"--oases-retune-interval {interval}: N must be a positive number of iterations; use "
+            f"{RETUNE_STEPS + 1} or more, or drop --oases-retune-interval"
+        )
+    if interval <= RETUNE_STEPS:
+        raise OasesConfigError(
+            f"--oases-retune-interval {interval} is too short: re-timing the best two takes up to "
+            f"{RETUNE_STEPS} steps (the runner-up's warm-up and {TIMED_STEPS} timed steps each), "
+            f"which must end before the next is due; use {RETUNE_STEPS + 1} or more"
+        )
+    if train_iters is not None and interval + RETUNE_STEPS > train_iters:
+        raise OasesConfigError(
+            f"--oases-retune-interval {interval} leaves no room for a re-timing in --train-iters "
+            f"{train_iters} (it starts {interval} iterations after the choice and takes up to "
+            f"{RETUNE_STEPS} steps); use at most {max(train_iters - RETUNE_STEPS, 0)}, or drop "
+            "--oases-retune-interval"
+        )
+
+
+def clearly_slower(times, best_times):
+    """Whether timed steps ``times`` are clearly slower than ``best_times``: even the fastest of
+    them slower by more than :data:`DROP_MARGIN` than the slowest of ``best_times`` (the trial
+    drops such a candidate; a re-timing switches away from such a choice)."""
+    return min(times) > max(best_times) * (1 + DROP_MARGIN)
+
+
+def next_retune(chosen_at, interval, after, train_iters=None):
+    """The first iteration of the next re-timing, on the grid ``chosen_at + k * interval + 1``
+    (``k >= 1``; ``chosen_at``: the trial's last iteration) after iteration ``after``; None where
+    there is none (no interval) or it would not end by ``train_iters``."""
+    if not interval:
+        return None
+    k = max(1, (after - chosen_at - 1) // interval + 1)
+    start = chosen_at + k * interval + 1
+    if train_iters is not None and start + RETUNE_STEPS - 1 > train_iters:
+        return None
+    return start
+
+
+def runner_up(record, candidates):
+    """The candidate a re-timing races against ``record``'s choice (the tuner's record: the
+    trial's table, and its re-timings'): the other of the last timing's best two, the lowest
+    median among its timed candidates that did not fail, dropped ones included; None where there
+    is none among ``candidates`` (those that can run)."""
+    choice = Candidate.from_dict(record.get("choice"))
+    retunes = record.get("retunes") or []
+    rows = retunes[-1].get("table", []) if retunes else record.get("table") or []
+    best = None
+    for row in rows:
+        candidate = Candidate.from_dict(row)
+        median = row.get("median_s")
+        if candidate is None or candidate == choice or candidate not in candidates:
+            continue
+        if median is None or str(row.get("status", "")).startswith("failed"):
+            continue
+        if best is None or median < best[0]:
+            best = (median, candidate)
+    return None if best is None else best[1]
+
+
 class Trial:
     """The trial of ``candidates`` (stock first) within ``budget`` steps: as many candidates, in
     their order, as :data:`STEPS_PER_CANDIDATE` steps each fit (the rest are "not tried").
@@ -271,19 +357,37 @@ class Trial:
     (:meth:`record`, the slowest rank's seconds) or its failure (:meth:`fail`: the candidate is
     dropped and the same iteration runs again with the next one). When :meth:`next` returns None
     the trial is over and :attr:`choice` is set. Every rank feeds it the same agreed values, so
-    every rank reaches the same choice."""
+    every rank reaches the same choice.
 
-    def __init__(self, candidates, budget):
-        fit = max(1, min(len(candidates), budget // STEPS_PER_CANDIDATE))
+    ``incumbent`` (a re-timing, :meth:`retiming`): the candidate running until now. It is warm, so
+    its steps are all timed and the first round is the others' warm-up; it stays the choice
+    unless :func:`clearly_slower` than another (the drop rule), not merely slower in median."""
+
+    def __init__(self, candidates, budget, incumbent=None):
+        fit, used = 0, 0
+        for c in candidates:
+            used += STEPS_PER_CANDIDATE - (WARMUP_STEPS if c == incumbent else 0)
+            if used > budget:
+                break
+            fit += 1
+        fit = max(1, fit)
         self.tried, self.untried = list(candidates[:fit]), list(candidates[fit:])
+        self.incumbent = incumbent
         self.times = {c: [] for c in self.tried}  # timed seconds per candidate
-        self.warmed = set()
+        self.warmed = {incumbent} & set(self.tried)
         self.out = {}  # candidate -> ("dropped" | "failed", why)
         self.steps = 0  # iterations the trial ran (a failed attempt is not one)
         self.choice = None
-        self._round = list(self.tried)
+        self._round = [c for c in self.tried if c not in self.warmed] or list(self.tried)
         if len(self.tried) == 1:
             self.choice = self.tried[0]
+
+    @classmethod
+    def retiming(cls, choice, runner_up):
+        """``--oases-retune-interval``'s re-timing of the current ``choice`` against
+        ``runner_up``: :data:`RETUNE_STEPS` steps at most, interleaved after the runner-up's
+        warm-up."""
+        return cls([choice, runner_up], RETUNE_STEPS, incumbent=choice)
 
     def alive(self):
         return [c for c in self.tried if c not in self.out]
@@ -330,9 +434,8 @@ class Trial:
             return  # the warm-up round
         if timed == DROP_AFTER:
             best = min(alive, key=lambda c: statistics.median(self.times[c]))
-            bar = max(self.times[best]) * (1 + DROP_MARGIN)
             for c in alive:
-                if c is not best and min(self.times[c]) > bar:
+                if c is not best and clearly_slower(self.times[c], self.times[best]):
                     self.out[c] = ("dropped", "slower")
         alive = self.alive()
         if len(alive) == 1 or timed >= TIMED_STEPS:
@@ -343,6 +446,10 @@ class Trial:
         return statistics.median(times) if times else None
 
     def _best(self, alive):
+        if self.incumbent in alive:
+            mine = self.times[self.incumbent]
+            faster = [c for c in alive if clearly_slower(mine, self.times[c])]
+            return min(faster, key=self.median) if faster else self.incumbent
         best = min(alive, key=self.median)
         stock = next((c for c in alive if c.stock), None)
         if stock is not None and self.median(stock) <= self.median(best) * (1 + STOCK_MARGIN):
@@ -388,3 +495,35 @@ def format_table(rows):
             f"  {r['candidate']:<22} {median:>10} {ratio:>9}  {r['timed']:>5}  {r['status']}"
         )
     return lines
+
+
+def retune_entry(trial, was, iterations):
+    """A finished re-timing ``trial`` of the choice ``was`` over ``iterations`` (first, last), as
+    the record keeps it (``"retunes"``)."""
+    choice = trial.choice
+    return {
+        "iterations": list(iterations),
+        "steps": trial.steps,
+        "was": was.name,
+        "name": choice.name,
+        "flags": choice.flags(),
+        "switched": choice != was,
+        "table": trial.rows(),
+    }
+
+
+def format_retune(entry):
+    """:func:`retune_entry` as the one line rank 0 prints."""
+    times = []
+    for r in entry["table"]:
+        median = "-" if r["median_s"] is None else f"{1000 * r['median_s']:.1f} ms"
+        status = r["status"] if r["status"] not in ("", "chosen") else ""
+        times.append(f"{r['candidate']} {median}" + (f" ({status})" if status else ""))
+    first, last = entry["iterations"]
+    where = f"iterations {first}-{last}" if last != first else f"iteration {first}"
+    steps = f"{entry['steps']} step" + ("" if entry["steps"] == 1 else "s")
+    if entry["switched"]:
+        verdict = f"switched to {entry['name']}; to pin it: {entry['flags']}"
+    else:
+        verdict = f"kept {entry['name']}"
+    return f"re-timed the best two at {where} ({steps}, medians): {', '.join(times)}: {verdict}"

@@ -8,7 +8,11 @@ times it (``torch.cuda.synchronize`` around it on CUDA). One small all-reduce (M
 on a gloo group of its own, gives every rank the slowest rank's time, whether some rank failed, and
 a check that all ran the same candidate: every rank and pipeline stage feeds the trial the same
 values, so all switch together and reach the same choice. Once chosen, the wrapper only calls
-through.
+through, except for ``--oases-retune-interval N``'s re-timings: every N iterations after the choice
+(:func:`.candidates.next_retune`) the current choice and the runner-up of the last timing
+(:func:`.candidates.runner_up`) run the same kind of trial (:meth:`.candidates.Trial.retiming`,
+the same agreement, failure handling and replay), and the choice switches where the runner-up is
+now clearly faster; the gloo group stays open while a re-timing is still due.
 
 **A failed candidate.** An exception inside the step's forward-backward (on a GPU: out of memory)
 under a split candidate is caught. If every rank failed (an OOM strikes the tensor-parallel ranks'
@@ -21,7 +25,8 @@ stops the run with one line (:class:`~megatron_oases.errors.TrainingStopped`) in
 Stock (``off``) failing is the run's own failure and is raised as it is.
 
 **Where the choice goes.** Rank 0 prints the table (:func:`.candidates.format_table`) and the
-flags that pin the winner; the record (:func:`Tuner.record`) goes into ``--log-json``
+flags that pin the winner, and one line per re-timing (:func:`.candidates.format_retune`); the
+record (:func:`Tuner.record`, with ``"retunes"``: each re-timing's result) goes into ``--log-json``
 (``"oases-autotune"``) and into Megatron's ``args`` (attribute :data:`ARGS_KEY`), which every
 checkpoint saves; a resumed run reads it back when Megatron checks the checkpoint's arguments
 (``check_checkpoint_args``) and keeps the choice unless ``--oases-retune`` is given.
@@ -34,7 +39,17 @@ import time
 from ..compat import require_call, require_symbol
 from ..errors import TrainingStopped
 from ..patching import Patch
-from .candidates import MIN_TRIAL, STOCK, Candidate, Trial, format_table
+from .candidates import (
+    MIN_TRIAL,
+    STOCK,
+    Candidate,
+    Trial,
+    format_retune,
+    format_table,
+    next_retune,
+    retune_entry,
+    runner_up,
+)
 
 PATCH_NAME = "oases-autotune"
 #: Megatron's ``args`` attribute the record travels under into checkpoints (``state_dict['args']``).
@@ -226,8 +241,13 @@ class Tuner:
     def __init__(self, settings, selection=None, recorder=None, tracer=None):
         self.settings, self.selection = settings, selection
         self.recorder, self.tracer = recorder, tracer
-        self.trial = None
+        self.trial = None  # the run's first trial
+        self.active = None  # the trial or re-timing running now
         self.fixed = None  # the chosen candidate, once chosen
+        self.anchor = None  # the trial's last iteration: re-timings are due every N after it
+        self.due = None  # the next re-timing's first iteration (None: none)
+        self.retune_first = None
+        self.iteration = 0  # the iteration running now
         self.record = None
         self.loaded = None  # a resumed checkpoint's record
         self.graphs = {}  # candidate -> its BlockGraphs (``--oases-cuda-graphs`` candidates)
@@ -243,9 +263,12 @@ class Tuner:
         self.loaded = record if isinstance(record, dict) else None
 
     def train_step(self, real, a, k):
+        iteration = self.iteration = (k.get("iteration") or 0) + 1
         if self.fixed is None and self.trial is None:
             self._start(k.get("iteration"))
-        if self.fixed is not None:
+        if self.active is None and self.due is not None and iteration >= self.due:
+            self._start_retune(iteration)
+        if self.active is None:
             return real(*a, **k)
         return self._trial_step(real, a, k)
 
@@ -258,7 +281,9 @@ class Tuner:
         kept = Candidate.from_dict((self.loaded or {}).get("choice"))
         if kept is not None and not s.retune:
             if kept in s.candidates:
-                self._fix(kept, dict(self.loaded, how="kept from the checkpoint"))
+                chosen_at = (self.loaded.get("iterations") or [None, None])[-1]
+                self.anchor = chosen_at if isinstance(chosen_at, int) else done
+                self._fix(kept, dict(self.loaded, how="kept from the checkpoint"), after=done)
                 _say(
                     [f"{PREFIX}: kept {kept.name} from the checkpoint (--oases-retune times again)"]
                 )
@@ -280,18 +305,30 @@ class Tuner:
             self._fix(STOCK, self._record(STOCK, "too few iterations left"))
             _say([f"{PREFIX}: {left} iterations left, too few to time the schedules; stock runs"])
             return
-        self.trial = Trial(s.candidates, budget)
+        self.trial = self.active = Trial(s.candidates, budget)
         self._open_group()
 
+    def _start_retune(self, iteration):
+        """``--oases-retune-interval``: the current choice against the last timing's runner-up."""
+        self.active = Trial.retiming(self.fixed, runner_up(self.record, self.settings.candidates))
+        self.retune_first, self.last_iteration = iteration, None
+
+    def _end(self):
+        trial, self.active = self.active, None
+        if trial is self.trial:
+            self._finish()
+        else:
+            self._finish_retune(trial)
+
     def _trial_step(self, real, a, k):
-        trial, replay = self.trial, None
+        trial, replay = self.active, None
         iteration = (k.get("iteration") or 0) + 1
         data = _arg(a, k, _DATA, "data_iterator")
         forward_backward = _arg(a, k, _FORWARD_BACKWARD, "forward_backward_func")
         while True:
             candidate = trial.next()
             if candidate is None:  # the trial ended on a failure: this iteration runs the choice
-                self._finish()
+                self._end()
                 a2, k2 = _with_arg(a, k, _DATA, "data_iterator", _recording(data, replay))
                 return real(*a2, **k2)
             self._select(candidate)
@@ -328,7 +365,7 @@ class Tuner:
                 trial.record(candidate, slowest)
                 self.last_iteration = iteration
                 if trial.next() is None:
-                    self._finish()
+                    self._end()
                 return out
             if not all_failed:  # some ranks completed the step: the states differ now
                 raise TrainingStopped(
@@ -358,7 +395,7 @@ class Tuner:
 
     def _drop(self, candidate, reasons, iteration):
         """Every rank failed ``candidate`` in ``iteration`` (``reasons``: each rank's line)."""
-        self.trial.fail(candidate, reasons[0][1])
+        self.active.fail(candidate, reasons[0][1])
         self.graphs.pop(candidate, None)
         ranks = ", ".join(str(r) for r, _ in reasons)
         _say(
@@ -373,6 +410,7 @@ class Tuner:
         choice = trial.choice
         record = self._record(choice, "timed", trial.rows())
         first, last = self.first_iteration, self.last_iteration or self.first_iteration
+        self.anchor = last
         lines = [
             f"{PREFIX}: {trial.steps} trial steps (iterations {first}-{last}); a step's time is "
             "the slowest rank's, the median of its timed steps after one warm-up step",
@@ -381,6 +419,18 @@ class Tuner:
         ]
         self._fix(choice, record)
         _say(lines)
+
+    def _finish_retune(self, trial):
+        """A re-timing ended: its result joins the record; the choice switches if it changed."""
+        first = self.retune_first
+        entry = retune_entry(trial, self.fixed, (first, self.last_iteration or first))
+        record = dict(self.record, retunes=[*(self.record.get("retunes") or []), entry])
+        choice = trial.choice
+        if entry["switched"]:
+            record.update(choice=choice.as_dict(), name=choice.name, flags=choice.flags())
+            record["how"] = "re-timed"
+        self._fix(choice, record)
+        _say([f"{PREFIX}: {format_retune(entry)}"])
 
     def _record(self, choice, how, rows=()):
         return {
@@ -391,10 +441,13 @@ class Tuner:
             "trial_steps": self.trial.steps if self.trial is not None else 0,
             "iterations": [self.first_iteration, self.last_iteration],
             "table": list(rows),
+            "retunes": [],
         }
 
-    def _fix(self, choice, record):
-        """The rest of the run runs ``choice``; the record goes where it is kept."""
+    def _fix(self, choice, record, after=None):
+        """The run goes on with ``choice`` (until a re-timing switches it); the record goes where
+        it is kept; the next re-timing is scheduled after iteration ``after`` (default: the one
+        running now), and the group stays open for it."""
         self.fixed, self.record = choice, record
         self._select(choice)
         others = [c for c in self.graphs if c != choice]
@@ -402,7 +455,14 @@ class Tuner:
             del self.graphs[candidate]
         if others:  # their graphs' memory pools (a full collection costs ~0.5 s: only then)
             _free_memory()
-        self._close_group()
+        s, self.due = self.settings, None
+        if s.retune_interval and runner_up(record, s.candidates) is not None:
+            after = self.iteration if after is None else after
+            self.due = next_retune(self.anchor, s.retune_interval, after, s.train_iters)
+        if self.due is None:
+            self._close_group()
+        elif self.group is None:
+            self._open_group()  # a resumed run that kept its choice
         from megatron.training import get_args
 
         setattr(get_args(), ARGS_KEY, record)  # saved with every checkpoint from now on

@@ -1,9 +1,11 @@
 """``--oases-schedule auto`` without process groups: which candidates a command line allows, the
 one-line refusals, the trial's order, drops and choice, and the tuner's step loop on a fake
 ``train_step`` (a failed candidate dropped, its micro-batches and RNG state handed to the retry;
-a resumed choice kept). The multi-rank behaviour is ``tests/e2e/test_autotune_e2e.py``."""
+a resumed choice kept), and ``--oases-retune-interval``'s re-timings (when, against whom, when
+they switch, their refusals). The multi-rank behaviour is ``tests/e2e/test_autotune_e2e.py``."""
 
 import argparse
+import types
 
 import pytest
 import torch
@@ -14,13 +16,18 @@ from megatron_oases.errors import OasesConfigError
 from megatron_oases.tuning import runtime
 from megatron_oases.tuning.candidates import (
     MIN_TRIAL,
+    RETUNE_STEPS,
     STEPS_PER_CANDIDATE,
     STOCK,
     AutoTune,
     Candidate,
     Trial,
+    format_retune,
     format_table,
+    next_retune,
     plan_autotune,
+    retune_entry,
+    runner_up,
 )
 
 TP2 = GPT.format(layers=2) + "--tensor-model-parallel-size 2 --global-batch-size 4 "
@@ -82,12 +89,32 @@ def test_a_split_only_flag_no_candidate_can_run_is_one_line():
         ("--train-iters 100", r"at most 5% of --train-iters 100 \(5 steps\)"),
         ("--oases-schedule off --oases-tune-steps 8", "add --oases-schedule auto or drop"),
         ("--oases-schedule overlap --oases-retune", "add --oases-schedule auto or drop"),
+        (
+            "--oases-schedule off --oases-retune-interval 20",
+            "--oases-retune-interval times the schedules of --oases-schedule auto; add",
+        ),
+        ("--train-iters 400 --oases-retune-interval 0", "N must be a positive number"),
+        ("--train-iters 400 --oases-retune-interval -5", "N must be a positive number"),
+        ("--train-iters 400 --oases-retune-interval 7", "--oases-retune-interval 7 is too short"),
+        (
+            "--train-iters 400 --oases-retune-interval 394",
+            "--oases-retune-interval 394 leaves no room for a re-timing in --train-iters 400.*"
+            "use at most 393",
+        ),
     ],
 )
 def test_a_trial_that_does_not_fit_is_one_line(flags, match):
     schedule = "" if "--oases-schedule" in flags else "--oases-schedule auto "
     with pytest.raises(OasesConfigError, match=match):
         parse(TP2 + "--micro-batch-size 2 " + schedule + flags, 2)
+
+
+def test_the_retune_interval_reaches_the_settings():
+    base = TP2 + "--micro-batch-size 2 --oases-schedule auto --train-iters 400"
+    assert parse_config(base, 2).autotune.retune_interval is None
+    for n in (RETUNE_STEPS + 1, 400 - RETUNE_STEPS):  # the bounds the refusals leave
+        config = parse_config(base + f" --oases-retune-interval {n}", 2)
+        assert config.autotune.retune_interval == n
 
 
 def test_the_default_trial_is_a_few_per_cent_of_the_run():
@@ -296,3 +323,192 @@ def test_too_few_iterations_left_run_stock(megatron_args, capsys):
     tuner.train_step(step, step.args(iter(range(10))), {"iteration": 15})
     assert 20 - 15 < MIN_TRIAL
     assert tuner.fixed == STOCK and "5 iterations left" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------- re-timing
+
+
+def test_retimings_are_due_every_n_iterations_after_the_choice():
+    # the trial chose at iteration 9: re-timings start at 18, 26, 34, ... (each < N steps long)
+    assert next_retune(9, 8, after=9) == 18
+    assert next_retune(9, 8, after=17) == 18
+    assert next_retune(9, 8, after=18) == 26  # one started at 18: the next on the grid
+    assert next_retune(9, 8, after=22) == 26
+    assert next_retune(9, 8, after=40) == 42  # a resumed run keeps the grid
+    assert next_retune(9, 8, after=17, train_iters=24) == 18  # 18-24: RETUNE_STEPS fit
+    assert next_retune(9, 8, after=17, train_iters=23) is None  # would not end by the run's end
+    assert next_retune(9, None, after=9) is None
+
+
+def row(candidate, median, status=""):
+    return {
+        "candidate": candidate.name,
+        **candidate.as_dict(),
+        "median_s": median,
+        "status": status,
+    }
+
+
+def test_the_runner_up_is_the_other_of_the_last_timings_best_two():
+    D = Candidate("cross-pass")
+    table = [
+        row(A, 0.43, "dropped: slower"),
+        row(C, 0.40, "dropped: slower"),  # dropped ones count: conditions change
+        row(B, None, "failed: RuntimeError: OOM"),
+        row(D, 0.11, "chosen"),
+    ]
+    record = {"choice": D.as_dict(), "table": table, "retunes": []}
+    assert runner_up(record, (A, B, C, D)) == C
+    assert runner_up(record, (A, B, D)) == A  # oases cannot run under this command line
+    failed = dict(record, table=[row(A, 0.3, "failed: RuntimeError: x"), row(D, 0.1, "chosen")])
+    assert runner_up(failed, (A, B, C, D)) is None  # a failed candidate is not raced again
+    # after a re-timing, its pair is the last timing's best two
+    retimed = Trial.retiming(D, C)
+    run(retimed, {D: [0.5, 0.5], C: [9, 0.1, 0.1]})
+    entry = retune_entry(retimed, D, (18, 22))
+    assert entry["switched"] and entry["name"] == "oases"
+    again = dict(record, choice=C.as_dict(), retunes=[entry])
+    assert runner_up(again, (A, B, C, D)) == D
+    assert runner_up({"choice": STOCK.as_dict(), "table": []}, (A, B)) is None
+
+
+def test_a_retiming_warms_up_the_runner_up_only_and_keeps_the_choice_unless_clearly_slower():
+    # B runs (warm): C takes one warm-up step, then both are timed, interleaved
+    kept = Trial.retiming(B, C)
+    seen = run(kept, {B: [1.00, 1.00, 1.00], C: [9, 0.95, 0.92, 0.94]})
+    assert seen == [C, B, C, B, C, B, C] and len(seen) == RETUNE_STEPS
+    assert kept.median(C) < kept.median(B)  # faster in median, not clearly: no switch
+    assert (
+        kept.choice == B
+        and kept.times[B] == [1.0, 1.0, 1.0]
+        and kept.times[C] == [0.95, 0.92, 0.94]
+    )
+    # clearly faster (its slowest step more than 10 % below the choice's fastest): a switch,
+    # decided after two timed rounds like the trial's drop
+    switched = Trial.retiming(B, C)
+    assert run(switched, {B: [1.0, 1.0], C: [9, 0.5, 0.5]}) == [C, B, C, B, C]
+    assert switched.choice == C and switched.out[B] == ("dropped", "slower")
+    # stock as the choice is kept against a 5 % faster schedule (the first trial would switch)
+    stock = Trial.retiming(A, B)
+    run(stock, {A: [1.0, 1.0, 1.0], B: [9, 0.95, 0.95, 0.95]})
+    assert stock.choice == A
+    # a runner-up that fails is dropped; the choice runs that iteration again
+    failing = Trial.retiming(B, C)
+    assert run(failing, {B: []}, fail=[C]) == [] and failing.choice == B
+    entry = retune_entry(failing, B, (18, 18))
+    assert not entry["switched"] and entry["table"][1]["status"] == "failed: injected"
+
+
+def test_a_retiming_is_one_line():
+    trial = Trial.retiming(B, C)
+    run(trial, {B: [0.2, 0.2], C: [9, 0.1, 0.1]})
+    line = format_retune(retune_entry(trial, B, (18, 22)))
+    assert line == (
+        "re-timed the best two at iterations 18-22 (5 steps, medians): overlap 200.0 ms "
+        "(dropped: slower), oases 100.0 ms: switched to oases; to pin it: --oases-schedule oases "
+        "--oases-sub-batches 2"
+    )
+    kept = Trial.retiming(B, C)
+    run(kept, {B: [0.1, 0.1], C: [9, 0.2, 0.2]})
+    assert format_retune(retune_entry(kept, B, (26, 30))).endswith(
+        "overlap 100.0 ms, oases 200.0 ms (dropped: slower): kept overlap"
+    )
+
+
+class TimedStep(FakeStep):
+    """:class:`FakeStep` whose steps take ``durations[schedule]`` seconds on the tuner's clock."""
+
+    def __init__(self, selection, durations, monkeypatch, fail=()):
+        super().__init__(selection, fail)
+        self.durations, self.now = durations, 0.0
+        monkeypatch.setattr(runtime, "time", types.SimpleNamespace(perf_counter=lambda: self.now))
+
+    def __call__(self, *a, **k):
+        self.now += self.durations[self.selection.schedule]
+        return super().__call__(*a, **k)
+
+
+def test_retimings_race_the_best_two_and_switch_every_rank_together(
+    megatron_args, capsys, monkeypatch
+):
+    settings = AutoTune(candidates=(A, B, C), budget=12, retune_interval=8, train_iters=40)
+    selection = Selection()
+    step = TimedStep(selection, {"off": 1.0, "overlap": 0.5, "oases": 0.6}, monkeypatch)
+    tuner = runtime.Tuner(settings, selection)
+    data = iter(range(1000))
+    drive(tuner, step, 9, data)  # the trial: a warm-up round, two timed; A and C dropped
+    assert tuner.fixed == B and tuner.anchor == 9 and tuner.due == 18
+    step.durations.update(overlap=1.0)  # conditions change: oases is now clearly faster
+    for i in range(9, 40):
+        tuner.train_step(step, step.args(data), {"iteration": i})
+    ran = [s for s, _, _ in step.calls]
+    assert ran[9:17] == ["overlap"] * 8  # iterations 10-17 run the choice
+    # 18-22: oases' warm-up, then both interleaved; overlap clearly slower after two rounds
+    assert ran[17:22] == ["oases", "overlap", "oases", "overlap", "oases"]
+    assert ran[22:25] == ["oases"] * 3  # 23-25: the new choice
+    # 26-30: overlap (now the runner-up) against oases: kept; 34-40: again (7 steps fit)
+    assert ran[25:30] == ["overlap", "oases", "overlap", "oases", "overlap"]
+    assert ran[33:40] == ["overlap", "oases", "overlap", "oases", "overlap"] + ["oases"] * 2
+    consumed = [b for _, batches, _ in step.calls for b in batches]
+    assert consumed == list(range(80))  # every re-timing step is a training step, in order
+    record = megatron_args.oases_autotune  # what the next checkpoint keeps
+    assert record["name"] == "oases" and record["how"] == "re-timed"
+    assert record["choice"] == C.as_dict() and record["flags"] == C.flags()
+    assert record["iterations"] == [1, 9] and len(record["table"]) == 3  # the trial's, as it was
+    retunes = record["retunes"]
+    assert [(r["iterations"], r["switched"], r["name"]) for r in retunes] == [
+        ([18, 22], True, "oases"),
+        ([26, 30], False, "oases"),
+        ([34, 38], False, "oases"),
+    ]
+    assert [r["candidate"] for r in retunes[0]["table"]] == ["overlap", "oases"]
+    out = capsys.readouterr().out
+    assert out.count("re-timed the best two") == 3
+    assert "at iterations 18-22 (5 steps, medians): overlap 1000.0 ms (dropped: slower), " in out
+    assert "switched to oases; to pin it: --oases-schedule oases --oases-sub-batches 2" in out
+    assert tuner.due is None  # 42-48 would not end by iteration 40
+
+
+def test_a_resumed_run_keeps_the_retiming_grid(megatron_args, monkeypatch):
+    trial = Trial([A, B, C], 12)
+    run(trial, {A: [1, 1, 1], B: [1, 0.5, 0.5], C: [1, 0.6, 0.6]})
+    saved = argparse.Namespace(
+        oases_autotune={"choice": B.as_dict(), "iterations": [1, 9], "table": trial.rows()}
+    )
+    settings = AutoTune(candidates=(A, B, C), budget=12, retune_interval=8, train_iters=40)
+    selection = Selection()
+    step = TimedStep(selection, {"off": 1.0, "overlap": 0.5, "oases": 0.6}, monkeypatch)
+    tuner = runtime.Tuner(settings, selection)
+    tuner.checkpoint_args(saved)
+    data = iter(range(1000))
+    for i in range(20, 28):  # resumed after iteration 20: the grid of 9 + 8k + 1 gives 26
+        tuner.train_step(step, step.args(data), {"iteration": i})
+    assert tuner.fixed == B and tuner.record["how"] == "kept from the checkpoint"
+    assert [s for s, _, _ in step.calls] == ["overlap"] * 5 + ["oases", "overlap", "oases"]
+    plain = runtime.Tuner(AutoTune(candidates=(A, B, C), budget=12, train_iters=40), selection)
+    plain.checkpoint_args(saved)
+    plain.train_step(step, step.args(data), {"iteration": 20})
+    assert plain.due is None  # without --oases-retune-interval: never
+
+
+def test_a_runner_up_failing_in_a_retiming_leaves_the_choice(megatron_args, capsys, monkeypatch):
+    settings = AutoTune(candidates=(A, B, C), budget=12, retune_interval=8, train_iters=40)
+    selection = Selection()
+    step = TimedStep(selection, {"off": 1.0, "overlap": 0.5, "oases": 0.6}, monkeypatch)
+    tuner = runtime.Tuner(settings, selection)
+    data = iter(range(1000))
+    drive(tuner, step, 9, data)
+    step.fail = {"oases"}  # fails in its warm-up step at iteration 18, on every rank
+    for i in range(9, 26):
+        tuner.train_step(step, step.args(data), {"iteration": i})
+    ran = [s for s, _, _ in step.calls]
+    assert ran[17:19] == ["oases", "overlap"]  # the failed attempt, then 18 again with the choice
+    assert step.calls[17][1] == step.calls[18][1]  # on the same micro-batches
+    assert ran[19:] == ["overlap"] * 8  # no re-timing before 26; oases failed: none after either
+    assert tuner.fixed == B and tuner.due is None
+    entry = megatron_args.oases_autotune["retunes"][0]
+    assert entry["steps"] == 0 and not entry["switched"]
+    assert entry["table"][1]["status"].startswith("failed: RuntimeError: CUDA out of memory")
+    out = capsys.readouterr().out
+    assert "oases failed on rank(s) 0" in out
+    assert "re-timed the best two at iteration 18 (0 steps, medians): overlap -, oases - " in out
