@@ -26,14 +26,18 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..compat import MEGATRON_ALIASES, require_symbol
 from ..patching import Patch
+from ..testbed.link_model import WrappedWork
 from .trace import Tracer, trace_path
 
 
-class _TracedWork:
-    """Wraps an async work handle so the tracer sees when it is waited on and completes."""
+class _TracedWork(WrappedWork):
+    """Wraps an async work handle so the tracer sees when it is waited on and completes; a
+    ``torch.distributed.Work`` (:class:`~megatron_oases.testbed.link_model.WrappedWork`), so
+    callers that wait only on a ``Work`` (FSDP2's all-gather copy-out) wait on it."""
 
     def __init__(self, work, tracer, rec):
-        self._work, self._tracer, self._rec, self._done = work, tracer, rec, False
+        super().__init__(work)
+        self._tracer, self._rec, self._done = tracer, rec, False
 
     def wait(self, *args, **kwargs):
         if self._done:
@@ -46,9 +50,6 @@ class _TracedWork:
 
     def is_completed(self):
         return self._work.is_completed()
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
 
 
 #: Traced collectives: name -> (recorded op, the argument whose bytes are the transfer size).

@@ -48,12 +48,56 @@ except ImportError:  # a torch built without distributed: nothing to emulate, no
     _Work = object
 
 
-class EmulatedWork(_Work):
+class WrappedWork(_Work):
+    """A ``torch.distributed.Work`` wrapping the real one (``work``, or None for an op that ran
+    synchronously): a subclass, not a duck type, so callers that wait only on what
+    ``isinstance(work, Work)`` accepts (FSDP2's all-gather copy-out) wait on it. The base class's
+    own methods, unimplemented on a Python subclass, and anything else are the real work's."""
+
+    def __init__(self, work):
+        super().__init__()
+        self._work = work
+
+    def _real(self, name):
+        work = self.__dict__.get("_work")
+        if work is None:
+            raise AttributeError(name)
+        return getattr(work, name)
+
+    def get_future(self):
+        return self._real("get_future")()
+
+    def get_future_result(self):
+        return self._real("get_future_result")()
+
+    def source_rank(self):
+        return self._real("source_rank")()
+
+    def _source_rank(self):
+        return self._real("_source_rank")()
+
+    def _get_duration(self):
+        return self._real("_get_duration")()
+
+    def _get_op_type(self):
+        return self._real("_get_op_type")()
+
+    def _get_sequence_number(self):
+        return self._real("_get_sequence_number")()
+
+    @property
+    def timeout(self):
+        return self._real("timeout")
+
+    def __getattr__(self, name):  # anything else from the real Work
+        return self._real(name)
+
+
+class EmulatedWork(WrappedWork):
     """A ``Work`` whose ``wait()`` returns no earlier than the modelled completion time."""
 
     def __init__(self, work, done_at, emulator, record):
-        super().__init__()
-        self._work = work
+        super().__init__(work)
         self.done_at = done_at
         self._emu = emulator
         self._record = record
@@ -96,41 +140,6 @@ class EmulatedWork(_Work):
     def result(self):
         self.wait()
         return [] if self._work is None else self._work.result()
-
-    def _real(self, name):
-        work = self.__dict__.get("_work")
-        if work is None:
-            raise AttributeError(name)
-        return getattr(work, name)
-
-    # the base class's own methods (unimplemented on a Python subclass) answered by the real Work
-    def get_future(self):
-        return self._real("get_future")()
-
-    def get_future_result(self):
-        return self._real("get_future_result")()
-
-    def source_rank(self):
-        return self._real("source_rank")()
-
-    def _source_rank(self):
-        return self._real("_source_rank")()
-
-    def _get_duration(self):
-        return self._real("_get_duration")()
-
-    def _get_op_type(self):
-        return self._real("_get_op_type")()
-
-    def _get_sequence_number(self):
-        return self._real("_get_sequence_number")()
-
-    @property
-    def timeout(self):
-        return self._real("timeout")
-
-    def __getattr__(self, name):  # anything else from the real Work
-        return self._real(name)
 
     def __repr__(self):
         return f"EmulatedWork({self._work!r}, done_at={self.done_at:.6f})"

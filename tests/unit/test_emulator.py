@@ -251,3 +251,37 @@ def test_async_handle_is_a_torch_work_that_waits_for_the_real_op():
         work.wait()
     assert RealWork.waited and now[0] >= done > 10.0
     assert work.get_future() == "real future" and work.source_rank() == 3
+
+
+def test_the_tracers_async_handle_is_a_torch_work_too():
+    """``--oases-trace`` wraps async handles as well: a ``Work`` subclass, so a caller that waits
+    only on ``isinstance(work, Work)`` (FSDP2's copy-out) waits through it and the trace sees it."""
+    import torch.distributed as dist
+
+    from megatron_oases.instrument.trace_patch import _TracedWork
+
+    class RealWork:
+        waited = False
+
+        def wait(self, timeout=None):
+            RealWork.waited = True
+            return True
+
+        def get_future(self):
+            return "real future"
+
+    class Tracer:
+        seen = []
+
+        def comm_wait(self, rec):
+            self.seen.append(("wait", rec))
+
+        def comm_done(self, rec):
+            self.seen.append(("done", rec))
+
+    tracer = Tracer()
+    work = _TracedWork(RealWork(), tracer, "rec")
+    assert isinstance(work, dist.distributed_c10d.Work)
+    assert work.wait() and RealWork.waited
+    assert tracer.seen == [("wait", "rec"), ("done", "rec")]
+    assert work.get_future() == "real future"
