@@ -49,6 +49,13 @@ Replaced symbol                             Why / what the shim does
                                             device index: a mesh of the same group on ``cpu``
                                             (FSDP2's own CPU path; sharding and collectives as
                                             on GPUs).
+``megatron.core.distributed.``              after Megatron's ``fully_shard`` calls: the all-gathers
+  ``TorchFullyShardedDataParallel.``        in the GPU's issue order (:func:`gpu_issue_order`):
+  ``__init__``                              each gather async, the next layer's issued before the
+                                            current one computes. On CUDA that overlap comes from
+                                            the host running ahead; CPU ranks compute on the
+                                            issuing thread and would gather each layer only when
+                                            it starts. Same values, same memory bound.
 ``megatron.training.training.``             its JIT warm-up draws ``torch.rand`` tensors shaped by
   ``set_jit_fusion_options``                ``--micro-batch-size`` (and dropout masks) from the
                                             "CUDA" generator, here the CPU one that then initialises
@@ -275,19 +282,76 @@ class _CpuDeviceMesh:
         return DeviceMesh.from_group(group, device_type, *args, **kwargs)
 
 
+def gpu_issue_order(root, recompute_granularity):
+    """FSDP2's all-gathers on CPU ranks in the order a GPU issues them, on ``root`` (Megatron's
+    model after its ``fully_shard`` calls).
+
+    On CUDA, FSDP2 hides a layer's all-gather behind the layer before: the host runs ahead of the
+    device and reaches layer i+1's pre-forward (which issues its all-gather on FSDP2's all-gather
+    stream) while layer i still computes; in backward, layer i's pre-backward prefetches layer
+    i-1's all-gather (FSDP2's default backward prefetch). On CPU ranks the compute runs on the
+    issuing thread and a gather without ``async_op`` blocks it: each layer's all-gather would be
+    issued when the layer starts and waited on at once. So every unshard is made ``async_op``
+    (FSDP2's ``_set_unshard_async_op``; its copy-out waits on the ``Work``, gloo progresses on its
+    own thread) and each fully_shard-ed layer prefetches the next in forward order
+    (``set_modules_to_forward_prefetch``: issued after its own copy-out, before it computes: one
+    layer ahead, as the GPU's implicit prefetch). The gathered values and the number of layers
+    held gathered are FSDP2's either way.
+
+    Not with ``--recompute-granularity full``: the recomputation in backward runs each layer's
+    forward again, whose prefetch would gather the next layer's pre-step shards for the next
+    iteration (Megatron sets its own backward prefetch there)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    root._set_unshard_async_op(True)
+    if recompute_granularity == "full":
+        return
+    chain = [
+        m
+        for m in root.modules()
+        if m is not root and isinstance(m, FSDPModule) and next(m.parameters(), None) is not None
+    ]
+    for module, following in zip(chain, chain[1:]):
+        module.set_modules_to_forward_prefetch([following])
+
+
+def _prefetching_init(init):
+    """Megatron's FSDP2 wrapper ``__init__``, then :func:`gpu_issue_order` on its model."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        gpu_issue_order(self.module, self.config.recompute_granularity)
+
+    return __init__
+
+
 def _fsdp2_shims():
-    """``{(module, attr): replacement}`` for ``--use-torch-fsdp2`` (torch's ``fully_shard``)."""
+    """``[(owner, attr, replacement)]`` for ``--use-torch-fsdp2`` (torch's ``fully_shard``)."""
     module = "megatron.core.distributed.torch_fully_sharded_data_parallel"
     try:
         fsdp2 = importlib.import_module(module)
     except ImportError:
-        return {}
+        return []
     if not getattr(fsdp2, "HAVE_FSDP", False):  # a torch without FSDP2: Megatron refuses it
-        return {}
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
     from ..compat import require_call
 
-    require_call(fsdp2.TorchFullyShardedDataParallel.__init__, "DeviceMesh.from_group(")
-    return {(module, "DeviceMesh"): _CpuDeviceMesh}
+    wrapper = fsdp2.TorchFullyShardedDataParallel
+    require_call(wrapper.__init__, "DeviceMesh.from_group(")
+    require_call(wrapper.__init__, "fully_shard(self.module")
+    for name in ("_set_unshard_async_op", "set_modules_to_forward_prefetch"):
+        if not hasattr(FSDPModule, name):
+            raise RuntimeError(
+                f"megatron_oases CPU shim: torch's FSDPModule.{name} no longer exists in this "
+                "torch; --use-torch-fsdp2 is not supported on CPU with it"
+            )
+    return [
+        (fsdp2, "DeviceMesh", _CpuDeviceMesh),
+        (wrapper, "__init__", _prefetching_init(wrapper.__dict__["__init__"])),
+    ]
 
 
 #: The registry name of the CPU shim patch.
@@ -320,8 +384,9 @@ def make_patch():
         (mrandom, "_set_cuda_rng_state", _cpu_set_rng_state),
         (mrandom, "CudaRNGStatesTracker", _make_cpu_tracker_class()),
     ]
-    for (module, name), new in {**_training_shims(), **_fsdp2_shims()}.items():
+    for (module, name), new in _training_shims().items():
         replacements.append((importlib.import_module(module), name, new))
+    replacements += _fsdp2_shims()
     for name in _FACTORIES:
         replacements.append((torch, name, _cpu_device_factory(getattr(torch, name))))
     for name, method in _make_tensor_methods(torch.Tensor.to, torch.Tensor.type).items():

@@ -21,7 +21,8 @@ cross-pass and oases against overlap, as in ``test_parity_dp_bf16.py``); ``--bf1
 bounds, with one bf16 rounding more: below).
 
 And: the emulated link (``--emulate-link``) dilates FSDP2's all-gathers and reduce-scatters on the
-data-parallel group, and leaves a split schedule's numbers under FSDP2 as stock FSDP2's.
+data-parallel group, which the CPU shims issue in a GPU's order (async, one layer ahead), and leaves
+a split schedule's numbers under FSDP2 as stock FSDP2's.
 """
 
 import pytest
@@ -140,38 +141,74 @@ def test_split_schedules_under_fsdp2_bf16_match_stock_fsdp2(tp2_dp2_runs):
     print(f"TP2 x FSDP2-DP2 bf16: worst gradient difference {worst:.2e} (bound {BF16_GRADS:.2e})")
 
 
+def _prefetch_chain(model):
+    """``(kinds, prefetch, async)`` of a FSDP2 model: its fully_shard-ed modules' class names in
+    module order, the index each prefetches in forward, whether every unshard is async."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    index = {id(m._get_fsdp_state()): i for i, m in enumerate(fsdp)}
+    states = [m._get_fsdp_state() for m in fsdp]
+    kinds = [type(m).__mro__[2].__name__ for m in fsdp]  # FSDP<Orig>, FSDPModule, Orig
+    prefetch = [[index[id(t)] for t in s._states_to_forward_prefetch] for s in states]
+    unshard_async = all(g.unshard_async_op for s in states for g in s._fsdp_param_groups)
+    return kinds, prefetch, unshard_async
+
+
 def _emulated_fsdp2_ops(argv):
-    """One FSDP2 job under ``--emulate-link``: the emulator's records of its first step."""
+    """One FSDP2 job under ``--emulate-link``: the emulator's records of its first step, and
+    the model's prefetch settings (:func:`_prefetch_chain`)."""
     from helpers.runs import prepared
     from megatron.training import training
 
     from megatron_oases.patching import REGISTRY, Patch
     from megatron_oases.training.pretrain import run_in_process
 
-    original, seen = training.train_step, []
+    original, seen, chain = training.train_step, [], []
 
-    def train_step(*args, **kwargs):
-        out = original(*args, **kwargs)
+    def train_step(forward_step_func, data_iterator, model, *args, **kwargs):
+        out = original(forward_step_func, data_iterator, model, *args, **kwargs)
         if not seen:
             seen.extend(dict(r) for r in REGISTRY.get("emulate-link").emulator.records)
+            chain.append(_prefetch_chain(model[0].module))
         return out
 
     run_in_process(
         prepared(argv),
         extra_patches=[Patch("test-records", [(training, "train_step", train_step)])],
     )
-    return seen
+    return seen, chain[0]
 
 
 def test_emulated_link_dilates_fsdp2_collectives(monkeypatch):
     """Every all-gather FSDP2 issues before a layer's forward and backward and every gradient
     reduce-scatter after it goes through the emulated link of the data-parallel group (ranks 0
     and 1: one node, the intra-node link of the cluster profile) and completes no earlier than
-    D x its modelled time."""
+    D x its modelled time.
+
+    And they are issued in the GPU's order (``platform/cpu.py:gpu_issue_order``): every gather
+    async, the embedding and each layer prefetching the next in forward; in backward the next
+    layer's gather (FSDP2's backward prefetch) is in flight while the gradients of the layer
+    before are reduce-scattered (a synchronous gather would have returned first)."""
     monkeypatch.setenv("OASES_EMULATE_DILATION", "50")
     argv = DP2 + NO_DROP + FSDP2 + "--emulate-link rtx3090-pcie --train-iters 1"
     ranks = run_distributed(_emulated_fsdp2_ops, 2, argv, timeout=600)
-    for records in ranks:
+    for records, (kinds, prefetch, unshard_async) in ranks:
+        assert unshard_async
+        chain = [
+            i for i, k in enumerate(kinds) if k in ("LanguageModelEmbedding", "TransformerLayer")
+        ]
+        assert kinds[chain[0]] == "LanguageModelEmbedding" and len(chain) >= 3, kinds
+        assert [prefetch[i] for i in chain] == [[j] for j in chain[1:]] + [[]], (kinds, prefetch)
+        gathers = [r for r in records if r["op"] == "all_gather_single"]
+        assert all(r["async"] for r in gathers)
+        in_flight = [
+            (g, s)
+            for g in gathers
+            for s in records
+            if s["op"] == "reduce_scatter_single" and g["issue"] < s["issue"] < (g["wait"] or 0)
+        ]
+        assert len(in_flight) >= len(chain) - 1, in_flight
         by_op = {}
         for r in records:
             by_op.setdefault(r["op"], []).append(r)

@@ -130,6 +130,58 @@ def test_cpu_shims_give_fsdp2_a_cpu_mesh():
     assert fsdp2.DeviceMesh.__module__.startswith("torch.distributed")
 
 
+def test_cpu_shims_issue_fsdp2_gathers_in_the_gpu_order():
+    """Under the shims Megatron's FSDP2 wrapper ends with :func:`gpu_issue_order`: every unshard
+    async, each fully_shard-ed module with parameters prefetching the next in forward order (the
+    root and a module without parameters, as Megatron's ``RotaryEmbedding``, left out); none under
+    full recomputation, whose second forward would prefetch stale shards."""
+    import torch
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as fsdp2
+    from torch.distributed.fsdp import FSDPModule
+
+    from megatron_oases import platform
+    from megatron_oases.platform.cpu import gpu_issue_order
+
+    calls = []
+
+    class Recorded(FSDPModule):  # what fully_shard swaps in, its calls recorded
+        def _set_unshard_async_op(self, async_op):
+            calls.append(("async", self.tag, async_op))
+
+        def set_modules_to_forward_prefetch(self, modules):
+            calls.append(("prefetch", self.tag, [m.tag for m in modules]))
+
+    def sharded(module, tag):
+        module.__class__ = type(f"FSDP{type(module).__name__}", (Recorded, type(module)), {})
+        module.tag = tag
+        return module
+
+    def model():
+        layers = [sharded(torch.nn.Linear(2, 2), f"layer{i}") for i in range(3)]
+        rotary = sharded(torch.nn.Identity(), "rotary")
+        root = torch.nn.Sequential(sharded(torch.nn.Embedding(4, 2), "embedding"), rotary, *layers)
+        return sharded(root, "root")
+
+    gpu_issue_order(model(), None)
+    assert calls == [("async", "root", True)] + [
+        ("prefetch", a, [b])
+        for a, b in [("embedding", "layer0"), ("layer0", "layer1"), ("layer1", "layer2")]
+    ]
+    calls.clear()
+    gpu_issue_order(model(), "full")
+    assert calls == [("async", "root", True)]
+
+    init = fsdp2.TorchFullyShardedDataParallel.__init__
+    installed = platform.install_cpu_shims(force=True)
+    try:
+        wrapped = fsdp2.TorchFullyShardedDataParallel.__init__
+        assert wrapped is not init and wrapped.__wrapped__ is init
+    finally:
+        if installed:
+            platform.uninstall_cpu_shims()
+    assert fsdp2.TorchFullyShardedDataParallel.__init__ is init
+
+
 def test_a_torch_dcp_checkpoint_is_complete_with_its_index(tmp_path):
     """A ``torch_dcp`` save (FSDP2's format) writes no ``metadata.json``: its index ``.metadata``,
     written last, marks it complete; under torch_dist the same files are a save cut short."""
