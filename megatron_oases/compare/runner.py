@@ -142,14 +142,25 @@ def run_variant(
         why = exc.strerror if isinstance(exc, OSError) else exc  # an OSError names the full path
         result["error"] = f"no metrics in {os.path.relpath(golden_path, out_dir)}: {why}"
         return result
-    result.update(status="ok", **_timings(golden, warmup, tokens))
-    files = trace_files(os.path.join(vdir, "trace.rank{rank}.json"))
-    traces = load_traces(files)
-    result["trace_files"] = files
-    result["trace"] = run_metrics(traces, comm_model) if traces else None
-    if not traces:
+    result.update(status="ok", **_timings(golden, warmup, tokens), **_traced(vdir, comm_model))
+    if result["trace"] is None:
         result["warning"] = "no trace written: exposed communication and efficiency unavailable"
     return result
+
+
+def read_run(vdir, warmup, tokens=None, comm_model=None):
+    """A finished variant's timings and trace metrics read back from its directory, as
+    :func:`run_variant` returned them (``--reanalyze`` of the planner's verify grid); a missing
+    or unreadable ``golden.json`` raises :class:`OSError`, malformed JSON :class:`ValueError`."""
+    golden = read_golden(os.path.join(vdir, "golden.json"))
+    return dict(_timings(golden, warmup, tokens), **_traced(vdir, comm_model))
+
+
+def _traced(vdir, comm_model):
+    """``trace_files`` and ``trace`` (:func:`run_metrics` over the ranks; None without traces)."""
+    files = trace_files(os.path.join(vdir, "trace.rank{rank}.json"))
+    traces = load_traces(files)
+    return {"trace_files": files, "trace": run_metrics(traces, comm_model) if traces else None}
 
 
 def _fresh_variant_dir(vdir, out_dir):

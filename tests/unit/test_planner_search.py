@@ -1,6 +1,7 @@
 """``oases plan --gpus N``: the DP x TP x PP search (:mod:`megatron_oases.planner.cluster.search`)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -241,3 +242,149 @@ def test_pipeline_sends_are_costed_on_the_link_between_stages(gpt7b):
     # 8 micro-batches + 1 bubble slot, two sends each (forward and backward)
     expected = 9 * 2 * across.pipeline_p2p_time(nbytes)
     assert predicted(across) - predicted(bare) == pytest.approx(expected, rel=1e-6)
+
+
+def _rank_trace(rank, iteration_us, runq_us):
+    """A rank's trace (instrument/trace.py format) reduced to what the CPU-wait share reads."""
+    md = {"rank": rank, "iteration": 4, "iteration_time_us": iteration_us}
+    if runq_us is not None:
+        md.update(iteration_runq_us=runq_us, iteration_cpu_us=iteration_us - runq_us)
+    op = {"name": "F layer L0", "cat": "compute", "ph": "X", "pid": rank, "tid": 0, "ts": 0.0,
+          "dur": iteration_us, "args": {"pass": "forward", "layer": 0, "block": "layer"}}  # fmt: skip
+    return {"traceEvents": [op], "metadata": md}
+
+
+def test_the_cpu_wait_share_is_compares_run_queue_time_over_the_iteration():
+    """The grid's correction for the 2-CPU host: the ranks' mean run-queue wait (what ``oases
+    compare`` reports as run-queue ms, run_metrics' ``runq_us``) ÷ the iteration, each rank's
+    beside it; taken off the measured time as that share; nothing where a trace has no record."""
+    from megatron_oases.planner.cluster.verify import less_run_queue, run_queue_share
+    from megatron_oases.viz.analysis import run_metrics
+
+    traces = [_rank_trace(0, 1000.0, 100.0), _rank_trace(1, 1000.0, 300.0)]
+    share, ranks = run_queue_share(run_metrics(traces))
+    assert share == pytest.approx(0.2) and ranks == pytest.approx([0.1, 0.3])
+    assert less_run_queue(0.015, share) == pytest.approx(0.012)
+    no_record = [_rank_trace(0, 1000.0, 100.0), _rank_trace(1, 1000.0, None)]
+    assert run_queue_share(run_metrics(no_record)) == (None, None)
+    assert run_queue_share(None) == (None, None) and less_run_queue(0.015, None) is None
+
+
+def _grid_rows():
+    """Search order (lowest predicted first); the rule of thumb last."""
+    rows = [
+        # name, predicted, measured, less the CPU wait
+        ("A", 10.0, 13.0, 10.2),
+        ("B", 12.0, 17.0, 13.0),
+        ("C", 12.5, 13.0, 11.2),
+        ("D", 13.0, 14.0, 11.4),
+    ]
+    out = [dict(name=n, predicted_s=p, measured_s=m, measured_less_runq_s=c) for n, p, m, c in rows]
+    out.append(dict(name="T", predicted_s=30.0, measured_s=31.6, measured_less_runq_s=30.0))
+    out[-1]["rule_of_thumb"] = True
+    return out
+
+
+def test_the_grid_targets_on_either_figure():
+    from megatron_oases.planner.cluster.verify import grid_targets, spearman
+
+    rows = _grid_rows()
+    raw = grid_targets(rows, "measured_s")
+    assert raw["errors"][1] == pytest.approx(17 / 12 - 1)
+    assert raw["worst"] == "B" and raw["worst_row"] == 1 and raw["within_met"] is False
+    assert raw["spearman_top5"] == pytest.approx(spearman([10, 12, 12.5, 13], [13, 17, 13, 14]))
+    assert raw["chosen"] == "A" and raw["best"] == "A" and raw["chosen_over_best"] == 0.0
+    assert raw["chosen_over_best_met"] is True
+    fixed = grid_targets(rows, "measured_less_runq_s")
+    assert fixed["worst"] == "D" and fixed["worst_error"] == pytest.approx(11.4 / 13 - 1)
+    assert fixed["within_met"] is True  # the rule of thumb (+0 %) counted too
+    assert fixed["spearman_top5_met"] is False
+    # the rule of thumb counts for "each within", not for the ranking or the best
+    rows[-1]["measured_less_runq_s"] = 20.0
+    fixed = grid_targets(rows, "measured_less_runq_s")
+    assert fixed["worst"] == "T" and fixed["within_met"] is False and fixed["best"] == "A"
+    # a candidate without the figure misses "each within"; none with it: cannot be told
+    rows[2]["measured_less_runq_s"] = None
+    assert grid_targets(rows[:2], "measured_less_runq_s")["within_met"] is True
+    assert grid_targets(rows[:3], "measured_less_runq_s")["within_met"] is False
+    nothing = grid_targets(rows, "no_such_figure")
+    assert nothing["within_met"] is None and nothing["spearman_top5_met"] is None
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _verify_search_module():
+    import importlib.util
+
+    path = os.path.join(ROOT, "benchmarks", "planner", "verify_search.py")
+    spec = importlib.util.spec_from_file_location("verify_search_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_run(vdir, iteration_s, runq_us):
+    """One candidate's run as verify leaves it: golden.json (warm-up + 3 timed iterations, host
+    seconds) and one trace per rank of the last iteration."""
+    os.makedirs(vdir)
+    series = lambda v: {"start_step": 1, "end_step": 4, "step_interval": 1, "values": v}  # noqa
+    golden = {"lm loss": series([7.0, 6.9, 6.8, 6.7]), "iteration-time": series(iteration_s),
+              "tokens-per-sec": series([400.0] * 4)}  # fmt: skip
+    with open(os.path.join(vdir, "golden.json"), "w") as f:
+        json.dump(golden, f)
+    for rank, runq in enumerate(runq_us):
+        with open(os.path.join(vdir, f"trace.rank{rank}.json"), "w") as f:
+            json.dump(_rank_trace(rank, 1e6 * iteration_s[-1], runq), f)
+
+
+def test_reanalyze_rebuilds_the_report_from_the_runs_on_disk(tmp_path):
+    """``verify_search.py --reanalyze``: the runs' own records (golden.json, traces) give each
+    repeat's measured time and CPU-wait share, the medians and both figures' targets, without
+    running anything; runs that are not the ones the report has are refused."""
+    from megatron_oases.errors import OasesConfigError
+
+    vs = _verify_search_module()
+    runs, out_dir = tmp_path / "runs", tmp_path / "out"
+    out_dir.mkdir()
+    D = 500.0
+    # per candidate and repeat: timed iterations (host s; median = the middle one) and ranks' runq
+    grid = {
+        "TP1 PP4 DP1 mb1": ([[9, 6.0, 6.5, 6.2], [9, 6.4, 6.6, 6.5]], [[1.2e6, 1.4e6]] * 2),
+        "TP1 PP1 DP4 mb2": ([[9, 8.0, 8.5, 8.2], [9, 8.4, 8.6, 8.5]], [[2.0e6, 1.6e6]] * 2),
+        "TP4 PP1 DP1 mb8": ([[20, 15.0, 15.0, 15.0]] * 2, [[0.6e6, 0.6e6]] * 2),
+    }
+    rows = []
+    for (name, (times, runq)), predicted in zip(grid.items(), (0.010, 0.0125, 0.029)):
+        for i, (t, q) in enumerate(zip(times, runq)):
+            _write_run(str(runs / f"r{i}" / name.replace(" ", "-").lower()), t, q)
+        rows.append(dict(name=name, schedule="off", recompute="none", split="batch",
+                         degrees=[1], tp=1, data_parallel_sharding=None, predicted_s=predicted,
+                         status="ok", dilation=D, rule_of_thumb=name.startswith("TP4"),
+                         measured_repeats_s=[sorted(t[1:])[1] / D for t in times]))  # fmt: skip
+    record = {"dilation": D, "rows": rows, "rule_of_thumb": dict(rows[-1])}
+    (out_dir / "verify_search.json").write_text(json.dumps(record))
+    assert vs.main(["--reanalyze", "--runs", str(runs), "--out", str(out_dir)]) == 0
+    out = json.loads((out_dir / "verify_search.json").read_text())
+    first = out["rows"][0]  # the traced iteration is each repeat's median one here: 6.2, 6.5 s
+    assert first["run_queue_share_repeats"] == pytest.approx([1.3 / 6.2, 1.3 / 6.5])
+    assert sum(first["run_queue_rank_shares_repeats"], []) == pytest.approx(
+        [1.2 / 6.2, 1.4 / 6.2, 1.2 / 6.5, 1.4 / 6.5]
+    )
+    assert first["measured_s"] == pytest.approx((6.2 + 6.5) / 2 / D)
+    assert first["measured_less_runq_s"] == pytest.approx((4.9 + 5.2) / 2 / D)
+    assert first["measured_less_runq_range_s"] == pytest.approx([5.15 / D, 4.95 / D])
+    raw, fixed = out["targets"]["measured_s"], out["targets"]["measured_less_runq_s"]
+    assert raw["within_met"] is False and fixed["within_met"] is True
+    assert (
+        out["spearman_top5"] == raw["spearman_top5"]
+        and out["rule_of_thumb"]["name"] == "TP4 PP1 DP1 mb8"
+    )
+    report = (out_dir / "verify_search.md").read_text()
+    assert "measured less the CPU wait ms" in report and "--reanalyze" in report
+    assert "| **missed** (worst: TP1 PP1 DP4 mb2 +" in report
+    # a runs folder that is not the report's: one line, nothing rewritten
+    rows[0]["measured_repeats_s"][1] *= 1.01
+    (out_dir / "verify_search.json").write_text(json.dumps(record))
+    with pytest.raises(OasesConfigError, match="not the runs it reports"):
+        vs.main(["--reanalyze", "--runs", str(runs), "--out", str(out_dir)])
