@@ -9,15 +9,14 @@ Predictions of the planner's model (analytic profiles), not measurements.
     python benchmarks/planner/fsdp.py [--out benchmarks/results/planner]
 """
 
-import argparse
 import json
-import logging
 import os
 import sys
-import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+import report_cli  # noqa: E402 (beside this script)
 
 GPUS, GBS = 8, 64
 
@@ -246,14 +245,7 @@ def report(rows):
 
 
 def main(argv=None):
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    from megatron_oases.training import quiet
-
-    quiet.install(cuda=False)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "planner"))
-    args = p.parse_args(argv)
+    args = report_cli.start(__doc__, argv)
     rows = []
     for model, overrides, cluster in CASES:
         row = run_case(model, overrides, cluster)

@@ -7,7 +7,6 @@ Beside each roofline figure the FLOP-only figure the analytic profiles charged b
     flock /tmp/oases-bench.lock python benchmarks/planner/roofline_check.py [--out DIR]
 """
 
-import argparse
 import json
 import math
 import os
@@ -15,6 +14,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+import report_cli  # noqa: E402 (beside this script)
 
 CPU_PROFILE = os.path.join(ROOT, "benchmarks", "results", "validation", "profile.json")
 #: The H100 check's layer (docs/compare.md, "The device model"): H=2048, 32 heads, seq 1024,
@@ -89,12 +90,7 @@ def _h100_row():
 
 
 def main(argv=None):
-    from megatron_oases.training import quiet
-
-    quiet.install(cuda=False)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "planner"))
-    args = p.parse_args(argv)
+    args = report_cli.start(__doc__, argv)
     rows, host = _cpu_rows()
     h100 = _h100_row()
 

@@ -8,15 +8,14 @@ planner's model, not measurements.
     python benchmarks/planner/search.py [--out benchmarks/results/planner]
 """
 
-import argparse
 import json
-import logging
 import os
 import sys
-import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+import report_cli  # noqa: E402 (beside this script)
 
 #: (model file, overrides, cluster, GPUs, global batch); the 256k vocabulary is where an uneven
 #: pipeline split wins (its output layer costs about five layers)
@@ -49,18 +48,11 @@ def _setting(r):
 
 
 def main(argv=None):
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
+    args = report_cli.start(__doc__, argv)
     from megatron_oases.planner.choose import setting_name
     from megatron_oases.planner.cluster.search import model_for_search, search
-    from megatron_oases.training import quiet
-
-    quiet.install(cuda=False)
     from megatron_oases.profiler.model_config import read_model_file
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "planner"))
-    args = p.parse_args(argv)
     rows = []
     for model, overrides, cluster, gpus, gbs in CASES:
         margs = model_for_search(read_model_file(model), gbs, overrides=overrides)
