@@ -98,28 +98,12 @@ def fsdp_alone(args, cluster, untied):
     return best, (None if best else need)
 
 
-def _setting(r):
-    from megatron_oases.planner.choose import setting_name
-    from megatron_oases.planner.sharding import STRATEGIES
-
-    out = setting_name(r["schedule"], r["recompute"], r["recompute_num_layers"], r["split"])
-    if r["degrees"] != [r["layout"]["tp"]]:
-        out += f" degrees {r['degrees']}"
-    if r.get("stage_split"):
-        out += " stages {}/../{}".format(r["stage_split"][0], r["stage_split"][2])
-    if r.get("distributed_optimizer"):
-        out += " dist-opt"
-    if r.get("data_parallel_sharding"):
-        out += " " + STRATEGIES[r["data_parallel_sharding"]].short
-    return out
-
-
 def _entry(r, tokens):
     if r is None:
         return None
     return {
         "layout": r["name"],
-        "setting": _setting(r),
+        "setting": report_cli.setting(r),
         "iteration_s": r["iteration_time_s"],
         "tokens_per_s_per_gpu": tokens / r["iteration_time_s"] / GPUS,
         "data_parallel_sharding": r.get("data_parallel_sharding"),

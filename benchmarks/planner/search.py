@@ -31,22 +31,6 @@ CASES = [
 ]
 
 
-def _setting(r):
-    from megatron_oases.planner.choose import setting_name
-
-    out = setting_name(r["schedule"], r["recompute"], r["recompute_num_layers"], r["split"])
-    if r["degrees"] != [r["layout"]["tp"]]:
-        out += f" degrees {r['degrees']}"
-    if r.get("stage_split"):
-        out += " stages {}/../{}".format(r["stage_split"][0], r["stage_split"][2])
-    from megatron_oases.planner.sharding import STRATEGIES
-
-    out += " dist-opt" if r.get("distributed_optimizer") else ""
-    if r.get("data_parallel_sharding"):
-        out += " " + STRATEGIES[r["data_parallel_sharding"]].short
-    return out
-
-
 def main(argv=None):
     args = report_cli.start(__doc__, argv)
     from megatron_oases.planner.choose import setting_name
@@ -68,7 +52,7 @@ def main(argv=None):
             "layouts": r["layouts_searched"],
             "search_s": round(r["search_s"], 2),
             "winner": w["name"],
-            "winner_setting": _setting(w),
+            "winner_setting": report_cli.setting(w),
             "winner_s": w["iteration_time_s"],
             "winner_host_bound": w["host_bound"],
             "rule_of_thumb": (
@@ -76,10 +60,10 @@ def main(argv=None):
             ),
             "rule_of_thumb_s": thumb["iteration_time_s"] if thumb else None,
             "launch_flags": r["winner_plan"]["launch_flags"],
-            "best_stock": f"{bs['name']} {_setting(bs)}" if bs else None,
+            "best_stock": f"{bs['name']} {report_cli.setting(bs)}" if bs else None,
             "best_stock_s": bs["iteration_time_s"] if bs else None,
             "best_stock_launch_flags": bs["stock_launch_flags"] if bs else None,
-            "best_oases": f"{bo['name']} {_setting(bo)}" if bo else None,
+            "best_oases": f"{bo['name']} {report_cli.setting(bo)}" if bo else None,
             "best_oases_s": bo["iteration_time_s"] if bo else None,
             "stock_over_oases": r["stock_over_oases"],
         }
