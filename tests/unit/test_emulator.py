@@ -222,34 +222,38 @@ def test_oversubscribed_host_scales_the_per_rank_rate():
     assert oversubscription_share(2, 2, cpus=2) == 0.5
 
 
+class _RealWork:
+    """A real ``Work`` as the wrappers see it: ``wait`` recorded, the base methods answered."""
+
+    waited = False
+
+    def wait(self, timeout=None):
+        self.waited = True
+        return True
+
+    def get_future(self):
+        return "real future"
+
+    def source_rank(self):
+        return 3
+
+
 def test_async_handle_is_a_torch_work_that_waits_for_the_real_op():
     """FSDP2's all-gather copy-out waits on its handle only ``if isinstance(work, Work)``: an
     emulated handle that is not one was never waited on and the copy-out read the output before
     gloo wrote it (wrong gradients of the split schedules under FSDP2 and ``--emulate-link``)."""
     import torch.distributed as dist
 
-    class RealWork:
-        waited = False
-
-        def wait(self, timeout=None):
-            RealWork.waited = True
-            return True
-
-        def get_future(self):
-            return "real future"
-
-        def source_rank(self):
-            return 3
-
     now = [10.0]
     emu = LinkEmulator(load_cluster("rtx3090-pcie"), D, clock=lambda: now[0])
     emu._sleep = lambda s: now.__setitem__(0, now[0] + s)
     done, info = emu.issue("all_gather_single", "all_gather", 1 << 20, [0, 1], ("coll", (0, 1)))
-    work = emu.wrap_async(RealWork(), done, info)
+    real = _RealWork()
+    work = emu.wrap_async(real, done, info)
     assert isinstance(work, dist.Work)
     if isinstance(work, dist.distributed_c10d.Work):  # FSDP2's foreach_all_gather_copy_out
         work.wait()
-    assert RealWork.waited and now[0] >= done > 10.0
+    assert real.waited and now[0] >= done > 10.0
     assert work.get_future() == "real future" and work.source_rank() == 3
 
 
@@ -259,16 +263,6 @@ def test_the_tracers_async_handle_is_a_torch_work_too():
     import torch.distributed as dist
 
     from megatron_oases.instrument.trace_patch import _TracedWork
-
-    class RealWork:
-        waited = False
-
-        def wait(self, timeout=None):
-            RealWork.waited = True
-            return True
-
-        def get_future(self):
-            return "real future"
 
     class Tracer:
         seen = []
@@ -280,8 +274,9 @@ def test_the_tracers_async_handle_is_a_torch_work_too():
             self.seen.append(("done", rec))
 
     tracer = Tracer()
-    work = _TracedWork(RealWork(), tracer, "rec")
+    real = _RealWork()
+    work = _TracedWork(real, tracer, "rec")
     assert isinstance(work, dist.distributed_c10d.Work)
-    assert work.wait() and RealWork.waited
+    assert work.wait() and real.waited
     assert tracer.seen == [("wait", "rec"), ("done", "rec")]
     assert work.get_future() == "real future"
