@@ -27,7 +27,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")] + ([] if HERE in sys.path else [HERE])
+# this checkout's package (check.sh puts it on PYTHONPATH too) and the steps beside this file
+sys.path[:0] = [ROOT] + ([] if HERE in sys.path else [HERE])
 
 from steps import env, faithful, graphs, host, parity, python, split, timing  # noqa: E402
 
@@ -223,12 +224,14 @@ def main(argv=None):
     if unknown:
         p.error(f"unknown step(s) {', '.join(unknown)}; choose from {', '.join(STEPS)}")
     t_start = time.time()
-    # Every in-process job of every step (helpers.runs.prepared): Megatron's mock-data indices
-    # built once per shape, not per job and split, and its parser's docstrings read once per
-    # step process: host seconds a GPU waits through between jobs.
+    # Every in-process job of every step (megatron_oases.training.inprocess.prepared): Megatron's
+    # mock-data indices built once per shape, not per job and split, and its parser's docstrings
+    # read once per step process: host seconds a GPU waits through between jobs.
+    from megatron_oases.training.inprocess import DATA_CACHE_ENV
+
     data_cache = None
-    if "OASES_TEST_DATA_CACHE" not in os.environ:
-        data_cache = os.environ["OASES_TEST_DATA_CACHE"] = tempfile.mkdtemp(prefix="gpu-check-")
+    if DATA_CACHE_ENV not in os.environ:
+        data_cache = os.environ[DATA_CACHE_ENV] = tempfile.mkdtemp(prefix="gpu-check-")
     try:
         return _run_steps(args, argv, names, t_start)
     finally:

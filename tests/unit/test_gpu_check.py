@@ -3,10 +3,13 @@
 driver hands its process, the driver's flags reach the steps that take them, and no file of the
 check grows back past 400 lines (the end-to-end dry run is tests/e2e/test_gpu_check.py)."""
 
+import ast
 import importlib.util
 import inspect
 import json
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -88,3 +91,46 @@ def test_no_file_of_the_gpu_check_is_over_400_lines():
                     sizes[os.path.relpath(path, GPU)] = sum(1 for _ in f)
     assert "check.py" in sizes and "steps/faithful.py" in sizes
     assert {k: n for k, n in sizes.items() if n > 400} == {}
+
+
+def _imported_roots(path):
+    """The top-level names of every absolute import in ``path`` (lazy ones inside functions too)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_the_gpu_check_runs_on_the_package_not_on_the_test_helpers():
+    """The check is a tool a lent GPU machine runs: what its steps share with the tests (the
+    in-process runs, their caches, the parity comparison) comes from a package module
+    (``megatron_oases.training.inprocess``), not from ``tests/helpers``, and the driver puts no
+    ``tests/`` on ``sys.path``; the package module itself needs neither pytest nor the tests."""
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(GPU) for name in names]
+    files = [f for f in files if f.endswith(".py")]
+    assert os.path.join(GPU, "steps", "parity.py") in files
+    test_side = {"helpers", "tests", "pytest", "conftest"}
+    leaks = {os.path.relpath(f, REPO): sorted(_imported_roots(f) & test_side) for f in files}
+    assert {k: v for k, v in leaks.items() if v} == {}
+    inprocess = os.path.join(REPO, "megatron_oases", "training", "inprocess.py")
+    assert not _imported_roots(inprocess) & test_side
+    # the driver's own additions to sys.path, in a process that starts without the tests' path
+    probe = (
+        "import importlib.util, json, sys; before = list(sys.path); "
+        f"spec = importlib.util.spec_from_file_location('c', {os.path.join(GPU, 'check.py')!r}); "
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec)); "
+        "print(json.dumps([p for p in sys.path if p not in before]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd="/"
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    added = [os.path.normpath(p) for p in json.loads(out.stdout)]
+    assert os.path.join(REPO, "tests") not in added, added
+    assert added == [REPO, GPU], added

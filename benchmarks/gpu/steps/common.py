@@ -82,9 +82,8 @@ def fake_group(world):
 def one_rank_job(argv, iters, profile_at=None, trace_path=None):
     """One Megatron job on the current fake group; iteration times (s) and the profile record
     (``trace_path``: also the profiled step's Chrome trace)."""
-    from helpers.runs import prepared
-
     from megatron_oases.instrument.host_calls import profiled_step_patch
+    from megatron_oases.training.inprocess import prepared
     from megatron_oases.training.pretrain import run_in_process
 
     record = {}

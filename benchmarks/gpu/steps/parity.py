@@ -69,8 +69,9 @@ def _one_collective_at_a_time(group=None, device=None, async_ops=False):
 def _parity_worker(base, variants):
     """``variants_worker`` with Megatron's gradient-buffer collectives uncoalesced on CUDA."""
     import torch
-    from helpers.runs import variants_worker
     from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    from megatron_oases.training.inprocess import variants_worker
 
     if not torch.cuda.is_available():
         return variants_worker(base, variants)
@@ -85,10 +86,9 @@ def _parity_worker(base, variants):
 def parity_run(base, variants, pairs, tol, timeout):
     """Run ``variants`` on 2 ranks and compare each ``(got, ref)`` of ``pairs`` (loss and every
     gradient, worst over ranks): the config's result dict; a failed run is a result too."""
-    from helpers.runs import max_rel_diff
-
     from megatron_oases.errors import last_line
     from megatron_oases.launch import run_distributed
+    from megatron_oases.training.inprocess import max_rel_diff
 
     t0 = time.time()
     try:

@@ -27,10 +27,9 @@ def run(dry, save=None):
     if dry:
         variants = variants[:3]
     fake_group(2)
-    from helpers.runs import prepared
-
     from megatron_oases.errors import last_line
     from megatron_oases.instrument.host_calls import python_time_patch
+    from megatron_oases.training.inprocess import prepared
     from megatron_oases.training.pretrain import run_in_process
 
     out = {}
