@@ -4,7 +4,10 @@ Every option string of Megatron-LM's parser (``megatron.training.arguments``, as
 :mod:`.arguments` builds it) falls under one :class:`Rule` here: an explicit flag, else the
 longest matching prefix, else its argparse group's default. A rule gives one verdict under
 ``--oases-schedule off`` and one under the split schedules (``overlap``, ``cross-pass``,
-``oases``, which replace the same Megatron code: ``schedule/patch.py``):
+``oases``, which take over the same Megatron code: each model instance's decoder forward and, with
+the stage's ends, its model forward, bound to that instance by ``bind_schedule`` at
+``prepare_model``; process-wide, without a plan, only the sequence-parallel scatter its embedding
+calls, replaced by the ``oases-schedule`` patch):
 
 - ``honoured``: the run does what the flag says (where the schedules replace Megatron's code, they
   call the same submodules, or fall back to stock code);
