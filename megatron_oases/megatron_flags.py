@@ -656,7 +656,7 @@ RULES = (
         _H,
         _H,
         "torch FSDP2: the split schedules gather a stage's sharded parameters around their forward "
-        "and backward (schedule/fsdp.py); parity-tested against stock FSDP2 (tests/e2e/"
+        "and backward (schedule/engine/fsdp.py); parity-tested against stock FSDP2 (tests/e2e/"
         "test_fsdp_e2e.py), keeping them gathered from forward to backward under "
         "--torch-fsdp2-no-reshard-after-forward; with --oases-plan or --oases-cuda-graphs refused",
         flags=("--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"),

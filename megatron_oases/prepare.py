@@ -22,11 +22,11 @@ def prepare_model(model, config):
     """One built model stage (before DDP or FSDP wraps it), where the schedule joins this model
     instance (torchtitan's ``parallelize_llama(model, ...)`` style; other models in the process
     stay Megatron's): a per-layer plan's layers rebuilt at their degrees, the schedule bound to
-    this stage (:func:`.schedule.binding.bind_schedule`: its forwards and its TP linears), then
+    this stage (:func:`.schedule.megatron.binding.bind_schedule`: its forwards and its TP linears), then
     ``--attention-backend``'s core attention (after the plan, which rebuilds layers)."""
     if config.patches_model:
-        from .schedule.binding import bind_schedule
-        from .schedule.patch import installed
+        from .schedule.megatron.binding import bind_schedule
+        from .schedule.megatron.patch import installed
 
         degrees = None
         if config.plan is not None:

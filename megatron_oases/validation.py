@@ -6,11 +6,28 @@ and its one-line error (the flag named, and the fix) exist in one place.
 Pure functions of plain values and parsed args: no Megatron, no torch, no files.
 """
 
+import enum
+import os
+from dataclasses import dataclass
+
 from .errors import OasesConfigError
 from .megatron_flags import NO_TE, NOT_INSTALLED, REFUSED, refusals
 from .recompute_settings import recompute_mode_of
 
-#: ``--oases-schedule`` values; ``off`` is stock Megatron.
+
+class Schedule(enum.StrEnum):
+    """``--oases-schedule`` (see ``docs/schedules.md``); compares equal to its flag value."""
+
+    OFF = "off"
+    OVERLAP = "overlap"
+    CROSS_PASS = "cross-pass"
+    OASES = "oases"
+    #: the run's first iterations time the schedules that can run; the fastest is kept
+    #: (:mod:`.tuning`)
+    AUTO = "auto"
+
+
+#: ``--oases-schedule`` values that run one schedule throughout; ``off`` is stock Megatron.
 SCHEDULES = ("off", "overlap", "cross-pass", "oases")
 #: Schedules that run each micro-batch as two sub-batches.
 SPLIT_SCHEDULES = ("overlap", "cross-pass", "oases")
@@ -21,7 +38,7 @@ SUB_BATCHES = 2
 MAX_SUB_BATCHES = 8
 #: Token runs the split schedules cut a stage's last MLP block into in forward (its last sub-batch
 #: only, not under SP), so the pass ends on a piece of that block's all-reduce (the tail pieces of
-#: :mod:`.schedule.forward`; the planner's time model charges that piece at the pass end).
+#: :mod:`.schedule.engine.forward`; the planner's time model charges that piece at the pass end).
 TAIL_PIECES = 4
 #: ``--oases-split`` values: how a micro-batch becomes sub-batches (samples, or sequence chunks).
 SPLITS = ("batch", "sequence")
@@ -29,6 +46,141 @@ SPLITS = ("batch", "sequence")
 #: a CUDA graph; ``eager`` runs the same bookkeeping without graphs (debugging, any device).
 CUDA_GRAPH_MODES = ("capture", "eager")
 _WORDS = {2: "two", 3: "three", 4: "four"}
+
+
+#: The runtime's ``--oases-schedule auto`` (the planner's ``--schedule auto`` is its own): the
+#: first iterations time the schedules (:mod:`.tuning`, which builds on this module), so the split
+#: schedules' flags act under it too.
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class ActsWhen:
+    """An ``--oases-*`` flag that acts only under some of the other flags: ``name`` (its
+    attribute), ``flag``, ``default`` (argparse's: a value that asks for nothing), ``does`` (what
+    it does, for the line), ``needs``: ``(acts(args, schedule), where it would not, the fix)``
+    in order, the first unmet one refusing the flag; ``const``: the value the flag alone gives
+    (shown as the flag alone)."""
+
+    name: str
+    flag: str
+    default: object
+    does: str
+    needs: tuple
+    const: object = True
+
+
+def _splits(args, schedule):
+    return schedule in SPLIT_SCHEDULES + (AUTO,)
+
+
+def _auto(args, schedule):
+    return schedule == AUTO
+
+
+def _loads(args, schedule):
+    return bool(getattr(args, "load", None))
+
+
+def _saves(args, schedule):
+    return bool(getattr(args, "save", None))
+
+
+def _saves_elsewhere(args, schedule):
+    """``--save`` is not the ``--load`` directory, the test of ``training/save_owner.py`` (with
+    the same directory the run resumes from it, and nothing is replaced)."""
+    load, save = getattr(args, "load", None), getattr(args, "save", None)
+    return not (load and save and os.path.realpath(load) == os.path.realpath(save))
+
+
+_UNDER = "under --oases-schedule {schedule}"
+_SPLIT_FIX = "add --oases-schedule overlap (or cross-pass, oases, auto)"
+_AUTO_FIX = "add --oases-schedule auto"
+#: Every ``--oases-*`` flag that acts only under some flags, and what makes it act: given with
+#: another value than its default where it would not act, it is refused with one line naming the
+#: fix (:func:`check_flags_act`), not ignored (issue 60.5: ``--oases-sub-batches 3`` under the
+#: default ``off`` trained stock without a word). The split schedules' flags act under ``auto``,
+#: which may choose a split schedule (``auto`` refuses them where none can run).
+ACT_WHEN = (
+    ActsWhen(
+        "oases_sub_batches",
+        "--oases-sub-batches",
+        None,
+        "sets the split schedules' sub-batches per micro-batch",
+        ((_splits, _UNDER, _SPLIT_FIX),),
+    ),
+    ActsWhen(
+        "oases_split",
+        "--oases-split",
+        "batch",
+        "sets how the split schedules cut a micro-batch into sub-batches",
+        ((_splits, _UNDER, _SPLIT_FIX),),
+    ),
+    ActsWhen(
+        "oases_cuda_graphs",
+        "--oases-cuda-graphs",
+        None,
+        "graphs the split schedules' blocks",
+        ((_splits, _UNDER, _SPLIT_FIX),),
+        const="capture",
+    ),
+    ActsWhen(
+        "oases_tune_steps",
+        "--oases-tune-steps",
+        None,
+        "bounds the trial of --oases-schedule auto",
+        ((_auto, _UNDER, _AUTO_FIX),),
+    ),
+    ActsWhen(
+        "oases_retune",
+        "--oases-retune",
+        False,
+        "times the schedules of --oases-schedule auto again where a resumed checkpoint holds "
+        "a choice",
+        ((_auto, _UNDER, _AUTO_FIX), (_loads, "without --load", "add --load DIR (to resume)")),
+    ),
+    ActsWhen(
+        "oases_retune_interval",
+        "--oases-retune-interval",
+        None,
+        "re-times the choice of --oases-schedule auto every N iterations",
+        ((_auto, _UNDER, _AUTO_FIX),),
+    ),
+    ActsWhen(
+        "oases_start_over",
+        "--oases-start-over",
+        False,
+        "lets a run replace the checkpoints in --save without resuming from them",
+        (
+            (_saves, "without --save", "add --save DIR"),
+            (
+                _saves_elsewhere,
+                "with --load the same directory as --save (the run resumes from it)",
+                "give --save another directory than --load",
+            ),
+        ),
+    ),
+)
+#: The ``oases`` argument group's flags that act under every schedule (a plan's degrees and the
+#: trace, the emulated link and the golden values work under ``off`` too).
+ACT_ALWAYS = ("--oases-schedule", "--oases-plan", "--oases-trace", "--emulate-link", "--log-json")
+
+
+def check_flags_act(args, schedule):
+    """Every flag of :data:`ACT_WHEN` given (not its default) acts under the others: else one
+    line naming what would make it act. ``schedule``: the parsed ``--oases-schedule``. Checked
+    once, on the user's command line (not on a candidate's view of it), before Megatron's checks."""
+    for row in ACT_WHEN:
+        value = getattr(args, row.name, row.default)
+        if value == row.default:
+            continue
+        for acts, where, fix in row.needs:
+            if not acts(args, schedule):
+                given = row.flag if value == row.const else f"{row.flag} {value}"
+                raise OasesConfigError(
+                    f"{given} has no effect {where.format(schedule=schedule)}: it {row.does}; "
+                    f"{fix} or drop {row.flag}"
+                )
 
 
 def check_schedule(schedule, source="--oases-schedule"):
@@ -78,7 +230,7 @@ def check_splittable(samples, what=None, need=None, parts=SUB_BATCHES):
 
 #: ``--recompute-modules`` the split schedules keep exact: core attention is recomputed inside
 #: Megatron's own ``SelfAttention`` (no TP communication inside it); the norms' outputs are freed
-#: and recomputed as ``TransformerLayer`` does, by the schedule's blocks (:mod:`.schedule.blocks`).
+#: and recomputed as ``TransformerLayer`` does, by the schedule's blocks (:mod:`.schedule.megatron.blocks`).
 #: ``mlp`` would re-run the MLP's TP communication in Megatron's recomputation: not supported.
 SELECTIVE_MODULES = ("core_attn", "layernorm")
 
@@ -133,7 +285,7 @@ def split_kind(args):
 
 def check_sequence_split(args, plan=None):
     """``--oases-split sequence``: sub-batches are consecutive chunks of the sequence, a later
-    chunk's causal attention reading the earlier chunks' keys and values (:mod:`.schedule.split`).
+    chunk's causal attention reading the earlier chunks' keys and values (:mod:`.schedule.megatron.split`).
     What that is not built for is refused with the fix."""
     seq, parts = args.seq_length, sub_batches(args)
     if seq < parts:
@@ -402,19 +554,15 @@ def check_hybrid(mode, args, plan=None):
 
 
 def check_cuda_graphs(args, schedule, cuda_available):
-    """``--oases-cuda-graphs`` under ``schedule``: graphs of the split schedules' main ops, which
-    capture no collective, no RNG state change and no host-side gradient bookkeeping."""
+    """``--oases-cuda-graphs`` under a split ``schedule`` (:func:`check_flags_act` refuses it
+    under ``off``): graphs of the split schedules' main ops, which capture no collective, no RNG
+    state change and no host-side gradient bookkeeping."""
     graphs = getattr(args, "oases_cuda_graphs", None)
     if not graphs:
         return
     if graphs not in CUDA_GRAPH_MODES:
         raise OasesConfigError(
             f"--oases-cuda-graphs: unknown mode {graphs!r}; choose from {', '.join(CUDA_GRAPH_MODES)}"
-        )
-    if schedule == "off":
-        raise OasesConfigError(
-            "--oases-cuda-graphs graphs the overlapped schedules' blocks; add --oases-schedule "
-            "oases (or overlap, cross-pass), or drop --oases-cuda-graphs"
         )
     if getattr(args, "sequence_parallel", False):
         raise OasesConfigError(
@@ -562,7 +710,11 @@ def plan_differences(planned, args, schedule):
             "--pipeline-model-parallel-size",
             getattr(args, "pipeline_model_parallel_size", None) or 1,
         ),
-        ("sequence_parallel", "--sequence-parallel", bool(getattr(args, "sequence_parallel", False))),
+        (
+            "sequence_parallel",
+            "--sequence-parallel",
+            bool(getattr(args, "sequence_parallel", False)),
+        ),
         (
             "distributed_optimizer",
             "--use-distributed-optimizer",

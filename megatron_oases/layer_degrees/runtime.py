@@ -3,7 +3,7 @@
 The plan joins one model instance, as torchtitan's ``parallelize_llama(model, ...)`` does:
 :func:`megatron_oases.prepare.prepare_model` rebuilds its layers (:func:`attach_plan`) and binds
 the schedule to *that* model with its :class:`LayerDegrees` as an argument
-(:func:`megatron_oases.schedule.binding.bind_schedule`); other model instances in the process
+(:func:`megatron_oases.schedule.megatron.binding.bind_schedule`); other model instances in the process
 stay Megatron's.
 """
 

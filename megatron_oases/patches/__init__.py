@@ -29,7 +29,7 @@ def factories():
     from ..platform.distopt_resume import make_patch as distopt_resume
     from ..platform.norm_recompute import make_patch as norm_recompute_without_te
     from ..platform.torch_norm import make_patch as torch_norm_sp
-    from ..schedule.patch import make_patch as oases_schedule
+    from ..schedule.megatron.patch import make_patch as oases_schedule
     from ..testbed.emulator import make_patch as emulate_link
     from ..tuning.runtime import make_patch as oases_autotune
 

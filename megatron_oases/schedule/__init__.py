@@ -1,1 +1,2 @@
-"""The Oases overlapped TMP schedule (paper §3): blocks, executor, engine, patch, tracer."""
+"""The Oases overlapped TMP schedule (paper §3): the engine (``engine/``, no Megatron) and the
+Megatron adapter (``megatron/``, Megatron's contract)."""

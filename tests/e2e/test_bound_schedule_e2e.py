@@ -1,5 +1,5 @@
 """The schedule is applied to one model instance (``prepare_model`` →
-:func:`megatron_oases.schedule.binding.bind_schedule`), not to Megatron's classes: on one gloo rank,
+:func:`megatron_oases.schedule.megatron.binding.bind_schedule`), not to Megatron's classes: on one gloo rank,
 a prepared model and a second model built in the same process, from the same weights."""
 
 import functools
@@ -25,7 +25,7 @@ def test_the_schedule_binds_to_one_model_and_another_stays_stock(model_parallel_
         VocabParallelEmbedding,
     )
 
-    from megatron_oases.schedule.linears import (
+    from megatron_oases.schedule.megatron.linears import (
         DeferringColumnLinear,
         DeferringEmbedding,
         DeferringRowLinear,

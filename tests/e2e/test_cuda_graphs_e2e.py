@@ -29,7 +29,7 @@ CONFIGS = {
 
 def counting_worker(base, variants):
     """``variants_worker`` counting the main ops that went through the graphs, per variant."""
-    from megatron_oases.schedule import graphs
+    from megatron_oases.schedule.megatron import graphs
 
     original, calls = graphs.BlockGraphs.run, []
 

@@ -12,7 +12,7 @@ Matrix (tiny GPT with an untied output layer, as FSDP2 requires; 2 iterations):
   and ``--bf16``;
 * TP=2 × DP=2 (4 ranks), fp32: FSDP2 shards each tensor-parallel shard over DP.
 
-The split schedules under FSDP2 (``schedule/fsdp.py`` gathers the parameters whose hooks the
+The split schedules under FSDP2 (``schedule/engine/fsdp.py`` gathers the parameters whose hooks the
 engine bypasses), TP=2 × DP=2 in one 4-rank job (with the DDP-vs-FSDP2 pair above), each against
 stock FSDP2 with the same flags: overlap / cross-pass / oases with full recomputation, overlap
 keeping its activations, overlap with ``--torch-fsdp2-no-reshard-after-forward`` (fp32, dropout
@@ -225,7 +225,7 @@ def test_emulated_link_dilates_fsdp2_collectives(monkeypatch):
 
 #: A split schedule under FSDP2 and the emulated link (D = 1: the numbers, not the timing), TP=2 x
 #: DP=2, against stock FSDP2 with the same flags. The engine gathers with ``unshard(async_op=True)``
-#: (``schedule/fsdp.py``), whose copy-out waits on the all-gather only if its handle is a
+#: (``schedule/engine/fsdp.py``), whose copy-out waits on the all-gather only if its handle is a
 #: ``torch.distributed.Work``: the emulator's handle must be one, or the copy-out reads the output
 #: buffer before gloo wrote it (wrong gradients).
 EMULATED_VARIANTS = [

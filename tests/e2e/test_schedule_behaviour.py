@@ -242,7 +242,7 @@ def test_embedding_and_output_collectives_are_overlapped(traces, schedule):
 @pytest.mark.parametrize("schedule", TRACED_SCHEDULES)
 def test_loss_collectives_are_overlapped(traces, schedule):
     """The vocab-parallel cross-entropy's reductions (the max, then both sums in one collective)
-    run per sub-batch, asynchronously, inside the programs (:mod:`megatron_oases.schedule.loss`):
+    run per sub-batch, asynchronously, inside the programs (:mod:`megatron_oases.schedule.megatron.loss`):
     each of the first sub-batch's behind the second's compute (its output layer, then its
     softmax). Stock blocks on three all-reduces per micro-batch."""
     computes = lambda t: [e for e in t["traceEvents"] if e["cat"] == "compute"]  # noqa: E731
@@ -367,11 +367,11 @@ def _peaks_by_tail_pieces(configs):
     """Activation peaks with the forward's last block in TAIL_PIECES runs and in one."""
     from helpers.runs import activation_peaks
 
-    from megatron_oases.schedule import engine
+    from megatron_oases.schedule.engine import forward
 
     peaks = {}
     for n in (1, TAIL_PIECES):
-        engine.TAIL_PIECES = n  # this spawned process only
+        forward.TAIL_PIECES = n  # this spawned process only
         peaks[n] = activation_peaks(configs)
     return peaks
 
@@ -403,7 +403,7 @@ def _uninstall_worker(base):
     from megatron.core.tensor_parallel import layers
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_oases.schedule import patch as sched_patch
+    from megatron_oases.schedule.megatron import patch as sched_patch
 
     def symbols():
         return (

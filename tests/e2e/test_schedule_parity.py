@@ -175,7 +175,7 @@ def test_sequence_split_matches_stock(config):
 @pytest.mark.timeout(600)
 def test_fused_cross_entropy_runs_as_megatron_in_one_step(torch_compile):
     """``--cross-entropy-loss-fusion`` (native): the loss is not the unfused vocab-parallel
-    cross-entropy the schedule cuts at its collectives (``schedule/loss.py``), so it runs as
+    cross-entropy the schedule cuts at its collectives (``schedule/megatron/loss.py``), so it runs as
     Megatron's ``compute_language_model_loss`` in one op; loss and gradients still match stock's
     (fused as well)."""
     world, base = CONFIGS["gpt-tp2-pp1-mbs2"]

@@ -222,7 +222,7 @@ def test_next_collective_starts_inside_the_other_sub_batch_main(traces, schedule
 def test_input_gradient_reduce_scatter_starts_before_the_weight_gradient(traces, schedule):
     """As Megatron's SP linear does, each block's input-gradient reduce-scatter starts inside the
     backward op that computes it, before the first linear's weight gradient (the column linear
-    hands it to the schedule, :class:`megatron_oases.schedule.comm.EarlyReductions`), not after
+    hands it to the schedule, :class:`megatron_oases.schedule.engine.comm.EarlyReductions`), not after
     the op: the last block of a pass then has the weight gradient to hide behind."""
     for trace in traces[schedule]:
         computes = [e for e in trace["traceEvents"] if e["cat"] == "compute"]

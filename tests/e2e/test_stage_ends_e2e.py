@@ -1,4 +1,4 @@
-"""The stage ends in the schedule (:mod:`megatron_oases.schedule.stage_ends`), op by op on one rank.
+"""The stage ends in the schedule (:mod:`megatron_oases.schedule.megatron.stage_ends`), op by op on one rank.
 
 The embedding's backward re-runs Megatron's embedding forward from the forward's RNG snapshot
 instead of keeping its graph: with dropout on, its value and every gradient must equal autograd
@@ -39,8 +39,8 @@ def _run(program, deferral):
     input), compute as the executor runs it (TMP communication deferred to ``deferral``)."""
     import torch.distributed as dist
 
-    from megatron_oases.schedule.comm import start_collective
-    from megatron_oases.schedule.executor import Comm
+    from megatron_oases.schedule.engine.comm import start_collective
+    from megatron_oases.schedule.engine.executor import Comm
 
     for op in program:
         if isinstance(op, Comm):
@@ -76,7 +76,7 @@ def _sequence_parallel_worker(positions, dropout):
 
     from megatron_oases import platform
     from megatron_oases.patching import Patch
-    from megatron_oases.schedule.deferral import make_scatter
+    from megatron_oases.schedule.engine.deferral import make_scatter
 
     platform.install_cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -107,13 +107,13 @@ def test_embedding_end_matches_autograd_with_sequence_parallel(positions, dropou
 
 
 def _cross_entropy_worker(vocab):
-    """One TP=2 rank: the loss's ops (:mod:`megatron_oases.schedule.loss`), run in program order
+    """One TP=2 rank: the loss's ops (:mod:`megatron_oases.schedule.megatron.loss`), run in program order
     with each collective to completion, against Megatron's ``vocab_parallel_cross_entropy``:
     the same per-token loss and logits gradient, bit for bit, with targets in both vocab shards."""
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_oases import platform
-    from megatron_oases.schedule.loss import cross_entropy_ops
+    from megatron_oases.schedule.megatron.loss import cross_entropy_ops
 
     platform.install_cpu_shims()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
@@ -136,7 +136,7 @@ def _cross_entropy_worker(vocab):
     got = []
     ops = cross_entropy_ops(group, lambda: logits * 1.0, labels, got.append, block="output")
     assert [type(op).__name__ for op in ops] == ["Compute", "Comm", "Compute", "Comm", "Compute"]
-    from megatron_oases.schedule.deferral import Deferral
+    from megatron_oases.schedule.engine.deferral import Deferral
 
     _run(ops, Deferral())
     (loss,) = got
@@ -159,12 +159,12 @@ def _check_embedding_end(emb, sizes, dropout, kind="batch"):
         LanguageModelEmbedding,
     )
 
-    from megatron_oases.schedule.deferral import Deferral
-    from megatron_oases.schedule.linears import DeferringEmbedding, defer_linears
-    from megatron_oases.schedule.rng import replay, snapshot
-    from megatron_oases.schedule.split import make_split
-    from megatron_oases.schedule.stage_ends import EmbeddingEnd
-    from megatron_oases.schedule.state import SubBatch
+    from megatron_oases.schedule.engine.deferral import Deferral
+    from megatron_oases.schedule.megatron.linears import DeferringEmbedding, defer_linears
+    from megatron_oases.schedule.megatron.rng import replay, snapshot
+    from megatron_oases.schedule.megatron.split import make_split
+    from megatron_oases.schedule.megatron.stage_ends import EmbeddingEnd
+    from megatron_oases.schedule.engine.state import SubBatch
 
     tp = emb.config.tensor_model_parallel_size if emb.config.sequence_parallel else 1
     torch.manual_seed(1)  # the same ids and gradients on every rank

@@ -1,5 +1,6 @@
 """A stand-in block table for the engine's unit tests: the block picture of
-:mod:`megatron_oases.schedule.blocks` without Megatron and without a process group.
+:mod:`megatron_oases.schedule.megatron.blocks` without Megatron (the engine's
+:class:`BlockTable` with stand-in layers) and without a process group.
 
 Each block j is ``H_j ─ln_j→ L_j ─main_j→ (P_j, bias_j) ─bda_j→ H_{j+1}`` with ln a LayerNorm,
 main two linears whose second returns its bias apart (a row-parallel linear's
@@ -14,7 +15,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from megatron_oases.schedule.blocks import LayerBlocks
+from megatron_oases.schedule.engine.blocks import BlockTable
 
 
 class StandInLayer(torch.nn.Module):
@@ -37,18 +38,16 @@ class StandInLayer(torch.nn.Module):
                 norm.bias.uniform_(-0.5, 0.5)
 
 
-class StandInBlocks(LayerBlocks):
-    """:class:`LayerBlocks` over :class:`StandInLayer` s: its table lookups (``first_block``,
-    ``layer_blocks``, ``starts_layer``, ...) as they are, its Megatron calls replaced."""
+class StandInBlocks(BlockTable):
+    """A :class:`BlockTable` over :class:`StandInLayer` s, as the adapter's ``LayerBlocks`` over
+    Megatron's layers: the table's lookups (``first_block``, ``layer_blocks``, ``starts_layer``,
+    ...) as they are, what a block computes stood in for."""
 
     DROPOUT_SCALE = 2.0
 
     def __init__(self, layers, sequence_parallel=False):
-        # not LayerBlocks.__init__: it accepts Megatron TransformerLayers only
         self.layers = list(layers)
-        self.table = [
-            (layer, kind, i) for i, layer in enumerate(self.layers) for kind in layer.kinds
-        ]
+        self.table = self.table_of(self.layers, lambda layer: layer.kinds)
         self.graphs = None
         self.attention_mask = self.rotary_pos_emb = self.attention_bias = None
         self.sp = sequence_parallel

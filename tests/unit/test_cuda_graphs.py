@@ -1,4 +1,4 @@
-"""``--oases-cuda-graphs``' bookkeeping (:mod:`megatron_oases.schedule.graphs`) in its ``eager``
+"""``--oases-cuda-graphs``' bookkeeping (:mod:`megatron_oases.schedule.megatron.graphs`) in its ``eager``
 mode: the static buffers, the copies a forward keeps busy until its backward, the forward without
 grad that keeps none. The capture itself needs a GPU: ``benchmarks/gpu/check.sh`` (step
 ``graphs``) runs the schedules' parity and host floor with it."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_oases.errors import OasesConfigError
-from megatron_oases.schedule.graphs import MAX_COPIES, BlockGraphs
+from megatron_oases.schedule.megatron.graphs import MAX_COPIES, BlockGraphs
 from megatron_oases.validation import check_cuda_graphs
 
 
@@ -131,7 +131,6 @@ def _args(**kw):
 @pytest.mark.parametrize(
     "change, cuda, fix",
     [
-        (dict(oases_schedule="off"), True, "add --oases-schedule oases"),
         (dict(), False, "needs a CUDA GPU"),
         (dict(attention_dropout=0.1), True, "--attention-dropout 0"),
         (dict(gradient_accumulation_fusion=True), True, "--no-gradient-accumulation-fusion"),

@@ -1,10 +1,10 @@
-"""The schedule's graph cuts (``schedule/cuts.py``): what reaches the sink, what is not traversed,
+"""The schedule's graph cuts (``schedule/engine/cuts.py``): what reaches the sink, what is not traversed,
 and what each costs in aten calls (docs/host-cost.md counts them per layer)."""
 
 import torch
 from torch.profiler import profile
 
-from megatron_oases.schedule.cuts import grad_sink, joined_reduction
+from megatron_oases.schedule.engine.cuts import grad_sink, joined_reduction
 
 
 def _aten_calls(fn):

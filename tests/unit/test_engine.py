@@ -6,16 +6,18 @@ left nothing behind. An op-order bug in ``ops.py``, ``forward.py`` or ``backward
 (a wrong gradient, or an empty slot taken) rather than as a loss mismatch in an e2e run.
 """
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 from helpers.blocks import make_blocks, parameters, reference
 
-from megatron_oases.schedule import forward as forward_mod
-from megatron_oases.schedule import rng
-from megatron_oases.schedule.engine import BACKWARD, ScheduledLayers, ScheduledLayersFunction
-from megatron_oases.schedule.state import BlockState, EndState
+from megatron_oases.schedule.engine import forward as forward_mod
+from megatron_oases.schedule.engine.node import BACKWARD, ScheduledLayers, run_scheduled
+from megatron_oases.schedule.engine.ops import RngStates
+from megatron_oases.schedule.engine.split import BatchSplit
+from megatron_oases.schedule.engine.state import BlockState, EndState
 from megatron_oases.validation import SPLIT_SCHEDULES
 
 #: what forward keeps → how many leading layers are recomputed, of ``layers``: none (every
@@ -30,13 +32,18 @@ def _saved(schedule, keeps):
     return "blocks" if schedule == "oases" else "layers"
 
 
-@pytest.fixture(autouse=True)
-def cpu_rng(monkeypatch):
-    """RNG snapshots of the CPU generator alone (Megatron's read the CUDA one too)."""
-    monkeypatch.setattr(rng, "_get_all_rng_states", lambda: (torch.get_rng_state(), None, {}))
-    monkeypatch.setattr(
-        rng, "_set_all_rng_states", lambda cpu, dev, tracker: torch.set_rng_state(cpu)
-    )
+@contextlib.contextmanager
+def _replay_cpu(state):
+    current = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(current)
+
+
+#: RNG snapshots of the CPU generator alone (Megatron's, the adapter's, read the CUDA one too)
+CPU_RNG = RngStates(torch.get_rng_state, _replay_cpu)
 
 
 def _check_left_empty(run, sbs):
@@ -78,11 +85,17 @@ def _check(schedule, keeps, parts, pieces, monkeypatch, layout="gpt", sp=False):
         p.grad = None
 
     recomputed = KEEPS[keeps](len(blocks.layers))
-    run = ScheduledLayers(blocks, schedule, recomputed_layers=recomputed, parts=parts)
+    run = ScheduledLayers(
+        blocks,
+        schedule,
+        split=lambda hidden: BatchSplit(hidden.shape, parts),
+        rng=CPU_RNG,
+        recomputed_layers=recomputed,
+    )
     assert (schedule, run.saved) in BACKWARD
     assert run.saved == _saved(schedule, keeps)
     x_run = x.clone().requires_grad_()
-    out = ScheduledLayersFunction.apply(run, x_run)
+    out = run_scheduled(run, x_run)
     sbs = run.sbs
     assert len(sbs) == parts
     assert cut == ([] if pieces == 1 or sp else [pieces])

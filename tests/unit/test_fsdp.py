@@ -86,7 +86,7 @@ def test_bad_fsdp_combinations_are_one_line(no_max_connections, argv, match):
 
 @pytest.mark.parametrize("schedule", ["overlap", "cross-pass", "oases"])
 def test_split_schedules_parse_under_torch_fsdp2(no_max_connections, schedule):
-    """Issue 51.3: the split schedules run under FSDP2 (``schedule/fsdp.py``; parity in
+    """Issue 51.3: the split schedules run under FSDP2 (``schedule/engine/fsdp.py``; parity in
     ``tests/e2e/test_fsdp_e2e.py``); they were one refusal line before."""
     argv = FSDP2 + RECOMPUTE + f"--oases-schedule {schedule} --tensor-model-parallel-size 2"
     config = parse_config(argv, world_size=4)

@@ -6,7 +6,7 @@ import pytest
 from megatron.core.transformer.identity_op import IdentityOp
 
 from megatron_oases.errors import OasesConfigError
-from megatron_oases.schedule.blocks import LayerBlocks, halves
+from megatron_oases.schedule.megatron.blocks import LayerBlocks, halves
 from megatron_oases.validation import check_hybrid
 
 

@@ -1,4 +1,4 @@
-"""The stage ends in the schedule (:mod:`megatron_oases.schedule.stage_ends`) without a process group:
+"""The stage ends in the schedule (:mod:`megatron_oases.schedule.megatron.stage_ends`) without a process group:
 only Megatron's unfused loss runs in steps, and a placeholder never passes as data. The ops against
 autograd and Megatron's cross entropy on ranks: ``tests/e2e/test_stage_ends_e2e.py``."""
 
@@ -13,7 +13,7 @@ def test_only_megatrons_unfused_loss_runs_in_steps():
     model's own ``compute_language_model_loss`` or a single rank keep Megatron's loss in one op."""
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    from megatron_oases.schedule.loss import qualifies
+    from megatron_oases.schedule.megatron.loss import qualifies
 
     class Model:
         compute_language_model_loss = LanguageModule.compute_language_model_loss
@@ -35,7 +35,7 @@ def test_only_megatrons_unfused_loss_runs_in_steps():
 def test_a_placeholder_never_passes_as_data():
     """The embedding's placeholder is data for nothing but the schedule: one changed on its way,
     or never taken, is an error, never a silent wrong result."""
-    from megatron_oases.schedule.gpt_model import StageCall
+    from megatron_oases.schedule.megatron.gpt_model import StageCall
 
     model = types.SimpleNamespace(decoder=None)
     placeholder = torch.zeros(2)

@@ -23,7 +23,7 @@ import megatron.training.arguments  # noqa: F401,E402  isort: skip  (start-up wa
 
 from helpers.recording_cuda import recording_cuda
 
-from megatron_oases.schedule import executor as ex
+from megatron_oases.schedule.engine import executor as ex
 from megatron_oases.testbed import collectives
 from megatron_oases.testbed.link_model import CudaLink
 

@@ -79,7 +79,7 @@ def _built_patches(args):
     from megatron_oases import megatron_lm
     from megatron_oases.instrument import golden
     from megatron_oases.instrument import trace_patch as trace
-    from megatron_oases.schedule import patch as schedule
+    from megatron_oases.schedule.megatron import patch as schedule
 
     config = OasesConfig.from_args(args)
     built = {
@@ -114,7 +114,7 @@ def test_replaced_symbols_are_what_megatron_calls():
     from megatron.core.transformer.transformer_block import TransformerBlock
     from megatron.training import checkpointing, training
 
-    from megatron_oases.schedule.transformer_block import block_forward
+    from megatron_oases.schedule.megatron.transformer_block import block_forward
 
     req = compat.require_symbol
     # oases-schedule: RowParallelLinear's forward all-reduce / SP reduce-scatter, by the names
@@ -231,7 +231,7 @@ def test_the_schedule_without_a_plan_replaces_at_most_two_process_wide_symbols(f
     split under SP, which Megatron calls through the module)."""
     from megatron.core import tensor_parallel
 
-    from megatron_oases.schedule import patch as schedule
+    from megatron_oases.schedule.megatron import patch as schedule
 
     patch = schedule.make_patch(OasesConfig.from_args(parse(TINY + flags, world_size=2)))
     assert patch is not None and patch.stage_ends

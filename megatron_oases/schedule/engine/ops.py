@@ -8,11 +8,22 @@ notes: ``docs/schedules.md``.
 """
 
 import functools
+from typing import Callable, NamedTuple
 
 import torch
 
 from .cuts import grad_sink, joined_reduction
 from .executor import Comm, Compute
+
+
+class RngStates(NamedTuple):
+    """The RNG states an op that may run again re-runs under: ``snapshot()`` takes them (before
+    the op's first run), ``replay(snapshot)`` is a context that runs under a snapshot and then
+    returns to the current states, so a recomputation's dropout masks equal the forward's. The
+    caller gives them (Megatron's: CPU, device and its model-parallel tracker)."""
+
+    snapshot: Callable[[], object]
+    replay: Callable[[object], object]
 
 
 class BlockOps:
@@ -21,11 +32,12 @@ class BlockOps:
     ``first_kept``: blocks from this one on keep their autograd graphs from forward; the ones
     before it are recomputed in backward. ``anchor``: a scalar that requires grad, putting
     :func:`.cuts.grad_sink` nodes in the graph. ``prefix``: the sequence split's shared
-    chunk attention (:class:`.split.PrefixAttention`), or None."""
+    chunk attention (the split's ``prefix_attention``), or None. ``rng``: :class:`RngStates`."""
 
-    def __init__(self, blocks, microbatch, tracer, first_kept, anchor, prefix):
+    def __init__(self, blocks, microbatch, tracer, first_kept, anchor, prefix, rng):
         self.blocks, self.microbatch, self.tracer = blocks, microbatch, tracer
         self.first_kept, self.anchor, self.prefix = first_kept, anchor, prefix
+        self.rng = rng
         # Sequence parallelism: an all-gather before each block's main op, and the block's
         # reduction is a reduce-scatter (see :mod:`.blocks`).
         self.sp = blocks.sequence_parallel

@@ -1,5 +1,5 @@
 """A GPT stage's decoder (``TransformerBlock``) forward under the schedule, bound to one decoder
-instance by :func:`megatron_oases.schedule.binding.bind_schedule`.
+instance by :func:`megatron_oases.schedule.megatron.binding.bind_schedule`.
 
 In training with grad enabled, the layer loop (and Megatron's ``_checkpointed_forward``) becomes
 one :func:`.engine.schedule_layers` node per span of equal-degree layers (one span without a
@@ -13,9 +13,10 @@ import contextlib
 import torch
 from megatron.core.utils import make_viewless_tensor
 
-from ..errors import OasesConfigError
-from ..layer_degrees.reshard import reshard
-from .engine import recomputed_layers, schedule_layers
+from ...errors import OasesConfigError
+from ...layer_degrees.reshard import reshard
+from ...validation import Schedule
+from .entry import recomputed_layers, schedule_layers
 
 
 def block_forward(
@@ -37,7 +38,7 @@ def block_forward(
     **kwargs,
 ):
     """This decoder's forward (bound to the instance with its ``stage``, a
-    :class:`~megatron_oases.schedule.binding.StageSchedule`): the layers under the stage's
+    :class:`~megatron_oases.schedule.megatron.binding.StageSchedule`): the layers under the stage's
     :class:`.engine.LayerSchedule`, as degree spans where a plan gave ``stage.degrees``; the
     ends of the model's current call (``stage.call``, :mod:`.gpt_model`) join the programs."""
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -46,7 +47,7 @@ def block_forward(
     # Eval/inference: stock code. (A degree-d layer fed the whole micro-batch is still
     # correct — each d-group computes the same result — so plans need no special case.)
     # So is stock without a plan's degrees (``--oases-schedule auto`` selecting ``off``).
-    stock = layer_degrees is None and layer_schedule.schedule == "off"
+    stock = layer_degrees is None and layer_schedule.schedule == Schedule.OFF
     if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0 or stock:
         if call is not None:  # the stand-in for the embedding becomes real data
             hidden_states = call.resolve(hidden_states)
@@ -93,7 +94,7 @@ def block_forward(
                 hidden_states = reshard(hidden_states, degree, d, groups)
                 mask = _mask_share(attention_mask, hidden_states.size(1), d, groups)
                 degree = d
-            if layer_schedule.schedule == "off":  # a plan's degree spans, unscheduled
+            if layer_schedule.schedule == Schedule.OFF:  # a plan's degree spans, unscheduled
                 recomputed = recomputed_layers(self.config, idx)
                 hidden_states = _stock_layers(
                     layers, recomputed, hidden_states, mask, rotary_pos_emb, attention_bias
@@ -104,13 +105,13 @@ def block_forward(
                     layers,
                     hidden_states,
                     self.config,
-                    idx,
-                    mask,
-                    rotary_pos_emb,
-                    attention_bias,
-                    mb,
-                    embedding,
-                    output,
+                    indices=idx,
+                    attention_mask=mask,
+                    rotary_pos_emb=rotary_pos_emb,
+                    attention_bias=attention_bias,
+                    microbatch=mb,
+                    embedding=embedding,
+                    output=output,
                 )
     if output is not None:  # the per-token loss; the bound _postprocess passes it through
         call.loss = hidden_states

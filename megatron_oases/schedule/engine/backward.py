@@ -17,8 +17,6 @@ the sub-batch and the block; the ops it returns are made by ``ops``' factories.
 
 import torch
 
-from .rng import replay
-
 _engine = torch.autograd.Variable._execution_engine
 
 
@@ -206,7 +204,7 @@ def _bda_grad_from_rng(ops, sb, j):
     g = sb.blocks[j + 1].take("input_grad")
     zeros = _zeros(ops, g)
     probe = zeros.detach().requires_grad_()  # bda writes to neither (out of place in training)
-    with replay(block.take("rng_bda")):
+    with ops.rng.replay(block.take("rng_bda")):
         out = ops.blocks.bda(j, probe, block.bias, zeros)
     backward([out], [g])
     block.reduced_grad = probe.grad
@@ -264,7 +262,7 @@ def _recompute_bda(ops, sb, j):
     """bda_j again from the recomputed reduction, its graph kept for backward."""
     block = sb.blocks[j]
     R = ops.reduced_input(block)
-    with replay(block.take("rng_bda")):
+    with ops.rng.replay(block.take("rng_bda")):
         block.output = ops.blocks.bda(j, R, block.bias, block.take("residual"))
     return block.output
 
@@ -298,5 +296,5 @@ def _recompute_norm(ops, sb, j, residual=True):
 
 def _recompute_main(ops, sb, j, x):
     block = sb.blocks[j]
-    with replay(block.take("rng_main")):
+    with ops.rng.replay(block.take("rng_main")):
         block.partial, _ = ops.main(sb, j, ops.sink(x, ops.store(block, "norm_grad")))

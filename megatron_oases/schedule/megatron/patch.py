@@ -19,12 +19,13 @@ not in a run), and restores on ``uninstall``:
 Outside the engine everything runs stock code.
 """
 
-from ..compat import finalize_model_grads_replacements
-from ..layer_degrees.model import make_param_is_not_tp_duplicate
-from ..patching import REGISTRY, Patch
+from ...compat import finalize_model_grads_replacements
+from ...layer_degrees.model import make_param_is_not_tp_duplicate
+from ...patching import REGISTRY, Patch
+from ...validation import Schedule
+from ..engine.deferral import make_scatter
 from .binding import check_megatron as check_bound_forwards
-from .deferral import make_scatter
-from .engine import LayerSchedule
+from .entry import LayerSchedule
 from .gpt_model import check_megatron as check_gpt_model
 from .graphs import BlockGraphs
 
@@ -45,7 +46,7 @@ def make_patch(config, built=None):
     # ``--oases-schedule auto`` starts on stock; its tuner selects each iteration's candidate
     auto = config.autotune is not None
     layer_schedule = LayerSchedule(
-        schedule="off" if auto else config.schedule,
+        schedule=Schedule.OFF if auto else config.schedule,
         parts=config.sub_batches,
         split=config.split,
         graphs=BlockGraphs(config.cuda_graphs) if config.cuda_graphs and not auto else None,
@@ -60,7 +61,7 @@ def make_patch(config, built=None):
             (tensor_parallel, "scatter_to_sequence_parallel_region", make_scatter(scatter))
         )
     if plan:  # checkpoints of a plan are written in the stock layout
-        from ..layer_degrees.checkpoint import make_checkpoint_replacements
+        from ...layer_degrees.checkpoint import make_checkpoint_replacements
 
         replacements += make_checkpoint_replacements()
         replacements += finalize_model_grads_replacements()  # the replica sync, before 0.19

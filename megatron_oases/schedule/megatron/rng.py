@@ -4,6 +4,8 @@ runs, and the re-run restores exactly that snapshot, so its dropout masks equal 
 
 from megatron.core.tensor_parallel.random import _get_all_rng_states, _set_all_rng_states
 
+from ..engine.ops import RngStates
+
 
 def snapshot():
     cpu, dev, tracker = _get_all_rng_states()
@@ -29,3 +31,7 @@ class replay:  # noqa: N801 (a context manager, like contextlib's)
         (cpu, dev, tracker), self.current = self.current, None
         _set_all_rng_states(cpu, dev, dict(tracker))
         return False
+
+
+#: Megatron's RNG states, as the engine takes them (:class:`..engine.ops.RngStates`)
+STATES = RngStates(snapshot, replay)

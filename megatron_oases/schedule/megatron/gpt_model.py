@@ -1,8 +1,8 @@
 """One ``GPTModel`` instance's forward with its stage's ends in the schedule.
 
-:func:`megatron_oases.schedule.binding.bind_schedule` gives one model instance (only) the
+:func:`megatron_oases.schedule.megatron.binding.bind_schedule` gives one model instance (only) the
 forward and ``_postprocess`` below, each with the stage's
-:class:`~megatron_oases.schedule.binding.StageSchedule` as its argument. A training call that
+:class:`~megatron_oases.schedule.megatron.binding.StageSchedule` as its argument. A training call that
 qualifies records its ends (:class:`StageCall`) on that object, where the same instance's bound
 decoder forward takes them, then runs Megatron's own ``GPTModel.forward``; on the first stage it
 gives Megatron a stand-in ``decoder_input`` (Megatron's argument for a precomputed embedding),
@@ -15,6 +15,7 @@ import inspect
 
 import torch
 
+from ...validation import Schedule
 from .stage_ends import EmbeddingEnd, OutputEnd
 
 
@@ -121,7 +122,7 @@ def model_forward(model, stage, *args, **kwargs):
 
     bound = _signature().bind(model, *args, **kwargs)
     a = bound.arguments
-    if stage.layer_schedule.schedule == "off" or not qualifies(model, a):
+    if stage.layer_schedule.schedule == Schedule.OFF or not qualifies(model, a):
         return GPTModel.forward(model, *args, **kwargs)
     labels = a.get("labels") if model.post_process else None
     call = StageCall(model, labels, a.get("runtime_gather_output"))
@@ -167,7 +168,7 @@ def check_megatron():
     )
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from ..compat import require_call, require_symbol
+    from ...compat import require_call, require_symbol
     from .loss import check_megatron as check_cross_entropy
 
     require_symbol(GPTModel, "_postprocess", called_by=[GPTModel.forward])

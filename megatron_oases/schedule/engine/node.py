@@ -1,11 +1,12 @@
 """The overlapped TMP schedule of one pipeline stage's layers, as one autograd node (paper §3).
 
-:func:`schedule_layers` is the entry the bound forwards call (:mod:`.binding`). Forward cuts
-the micro-batch into sub-batches (:mod:`.split`), builds each one's forward program
+:func:`run_scheduled` runs a :class:`ScheduledLayers` as that node. Forward cuts the micro-batch
+into sub-batches (the ``split`` the caller gives), builds each one's forward program
 (:mod:`.forward`) and runs them interleaved (:mod:`.executor`), so one sub-batch's collective
 hides behind another's compute. Backward builds the schedule's backward rounds (:mod:`.backward`,
-table :data:`BACKWARD`) the same way. The schedules, their memory and their RNG handling are
-described in ``docs/schedules.md``.
+table :data:`BACKWARD`) the same way. Nothing here imports Megatron: the blocks, the split and the
+RNG states come in as arguments (Megatron's are in ``schedule/megatron/``). The schedules, their
+memory and their RNG handling are described in ``docs/schedules.md``.
 """
 
 import contextlib
@@ -13,28 +14,31 @@ import dataclasses
 
 import torch
 
-from ..validation import SUB_BATCHES
-from . import backward as programs
-from .blocks import LayerBlocks
+from ...validation import Schedule
+from . import backward as backward_programs
 from .comm import EarlyReductions
 from .deferral import Deferral
 from .executor import Interleave, run_programs
 from .forward import forward_program
 from .fsdp import ShardedParams
 from .ops import BlockOps
-from .split import make_split
 from .state import SubBatch
 
 
 def _kept_only(ops, sbs, ends, recomputed_layers):
     """``overlap`` without recompute: one round."""
-    return [[ends(sb, programs.kept_graphs(ops, sb)) for sb in sbs]]
+    return [[ends(sb, backward_programs.kept_graphs(ops, sb)) for sb in sbs]]
 
 
 def _fine_grained(ops, sbs, ends, recomputed_layers):
     """``oases``: the kept blocks' backward, then the recomputed ones', in one round."""
     return [
-        [ends(sb, programs.kept_graphs(ops, sb) + programs.fine_grained(ops, sb)) for sb in sbs]
+        [
+            ends(
+                sb, backward_programs.kept_graphs(ops, sb) + backward_programs.fine_grained(ops, sb)
+            )
+            for sb in sbs
+        ]
     ]
 
 
@@ -43,7 +47,9 @@ def _cross_pass(ops, sbs, ends, recomputed_layers):
     return [
         [
             ends(
-                sb, programs.kept_graphs(ops, sb) + programs.cross_pass(ops, sb, recomputed_layers)
+                sb,
+                backward_programs.kept_graphs(ops, sb)
+                + backward_programs.cross_pass(ops, sb, recomputed_layers),
             )
             for sb in sbs
         ]
@@ -54,10 +60,10 @@ def _pass_by_pass(ops, sbs, ends, recomputed_layers):
     """``overlap`` with recompute (paper Fig. 3b): per layer a recompute round, then a backward
     round. The output end and the kept blocks' backward open the first recompute round, the
     embedding closes the last backward round."""
-    kept = {sb.index: programs.kept_graphs(ops, sb) for sb in sbs}
+    kept = {sb.index: backward_programs.kept_graphs(ops, sb) for sb in sbs}
     rounds, top = [], recomputed_layers - 1
     for layer in reversed(range(recomputed_layers)):
-        phases = [programs.layer_phases(ops, sb, layer) for sb in sbs]
+        phases = [backward_programs.layer_phases(ops, sb, layer) for sb in sbs]
         last = layer == top
         rounds.append(
             [
@@ -73,12 +79,12 @@ def _pass_by_pass(ops, sbs, ends, recomputed_layers):
 #: its rounds (a round: one program per sub-batch, executed interleaved; rounds follow each other). ``saved`` is "graphs" (no layer recomputed), "blocks" (each block's input: ``oases``)
 #: or "layers" (each recomputed layer's input: Megatron's full recompute).
 BACKWARD = {
-    ("overlap", "graphs"): _kept_only,
-    ("cross-pass", "graphs"): _kept_only,
-    ("oases", "graphs"): _kept_only,
-    ("oases", "blocks"): _fine_grained,
-    ("cross-pass", "layers"): _cross_pass,
-    ("overlap", "layers"): _pass_by_pass,
+    (Schedule.OVERLAP, "graphs"): _kept_only,
+    (Schedule.CROSS_PASS, "graphs"): _kept_only,
+    (Schedule.OASES, "graphs"): _kept_only,
+    (Schedule.OASES, "blocks"): _fine_grained,
+    (Schedule.CROSS_PASS, "layers"): _cross_pass,
+    (Schedule.OVERLAP, "layers"): _pass_by_pass,
 }
 
 
@@ -86,24 +92,28 @@ class ScheduledLayers:
     """One micro-batch through a stage's blocks under ``schedule`` (``--oases-schedule``); owns
     no global state.
 
-    ``recomputed_layers``: how many leading layers Megatron's full recompute checkpoints
-    (:func:`recomputed_layers`; 0: every block keeps its graph). ``parts``: sub-batches;
-    ``split``: how they are cut (``--oases-split``). ``embedding`` / ``output``: the stage's ends
-    run in the programs (:mod:`.stage_ends`), or None. ``tracer``: records each op (optional).
-    ``deferral``: the stage's :class:`.deferral.Deferral`, which its linears defer to (a fresh one
-    for blocks without Megatron linears)."""
+    ``blocks``: the stage's blocks (the adapter's ``LayerBlocks``: ``ln``, ``main``, ``bda`` per
+    block, the masks, ``yield_points``). ``split``: ``hidden -> split``, the sub-batch cut of one
+    micro-batch (the adapter's ``make_split``: ``hidden``, ``masks``, ``rotary``, ``join_*``,
+    ``backward_order``, ``prefix_attention``). ``rng``: :class:`.ops.RngStates`, the snapshot
+    and replay of the RNG states a recomputed op re-runs under. ``recomputed_layers``: how many
+    leading layers Megatron's full recompute checkpoints (0: every block keeps its graph).
+    ``embedding`` / ``output``: the stage's ends run in the programs, or None. ``tracer``:
+    records each op (optional). ``deferral``: the stage's :class:`.deferral.Deferral`, which its
+    linears defer to (a fresh one for blocks without Megatron linears)."""
 
     def __init__(
         self,
         blocks,
         schedule,
+        *,
+        split,
+        rng,
         recomputed_layers=0,
         microbatch=-1,
         tracer=None,
-        parts=SUB_BATCHES,
         embedding=None,
         output=None,
-        split="batch",
         deferral=None,
     ):
         self.deferral = Deferral() if deferral is None else deferral
@@ -113,13 +123,13 @@ class ScheduledLayers:
             microbatch,
             tracer,
         )
-        self.parts, self.split_kind = parts, split
+        self.make_split, self.rng = split, rng
         self.embedding, self.output = embedding, output
         layers = self.recomputed_layers = min(recomputed_layers, len(blocks.layers))
         if not layers:
             self.saved = "graphs"
         else:
-            self.saved = "blocks" if schedule == "oases" else "layers"
+            self.saved = "blocks" if schedule == Schedule.OASES else "layers"
         # SP: yield points inside main_j, where the other sub-batch's bda + ln between its two
         # collectives runs (see :class:`.executor.Interleave`); without SP there is no such op.
         self.interleave = Interleave() if blocks.sequence_parallel else None
@@ -150,14 +160,14 @@ class ScheduledLayers:
 
     def forward(self, hidden):
         self.sharded.gather()
-        split = self.split = make_split(self.split_kind, hidden, self.parts)
+        split = self.split = self.make_split(hidden)
         masks = split.masks(self.blocks.attention_mask)
         rotary = split.rotary(self.blocks.rotary_pos_emb)
         self.prefix = split.prefix_attention(self.blocks)
         anchor = torch.zeros((), device=hidden.device, requires_grad=True)
         first_kept = self.blocks.first_block(self.recomputed_layers)
         ops = self.ops = BlockOps(
-            self.blocks, self.microbatch, self.tracer, first_kept, anchor, self.prefix
+            self.blocks, self.microbatch, self.tracer, first_kept, anchor, self.prefix, self.rng
         )
         for end in (self.embedding, self.output):
             if end is not None:
@@ -222,7 +232,7 @@ class ScheduledLayers:
         return out
 
 
-class ScheduledLayersFunction(torch.autograd.Function):
+class _ScheduledLayersFunction(torch.autograd.Function):
     """Autograd node over a stage's layers; parameters get their gradients from the inner backward
     calls (as in Megatron's CheckpointFunction), so Megatron DDP's grad hooks fire as usual."""
 
@@ -237,76 +247,6 @@ class ScheduledLayersFunction(torch.autograd.Function):
         return None, scheduled.backward(grad_output)
 
 
-def recomputed_layers(config, indices):
-    """How many of a span of a stage's layers (``indices``: their positions in the stage,
-    ascending) Megatron's full recomputation checkpoints (``config``: its TransformerConfig): all
-    of them under ``--recompute-method uniform`` (one layer per checkpoint, see
-    :mod:`megatron_oases.validation`), those among the stage's first ``--recompute-num-layers``
-    under ``block`` (always a leading part of the span), none without full recomputation."""
-    if config.recompute_granularity != "full":
-        return 0
-    if config.recompute_method == "block":
-        return sum(1 for i in indices if i < config.recompute_num_layers)
-    return len(indices)
-
-
-@dataclasses.dataclass
-class LayerSchedule:
-    """How the bound forwards (:mod:`.binding`) run a stage's layers, read at each call:
-    ``schedule`` (``--oases-schedule``, the config's :class:`~megatron_oases.config.Schedule`,
-    checked once when parsed; ``off``: stock Megatron, or a plan's degree spans in Megatron's own
-    loop), ``parts`` sub-batches cut as ``split``, ``graphs`` (``--oases-cuda-graphs``'
-    :class:`.graphs.BlockGraphs`) and ``tracer`` (``oases-trace``'s), or None. Fixed at install,
-    except under ``--oases-schedule auto``, whose tuner (:mod:`megatron_oases.tuning.runtime`)
-    :meth:`select`\\ s each iteration's candidate between iterations, never inside one (a
-    micro-batch's backward uses what its forward captured)."""
-
-    schedule: str
-    parts: int = SUB_BATCHES
-    split: str = "batch"
-    graphs: object = None
-    tracer: object = None
-
-    def select(self, schedule, parts=SUB_BATCHES, graphs=None):
-        """The schedule the next iteration runs (``auto``'s candidate)."""
-        self.schedule, self.parts, self.graphs = schedule, parts, graphs
-
-    def next_microbatch(self):
-        """The next micro-batch's number in the trace (-1 untraced: only the trace reads it)."""
-        return self.tracer.next_microbatch() if self.tracer is not None else -1
-
-
-def schedule_layers(
-    stage,
-    layers,
-    hidden,
-    config,
-    indices=None,
-    attention_mask=None,
-    rotary_pos_emb=None,
-    attention_bias=None,
-    microbatch=-1,
-    embedding=None,
-    output=None,
-):
-    """A stage's ``layers`` (``indices``: their positions in the stage, default all of them) on
-    ``hidden`` under ``stage`` (a :class:`~megatron_oases.schedule.binding.StageSchedule`: its
-    :class:`LayerSchedule` and the deferral its linears hold): one autograd node, the one entry of
-    the bound forwards. ``config``: Megatron's TransformerConfig, whose full recompute decides
-    what forward keeps. ``embedding`` / ``output``: the stage ends (:mod:`.stage_ends`) or None."""
-    indices = range(len(layers)) if indices is None else indices
-    layer_schedule, deferral = stage.layer_schedule, stage.deferral
-    graphs = layer_schedule.graphs
-    scheduled = ScheduledLayers(
-        LayerBlocks(layers, attention_mask, rotary_pos_emb, attention_bias, graphs, deferral),
-        layer_schedule.schedule,
-        recomputed_layers=recomputed_layers(config, indices),
-        microbatch=microbatch,
-        tracer=layer_schedule.tracer,
-        parts=layer_schedule.parts,
-        embedding=embedding,
-        output=output,
-        split=layer_schedule.split,
-        deferral=deferral,
-    )
-    return ScheduledLayersFunction.apply(scheduled, hidden)
+def run_scheduled(scheduled, hidden):
+    """``scheduled`` (a :class:`ScheduledLayers`) on ``hidden`` as one autograd node."""
+    return _ScheduledLayersFunction.apply(scheduled, hidden)

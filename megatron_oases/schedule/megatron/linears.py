@@ -11,9 +11,9 @@ each one runs Megatron's own code.
 
 While deferring:
 
-- a row linear (attention's ``linear_proj``, the MLP's ``linear_fc2``) returns its partial sum
-  (Megatron's forward without its all-reduce or, under SP, reduce-scatter): the program's
-  collective follows the op;
+- a row linear (attention's ``linear_proj``, the MLP's ``linear_fc2``) returns its partial sum:
+  Megatron's own forward under its per-instance switch ``explicit_expert_comm``, which skips
+  the all-reduce or, under SP, reduce-scatter; the program's collective follows the op;
 - a column linear (``linear_qkv``, ``linear_fc1``, the output layer) neither all-gathers its
   input under SP (the program did) nor reduces its input gradient after the op: its backward
   starts that reduction itself, before the weight gradient as Megatron's does, and hands it to
@@ -21,8 +21,8 @@ While deferring:
 - the embedding returns its vocab shard's partial lookup, or the reduced lookup the schedule
   supplies (:meth:`.deferral.Deferral.supplied`).
 
-The deferred forwards and the Function's backward mirror Megatron's (``RowParallelLinear.forward``
-up to its reduction, ``VocabParallelEmbedding.forward`` up to its reduction,
+The deferred embedding lookup and the Function's backward mirror Megatron's
+(``VocabParallelEmbedding.forward`` up to its reduction,
 ``LinearWithGradAccumulationAndAsyncCommunication.backward`` without SP gathers or deferred
 weight gradients), checked at install time by :func:`check_megatron`.
 """
@@ -142,29 +142,23 @@ class DeferringColumnLinear:
 
 
 class DeferringRowLinear:
-    """Mixin before Megatron's ``RowParallelLinear``: while the stage's deferral is active its
-    forward is Megatron's up to the reduction, returning the partial sum (and the bias, which
-    the layers add after the reduction: ``skip_bias_add``, checked by ``blocks.check_layer``)."""
+    """Mixin before Megatron's ``RowParallelLinear``: while the stage's deferral is active,
+    Megatron's own forward returns the partial sum (and the bias, which the layers add after the
+    reduction: ``skip_bias_add``, checked by ``blocks.check_layer``) through Megatron's own
+    per-instance switch for a caller that owns the communication, ``explicit_expert_comm`` (set
+    per instance by Megatron's overlapped shared experts)."""
 
     oases_deferral = None
 
-    def forward(self, input_):
-        if not self.oases_deferral.active:
-            return super().forward(input_)
-        # 0.19+ linears take the weight-rematerialisation size (refused > 1 by validation)
-        extra = {"gtp_remat_size": self.gtp_remat_size} if hasattr(self, "gtp_remat_size") else {}
-        output_parallel = self._forward_impl(
-            input=input_,
-            weight=self.weight,
-            bias=None,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            allreduce_dgrad=False,
-            sequence_parallel=False,
-            tp_group=None,
-            grad_output_buffer=None,
-            **extra,
-        )
-        return output_parallel, self.bias
+    @property
+    def explicit_expert_comm(self):
+        # the value Megatron's constructor set (False: ``defer_linears`` re-classes no other)
+        constructed = self.__dict__.get("explicit_expert_comm", False)
+        return constructed or self.oases_deferral.active
+
+    @explicit_expert_comm.setter
+    def explicit_expert_comm(self, value):
+        self.__dict__["explicit_expert_comm"] = value
 
 
 class DeferringEmbedding:
@@ -274,15 +268,11 @@ def check_megatron():
         VocabParallelEmbedding,
     )
 
-    from ..compat import require_call, require_symbol
+    from ...compat import require_call, require_symbol
 
     row = RowParallelLinear.forward
-    require_symbol(RowParallelLinear, "_forward_impl", called_by=[row])
-    require_call(row, "output_parallel = self._forward_impl(")
-    require_call(
-        row, "reduce_from_tensor_model_parallel_region(output_parallel, group=self.tp_group)"
-    )
-    require_call(row, "output_bias = self.bias")
+    for text in ("if self.explicit_expert_comm:", "output_ = output_parallel"):
+        require_call(row, text)
     column = ColumnParallelLinear.forward
     require_symbol(ColumnParallelLinear, "_forward_impl", called_by=[column])
     for text in ("allreduce_dgrad=allreduce_dgrad", "tp_group=self.tp_group", "bias=bias"):

@@ -22,8 +22,8 @@ import contextlib
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..validation import CUDA_GRAPH_MODES
-from .deferral import Deferral
+from ...validation import CUDA_GRAPH_MODES
+from ..engine.deferral import Deferral
 
 #: copies of one block's graph at most (sub-batches × micro-batches in flight); more means a
 #: forward whose backward never comes, i.e. a bug, not a schedule

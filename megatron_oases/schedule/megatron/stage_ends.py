@@ -11,9 +11,9 @@ import contextlib
 
 import torch
 
+from ..engine.cuts import grad_sink
+from ..engine.executor import Comm, Compute
 from . import loss
-from .cuts import grad_sink
-from .executor import Comm, Compute
 from .rng import replay, snapshot
 
 

@@ -18,8 +18,8 @@ For that instance only it
 import dataclasses
 import functools
 
-from .deferral import Deferral
-from .engine import LayerSchedule
+from ..engine.deferral import Deferral
+from .entry import LayerSchedule
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,7 +80,7 @@ def check_megatron():
     from megatron.core.models.hybrid.hybrid_block import HybridStack
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from ..compat import require_call, require_symbol
+    from ...compat import require_call, require_symbol
     from .linears import check_megatron as check_linears
 
     require_symbol(

@@ -4,9 +4,8 @@ around them, and the stage's last block cut into runs of tokens (tail pieces). D
 
 import torch
 
-from ..validation import TAIL_PIECES
+from ...validation import TAIL_PIECES
 from .regather import shard_saved
-from .rng import snapshot
 
 
 def forward_program(ops, sb, last_sub_batch, layer_checkpoint, embedding=None, output=None):
@@ -56,7 +55,7 @@ def _bda(ops, sb, j, layer_checkpoint):
     keeps = ops.keeps(j)
     with torch.set_grad_enabled(keeps):
         if not keeps:  # recomputed in backward
-            block.rng_bda = snapshot()
+            block.rng_bda = ops.rng.snapshot()
             out = ops.blocks.bda(j, block.take("reduced"), block.bias, block.input)
             if layer_checkpoint and not ops.blocks.starts_layer(j):
                 block.input = None  # keep only layer inputs
@@ -98,7 +97,7 @@ def _main(ops, sb, j, x):
     keeps = ops.keeps(j)
     with torch.set_grad_enabled(keeps):
         if not keeps:
-            block.rng_main = snapshot()
+            block.rng_main = ops.rng.snapshot()
             P, block.bias = ops.main(sb, j, x)
         elif ops.regathers(j):  # x's storage is freed after this call; see .regather
             with shard_saved(x, lambda: block.gathered):
@@ -136,7 +135,7 @@ def _pieces(ops, sb, j, n, layer_checkpoint):
             runs.extend(ops.sink(r, store(i)) for i, r in enumerate(cut))
             block.pieces = n
         else:
-            block.rng_main = snapshot()
+            block.rng_main = ops.rng.snapshot()
             runs.extend(cut)
         piece(0)
 

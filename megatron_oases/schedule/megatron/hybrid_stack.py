@@ -1,5 +1,5 @@
 """A ``HybridModel`` stage's ``HybridStack`` forward under the schedule, bound to one instance by
-:func:`megatron_oases.schedule.binding.bind_schedule`.
+:func:`megatron_oases.schedule.megatron.binding.bind_schedule`.
 
 Each ``*`` (attention) or ``-`` (MLP) layer of ``--hybrid-layer-pattern`` is one block of
 :mod:`.blocks`, so a ``*-*-`` stack is scheduled exactly as the GPT layers it migrates from.
@@ -12,8 +12,9 @@ layers outside the model-parallel RNG fork under sequence parallelism, and so do
 import torch
 from megatron.core.utils import make_viewless_tensor
 
-from ..errors import OasesConfigError
-from .engine import schedule_layers
+from ...errors import OasesConfigError
+from ...validation import Schedule
+from .entry import schedule_layers
 
 
 def stack_forward(
@@ -29,12 +30,14 @@ def stack_forward(
     padding_mask=None,
 ):
     """This ``HybridStack``'s forward (bound to the instance with its ``stage``, a
-    :class:`~megatron_oases.schedule.binding.StageSchedule`): its layers under the stage's
+    :class:`~megatron_oases.schedule.megatron.binding.StageSchedule`): its layers under the stage's
     :class:`.engine.LayerSchedule`. No per-layer plan reaches it: ``prepare_model`` refuses one
     for a ``HybridModel``."""
     from megatron.core.models.hybrid.hybrid_block import HybridStack
 
-    stock = stage.layer_schedule.schedule == "off"  # ``--oases-schedule auto`` selecting stock
+    stock = (
+        stage.layer_schedule.schedule == Schedule.OFF
+    )  # ``--oases-schedule auto`` selecting stock
     if not (self.training and torch.is_grad_enabled()) or len(self.layers) == 0 or stock:
         return HybridStack.forward(
             self,

@@ -22,8 +22,8 @@ same operands). Only the path ``compute_language_model_loss`` takes by default r
 import torch
 import torch.distributed as dist
 
-from ..compat import require_call, require_symbol
-from .executor import Comm, Compute
+from ...compat import require_call, require_symbol
+from ..engine.executor import Comm, Compute
 
 
 def _megatron():

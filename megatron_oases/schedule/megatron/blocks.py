@@ -27,14 +27,16 @@ import torch
 from megatron.core.tensor_parallel import CheckpointWithoutOutput
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
-from ..errors import OasesConfigError
-from ..validation import check_transformer_impl
+from ...errors import OasesConfigError
+from ...validation import check_transformer_impl
+from ..engine.blocks import BlockTable
 
 
-class LayerBlocks:
-    """The blocks of a stage's layers plus the per-forward arguments (mask, RoPE); ``graphs``: a
+class LayerBlocks(BlockTable):
+    """The blocks of a stage's Megatron layers plus the per-forward arguments (mask, RoPE); the
+    table's lookups are :class:`..engine.blocks.BlockTable`'s; ``graphs``: a
     :class:`.graphs.BlockGraphs` replaying each main op from a CUDA graph, or None (eager);
-    ``deferral``: the :class:`.deferral.Deferral` the layers' linears hold."""
+    ``deferral``: the :class:`..engine.deferral.Deferral` the layers' linears hold."""
 
     def __init__(
         self,
@@ -47,10 +49,7 @@ class LayerBlocks:
     ):
         self.layers = list(layers)
         self.deferral = deferral  # the stage's (.deferral): a graph's capture defers to it
-        # (layer, kind, position of the layer in the stage) per block, in forward order
-        self.table = [
-            (layer, kind, i) for i, layer in enumerate(self.layers) for kind in _checked(layer)
-        ]
+        self.table = self.table_of(self.layers, _checked)
         self.graphs = graphs
         self.attention_mask = attention_mask
         self.rotary_pos_emb = rotary_pos_emb
@@ -60,44 +59,10 @@ class LayerBlocks:
     def sequence_parallel(self):
         return bool(self.layers) and self.layers[0].config.sequence_parallel
 
-    # the per-op lookups below read the table directly: each is called several times per block
     def tp_group(self, j):
         layer, kind, _ = self.table[j]
         owner = layer.self_attention.linear_proj if kind == "attention" else layer.mlp.linear_fc2
         return owner.tp_group
-
-    @property
-    def num_blocks(self):
-        return len(self.table)
-
-    def layer(self, j):
-        return self.table[j][0]
-
-    def kind(self, j):
-        """``"attention"`` or ``"mlp"``."""
-        return self.table[j][1]
-
-    def attention(self, j):
-        return self.table[j][1] == "attention"
-
-    def layer_index(self, j):
-        """Block j's layer's position in the stage."""
-        return self.table[j][2]
-
-    def first_block(self, i):
-        """The first block of the stage's layer ``i`` (``num_blocks`` for ``i = len(layers)``)."""
-        return next((j for j, (_, _, k) in enumerate(self.table) if k >= i), len(self.table))
-
-    def layer_blocks(self, i):
-        """The blocks of the stage's layer ``i``, in forward order."""
-        return [j for j, (_, _, k) in enumerate(self.table) if k == i]
-
-    def starts_layer(self, j):
-        """Block j is its layer's first (its input is the layer's)."""
-        return j == 0 or self.table[j - 1][2] != self.table[j][2]
-
-    def global_layer(self, j):
-        return self.layer(j).layer_number - 1
 
     def ln(self, j, h):
         layer, kind, _ = self.table[j]
