@@ -104,7 +104,7 @@ def add_oases_args(parser):
         help=f"sub-batches per micro-batch for the overlapped schedules (default {SUB_BATCHES}, "
         "the paper's; auto tries 2 and 4 unless given): with N, only 1/N of the last block's "
         "all-reduce per pass stays exposed, at the cost of N-times smaller matmuls; needs "
-        "--micro-batch-size >= N",
+        "--micro-batch-size >= N and a split schedule or auto (refused under off)",
     )
     g.add_argument(
         "--oases-tune-steps",
@@ -112,15 +112,16 @@ def add_oases_args(parser):
         default=None,
         metavar="N",
         help="--oases-schedule auto: the trial takes at most N iterations (default: a warm-up "
-        f"and 3 timed steps per candidate, at most {round(100 * TUNE_SHARE)}%% of --train-iters; "
-        f"at least {MIN_TRIAL}, at most --train-iters). The trial's steps train the model like "
-        "any others",
+        f"and 3 timed steps per candidate, at most {round(100 * TUNE_SHARE)}%% of the run: "
+        "--train-iters, or --train-samples over --global-batch-size; "
+        f"at least {MIN_TRIAL}, at most the run). The trial's steps train the model like "
+        "any others; refused without auto",
     )
     g.add_argument(
         "--oases-retune",
         action="store_true",
-        help="--oases-schedule auto, resumed: time the schedules again instead of keeping the "
-        "choice saved in the checkpoint",
+        help="--oases-schedule auto, resumed (--load): time the schedules again instead of "
+        "keeping the choice saved in the checkpoint; refused without auto or --load",
     )
     g.add_argument(
         "--oases-retune-interval",
@@ -131,7 +132,8 @@ def add_oases_args(parser):
         f"timing's best two (the choice and the runner-up; up to {RETUNE_STEPS} iterations, "
         "interleaved, the runner-up after a warm-up step) and switch if the runner-up is now "
         f"clearly faster (the choice's fastest step over {round(100 * DROP_MARGIN)}%% slower "
-        f"than its slowest); N > {RETUNE_STEPS}. Re-timing steps train the model like any others",
+        f"than its slowest); N > {RETUNE_STEPS}. Re-timing steps train the model like any "
+        "others; refused without auto",
     )
     g.add_argument(
         "--oases-split",
@@ -140,7 +142,8 @@ def add_oases_args(parser):
         help="how the overlapped schedules cut a micro-batch into sub-batches: batch = whole "
         "samples (the paper's; needs --micro-batch-size >= --oases-sub-batches); sequence = "
         "consecutive chunks of each sample's sequence, a later chunk attending to the earlier "
-        "chunks' keys and values (runs --micro-batch-size 1; unfused attention, no SP, no plan)",
+        "chunks' keys and values (runs --micro-batch-size 1; unfused attention, no SP, no plan; "
+        "sequence is refused under off)",
     )
     g.add_argument(
         "--oases-cuda-graphs",
@@ -152,14 +155,14 @@ def add_oases_args(parser):
         help="CUDA only: replay each block's attention / MLP (between its layernorm and its TMP "
         "reduction) from a CUDA graph, one launch where the host issued dozens of kernels; "
         "static memory per block and sub-batch, no attention dropout. 'eager' runs the same "
-        "bookkeeping without graphs (debugging, any device). Checked on an H100 by "
-        "benchmarks/gpu/check.sh (step graphs)",
+        "bookkeeping without graphs (debugging, any device). Needs a split schedule or auto "
+        "(refused under off). Checked on an H100 by benchmarks/gpu/check.sh (step graphs)",
     )
     g.add_argument(
         "--oases-trace",
         default=None,
-        help="write a Chrome-trace JSON of the last iteration per rank: PATH with '{rank}' in it, "
-        "or PATH.rank<R>.json",
+        help="write a Chrome-trace JSON of the last iteration per rank (any schedule, off "
+        "included): PATH with '{rank}' in it, or PATH.rank<R>.json",
     )
     g.add_argument(
         "--oases-plan",
@@ -173,7 +176,7 @@ def add_oases_args(parser):
         action="store_true",
         help="let this run replace the checkpoints another run left in --save (without it, a run "
         "into a --save directory holding checkpoints must resume from them: --load the same "
-        "directory)",
+        "directory); refused without --save or with --load the --save directory",
     )
     g.add_argument(
         "--emulate-link",

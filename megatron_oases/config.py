@@ -12,6 +12,7 @@ from typing import Optional
 from .validation import (
     SUB_BATCHES,
     check_before_megatron,
+    check_flags_act,
     check_oases_args,
     check_sharded_data_parallel,
     plan_differences,
@@ -123,10 +124,10 @@ class OasesConfig:
         None where Megatron already ran them (Megatron-LM's ``pretrain_gpt.py``)."""
         import torch
 
-        from .tuning.candidates import STOCK, check_autotune_flags, pinned, plan_autotune
+        from .tuning.candidates import STOCK, pinned, plan_autotune
 
         schedule = Schedule(args.oases_schedule)  # argparse checked it against SCHEDULES
-        check_autotune_flags(args, schedule)
+        check_flags_act(args, str(schedule))  # the user's flags, not a candidate's view
         auto = schedule == Schedule.AUTO  # stock is checked here, the other candidates below
         checked = Schedule.OFF if auto else schedule
 

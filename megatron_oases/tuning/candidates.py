@@ -26,15 +26,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import OasesConfigError
-from ..validation import (
+from ..validation import (  # noqa: F401  (AUTO: the runtime's value, re-exported)
+    AUTO,
     SUB_BATCHES,
     check_before_megatron,
     check_oases_args,
     check_sharded_data_parallel,
 )
 
-#: The runtime's ``--oases-schedule auto`` (the planner's ``--schedule auto`` is its own).
-AUTO = "auto"
 #: Split schedules tried, in this order, and the ones that need Megatron's full recompute (a
 #: candidate never changes the recompute setting: they are tried only where the user has it).
 SPLIT_ORDER = ("oases", "overlap", "cross-pass")
@@ -141,24 +140,6 @@ def _given(args, name):
     return getattr(args, name, None) is not None
 
 
-def check_autotune_flags(args, schedule):
-    """``--oases-tune-steps``, ``--oases-retune`` and ``--oases-retune-interval`` act only under
-    ``--oases-schedule auto``."""
-    if schedule == AUTO:
-        return
-    for name, flag in (
-        ("oases_tune_steps", "--oases-tune-steps"),
-        ("oases_retune", "--oases-retune"),
-        ("oases_retune_interval", "--oases-retune-interval"),
-    ):
-        value = getattr(args, name, None)
-        if value is not None and value is not False:
-            raise OasesConfigError(
-                f"{flag} times the schedules of --oases-schedule auto; add --oases-schedule auto "
-                f"or drop {flag}"
-            )
-
-
 def pinned(args, candidate):
     """``args`` as the command line that pins ``candidate`` (a shallow copy): what the rules of
     :mod:`megatron_oases.validation` check for it."""
@@ -213,8 +194,10 @@ def plan_autotune(args, plan=None, cuda_available=None, te_installed=None):
     asked: no split schedule can run with a split-only flag the user gave (``--oases-split
     sequence``, ``--oases-sub-batches``, ``--oases-cuda-graphs``: the first candidate's reason),
     or a trial that does not fit (``--oases-tune-steps`` too short or longer than the run; the
-    default trial more than :data:`TUNE_SHARE` of the run), or a re-timing that does not
-    (:func:`check_retune_interval`). Without a split candidate and without such a flag, ``auto``
+    default trial more than :data:`TUNE_SHARE` of the run; a run shorter than any trial), or a
+    re-timing that does not (:func:`check_retune_interval`). The run's length is
+    ``--train-iters``, or the iterations Megatron derives from ``--train-samples``
+    (:class:`RunLength`). Without a split candidate and without such a flag, ``auto``
     runs stock (``excluded`` says why)."""
     eligible, excluded, first_error = [STOCK], [], None
     for candidate in split_candidates(args, cuda_available):
@@ -238,13 +221,14 @@ def plan_autotune(args, plan=None, cuda_available=None, te_installed=None):
         raise OasesConfigError(
             f"--oases-schedule auto with {asked[0]}: no split schedule can run here: {first_error}"
         )
-    train_iters = getattr(args, "train_iters", None)
     steps = getattr(args, "oases_tune_steps", None)
     interval = getattr(args, "oases_retune_interval", None)
-    check_retune_interval(interval, train_iters)
+    length = RunLength.of(args) if len(eligible) > 1 or interval is not None else None
+    train_iters = getattr(length, "iterations", getattr(args, "train_iters", None))
+    check_retune_interval(interval, train_iters, length)
     budget = 0
     if len(eligible) > 1:
-        budget = _check_budget(steps, eligible, train_iters)
+        budget = _check_budget(steps, eligible, length)
     return AutoTune(
         candidates=tuple(eligible),
         budget=budget,
@@ -255,19 +239,88 @@ def plan_autotune(args, plan=None, cuda_available=None, te_installed=None):
     )
 
 
-def _check_budget(steps, candidates, train_iters):
-    if steps is not None:
-        if steps < MIN_TRIAL:
+@dataclass(frozen=True)
+class RunLength:
+    """The run's length in iterations, as Megatron's loop counts them, for the trial's plan:
+    ``--train-iters``, or under ``--train-samples`` the samples over the global batch (Megatron's
+    ``update_train_iters``, run only once training starts; ``train_iters`` is None until then).
+    ``samples``/``global_batch_size``: the sample-based flags it came from (None: iterations)."""
+
+    iterations: Optional[int]
+    samples: Optional[int] = None
+    global_batch_size: Optional[int] = None
+
+    @classmethod
+    def of(cls, args):
+        """From Megatron-validated ``args``; ``iterations`` None where neither flag is given. A
+        ``--step-batch-size-schedule`` under ``--train-samples`` is one line: Megatron counts
+        those iterations only by stepping through the schedule."""
+        iters, samples = getattr(args, "train_iters", None), getattr(args, "train_samples", None)
+        batch = getattr(args, "global_batch_size", None)
+        if iters or not samples or not batch:
+            return cls(iters)
+        if getattr(args, "step_batch_size_schedule", None) is not None:
             raise OasesConfigError(
-                f"--oases-tune-steps {steps} is too short: timing stock and one schedule takes "
-                f"{MIN_TRIAL} steps (a warm-up and {TIMED_STEPS} timed steps each); use "
-                f"{MIN_TRIAL} or more"
+                "--oases-schedule auto cannot plan its trial under --train-samples with "
+                "--step-batch-size-schedule (the iterations are known only as the batch size "
+                "steps up); give the run's length as --train-iters N, or pin a schedule with "
+                "--oases-schedule"
             )
+        return cls(samples // batch, samples, batch)
+
+    def __str__(self):
+        if self.samples is None:
+            return f"--train-iters {self.iterations}"
+        return (
+            f"--train-samples {self.samples} ({self.iterations} iterations at "
+            f"--global-batch-size {self.global_batch_size})"
+        )
+
+    def at_least(self, iterations):
+        """The flag that makes the run ``iterations`` long."""
+        if self.samples is None:
+            return f"--train-iters {iterations}"
+        return f"--train-samples {iterations * self.global_batch_size}"
+
+
+def _shortest_default_run():
+    """The fewest iterations whose default trial (:data:`TUNE_SHARE` of them) holds
+    :data:`MIN_TRIAL` steps."""
+    n = MIN_TRIAL
+    while int(TUNE_SHARE * n) < MIN_TRIAL:
+        n += 1
+    return n
+
+
+def _check_budget(steps, candidates, length=None):
+    """The trial's steps: ``--oases-tune-steps`` checked, or :func:`default_budget`; one line
+    naming the fix where they do not fit the run (``length``, a :class:`RunLength`; None or
+    its iterations None: unknown). A run shorter than the shortest trial says to lengthen it
+    or to pin a schedule (an ``N`` in ``8 <= N <= 3`` does not exist)."""
+    train_iters = None if length is None else length.iterations
+    if steps is not None and steps < MIN_TRIAL:
+        raise OasesConfigError(
+            f"--oases-tune-steps {steps} is too short: timing stock and one schedule takes "
+            f"{MIN_TRIAL} steps (a warm-up and {TIMED_STEPS} timed steps each); use "
+            f"{MIN_TRIAL} or more"
+        )
+    if train_iters is not None and train_iters < MIN_TRIAL:
+        longer = length.at_least(MIN_TRIAL)
+        if steps is None:
+            default = length.at_least(_shortest_default_run())
+            longer = f"{default} or more (or {longer} or more with --oases-tune-steps {MIN_TRIAL})"
+        else:
+            longer += " or more"
+        raise OasesConfigError(
+            f"{length} is too short for --oases-schedule auto: its trial takes at least "
+            f"{MIN_TRIAL} iterations (stock and one schedule, a warm-up and {TIMED_STEPS} timed "
+            f"steps each); use {longer}, or pin a schedule with --oases-schedule"
+        )
+    if steps is not None:
         if train_iters is not None and steps > train_iters:
             raise OasesConfigError(
-                f"--oases-tune-steps {steps} is longer than the run (--train-iters "
-                f"{train_iters}); use at most {train_iters}, or pin a schedule with "
-                "--oases-schedule"
+                f"--oases-tune-steps {steps} is longer than the run, {length}; use at most "
+                f"{train_iters}, or pin a schedule with --oases-schedule"
             )
         return steps
     budget = default_budget(candidates, train_iters)
@@ -275,17 +328,18 @@ def _check_budget(steps, candidates, train_iters):
         share = f"{TUNE_SHARE:.0%}"
         raise OasesConfigError(
             f"--oases-schedule auto times the schedules on the run's first iterations, by default "
-            f"at most {share} of --train-iters {train_iters} ({budget} steps), fewer than the "
-            f"{MIN_TRIAL} it needs; add --oases-tune-steps N ({MIN_TRIAL} <= N <= {train_iters}) "
-            "or pin a schedule with --oases-schedule"
+            f"at most {share} of {length}: {budget} steps, fewer than the {MIN_TRIAL} it "
+            f"needs; add --oases-tune-steps N ({MIN_TRIAL} <= N <= {train_iters}) or pin a "
+            "schedule with --oases-schedule"
         )
     return budget
 
 
-def check_retune_interval(interval, train_iters):
+def check_retune_interval(interval, train_iters, length=None):
     """``--oases-retune-interval N``: a positive number of iterations, longer than a re-timing
     (:data:`RETUNE_STEPS`, so that one ends before the next is due), and short enough that a
-    re-timing fits in ``--train-iters`` at all."""
+    re-timing fits in the run's ``train_iters`` at all (``length``: how the line names them, a
+    :class:`RunLength`; None: ``--train-iters``)."""
     if interval is None:
         return
     if interval < 1:
@@ -301,10 +355,10 @@ def check_retune_interval(interval, train_iters):
         )
     if train_iters is not None and interval + RETUNE_STEPS > train_iters:
         raise OasesConfigError(
-            f"--oases-retune-interval {interval} leaves no room for a re-timing in --train-iters "
-            f"{train_iters} (it starts {interval} iterations after the choice and takes up to "
-            f"{RETUNE_STEPS} steps); use at most {max(train_iters - RETUNE_STEPS, 0)}, or drop "
-            "--oases-retune-interval"
+            f"--oases-retune-interval {interval} leaves no room for a re-timing in "
+            f"{length or RunLength(train_iters)}: it starts {interval} iterations after the "
+            f"choice and takes up to {RETUNE_STEPS} steps; use at most "
+            f"{max(train_iters - RETUNE_STEPS, 0)}, or drop --oases-retune-interval"
         )
 
 

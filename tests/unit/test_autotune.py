@@ -86,12 +86,13 @@ def test_a_split_only_flag_no_candidate_can_run_is_one_line():
     [
         ("--train-iters 40 --oases-tune-steps 50", "--oases-tune-steps 50 is longer than the run"),
         ("--train-iters 400 --oases-tune-steps 7", "--oases-tune-steps 7 is too short"),
-        ("--train-iters 100", r"at most 5% of --train-iters 100 \(5 steps\)"),
+        ("--train-iters 100", "at most 5% of --train-iters 100: 5 steps"),
         ("--oases-schedule off --oases-tune-steps 8", "add --oases-schedule auto or drop"),
         ("--oases-schedule overlap --oases-retune", "add --oases-schedule auto or drop"),
         (
             "--oases-schedule off --oases-retune-interval 20",
-            "--oases-retune-interval times the schedules of --oases-schedule auto; add",
+            "--oases-retune-interval 20 has no effect under --oases-schedule off: .*; add "
+            "--oases-schedule auto or drop",
         ),
         ("--train-iters 400 --oases-retune-interval 0", "N must be a positive number"),
         ("--train-iters 400 --oases-retune-interval -5", "N must be a positive number"),
@@ -107,6 +108,69 @@ def test_a_trial_that_does_not_fit_is_one_line(flags, match):
     schedule = "" if "--oases-schedule" in flags else "--oases-schedule auto "
     with pytest.raises(OasesConfigError, match=match):
         parse(TP2 + "--micro-batch-size 2 " + schedule + flags, 2)
+
+
+def test_auto_under_train_samples_is_decided_on_megatrons_iteration_count():
+    """``--train-samples`` instead of ``--train-iters`` (issue 60.5): the trial is planned on the
+    iterations Megatron derives (``update_train_iters``: samples // global batch), not on an
+    unknown length (the trial ran past a short run's end, never deciding, saying nothing)."""
+    from megatron.training.training import update_train_iters
+
+    base = TP2 + "--micro-batch-size 2 --oases-schedule auto --lr-decay-samples 64 "
+    args = parse(base + "--train-samples 4002", 2)
+    config = parse_config(base + "--train-samples 4002", 2)
+    update_train_iters(args)  # what Megatron's loop will run
+    assert args.train_iters == 1000 == config.autotune.train_iters
+    assert config.autotune.budget == 2 * STEPS_PER_CANDIDATE
+    # a run too short for the default trial: one line naming the samples and their iterations
+    with pytest.raises(OasesConfigError) as err:
+        parse(base + "--train-samples 64", 2)
+    assert "--train-samples 64 (16 iterations at --global-batch-size 4)" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(OasesConfigError, match="use at most 16, or pin"):
+        parse(base + "--train-samples 64 --oases-tune-steps 20", 2)
+    assert parse_config(base + "--train-samples 64 --oases-tune-steps 8", 2).autotune.budget == 8
+    with pytest.raises(OasesConfigError, match="leaves no room for a re-timing in --train-samples"):
+        parse(base + "--train-samples 4002 --oases-retune-interval 999", 2)
+
+
+def test_auto_under_a_batch_size_schedule_and_train_samples_names_train_iters():
+    """``--step-batch-size-schedule``: Megatron counts the iterations only by stepping through
+    the schedule as it trains; auto asks for the length in iterations."""
+    flags = (
+        GPT.format(layers=2) + "--tensor-model-parallel-size 2 --micro-batch-size 2 "
+        "--oases-schedule auto --train-samples 4000 --lr-decay-samples 64 "
+        "--step-batch-size-schedule '0:2 100:4'"
+    )
+    with pytest.raises(
+        OasesConfigError, match="--step-batch-size-schedule.*--train-iters N"
+    ) as err:
+        parse(flags, 2)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "flags,match",
+    [
+        (
+            "--train-iters 3",
+            "--train-iters 3 is too short for --oases-schedule auto: its trial takes at least 8 "
+            r"iterations .*; use --train-iters 160 or more \(or --train-iters 8 or more with "
+            r"--oases-tune-steps 8\), or pin a schedule with --oases-schedule",
+        ),
+        (
+            "--train-iters 3 --oases-tune-steps 8",
+            "--train-iters 3 is too short for --oases-schedule auto: .*use --train-iters 8 or more",
+        ),
+        ("--train-iters 100", r"add --oases-tune-steps N \(8 <= N <= 100\)"),
+    ],
+)
+def test_a_run_too_short_for_any_trial_names_what_to_do(flags, match):
+    """auto with ``--train-iters 3`` suggested ``--oases-tune-steps N (8 <= N <= 3)``, an empty
+    range (issue 60.6): a run shorter than the shortest trial says to lengthen it or pin."""
+    with pytest.raises(OasesConfigError, match=match) as err:
+        parse(TP2 + "--micro-batch-size 2 --oases-schedule auto " + flags, 2)
+    assert "<= 3)" not in str(err.value) and "at most 3" not in str(err.value)
 
 
 def test_the_retune_interval_reaches_the_settings():
