@@ -56,7 +56,7 @@ def command(name):
 
         return profiler_cli.main
     if name == "plan":
-        from .planner import cli as planner_cli
+        from .search import plan_cli as planner_cli
 
         return planner_cli.main
     raise KeyError(name)

@@ -197,13 +197,14 @@ def _half(args):
 
 def _warn_plan_differences(path, plan, args, schedule):
     """Once per job (rank 0): the plan was made for another run than this command line's (the
-    plan's recorded run read as the planner reads it, :meth:`PlanSettings.from_plan`)."""
+    plan's recorded run, :func:`~.formats.plan.recorded_run`: the plan format's reader, which
+    ``oases plan --evaluate`` reads too; the runtime imports no planner code)."""
     import os
     import sys
 
-    from .planner.settings import PlanSettings
+    from .formats.plan import recorded_run
 
-    differences = plan_differences(PlanSettings.from_plan(plan, path=path), args, schedule)
+    differences = plan_differences(recorded_run(plan, path), args, schedule)
     if schedule == Schedule.AUTO:  # auto tries the plan's schedule among others
         differences = [d for d in differences if d[0] != "--oases-schedule"]
     if not differences or int(os.environ.get("RANK", "0")) != 0:

@@ -58,15 +58,15 @@ def fsdp_alone(args, cluster, untied):
     from megatron_oases.errors import OasesConfigError
     from megatron_oases.planner.api import NoPlanFits
     from megatron_oases.planner.choose import choose_plan
-    from megatron_oases.planner.cluster.search import (
+    from megatron_oases.planner.settings import AUTO, PlanSettings
+    from megatron_oases.planner.sharding import strategies_for
+    from megatron_oases.search.search import (
         MICRO_BATCHES,
         STOCK_CHOICES,
         Layout,
         _profile,
         _row,
     )
-    from megatron_oases.planner.settings import AUTO, PlanSettings
-    from megatron_oases.planner.sharding import strategies_for
     from megatron_oases.testbed.clusters import load_cluster
 
     base = PlanSettings(
@@ -112,8 +112,8 @@ def _entry(r, tokens):
 
 
 def run_case(model, overrides, cluster):
-    from megatron_oases.planner.cluster.search import model_for_search, search
     from megatron_oases.profiler.model_config import read_model_file
+    from megatron_oases.search.search import model_for_search, search
 
     args = model_for_search(read_model_file(model), GBS, overrides=overrides)
     tokens = GBS * args.seq_length

@@ -34,8 +34,8 @@ CASES = [
 def main(argv=None):
     args = report_cli.start(__doc__, argv)
     from megatron_oases.planner.choose import setting_name
-    from megatron_oases.planner.cluster.search import model_for_search, search
     from megatron_oases.profiler.model_config import read_model_file
+    from megatron_oases.search.search import model_for_search, search
 
     rows = []
     for model, overrides, cluster, gpus, gbs in CASES:

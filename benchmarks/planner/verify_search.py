@@ -99,7 +99,7 @@ def _combine(row):
     less its ranks' CPU wait (``run_queue_share_repeats``), and ``measured_less_runq_range_s``
     the same with the least- and the most-waiting rank's share (``run_queue_rank_shares_repeats``),
     only where every measured repeat has its share."""
-    from megatron_oases.planner.cluster.verify import less_run_queue
+    from megatron_oases.search.verify import less_run_queue
 
     for key in ("measured_s", "measured_less_runq_s", "measured_less_runq_range_s"):
         row.pop(key, None)
@@ -129,7 +129,7 @@ def _summarize(out):
     """The targets on both figures (``targets``), the sensitivity of the corrected ones to which
     rank's wait is taken (``targets_rank_range``), and the raw figures' summary (the keys the
     report always had), into ``out``."""
-    from megatron_oases.planner.cluster.verify import grid_targets
+    from megatron_oases.search.verify import grid_targets
 
     rows = out["rows"]
     out["targets"] = {key: grid_targets(rows, key) for key, _ in BASES}
@@ -191,7 +191,7 @@ def _target_lines(t, rows):
 
 def write_report(out, out_dir):
     """``verify_search.md`` from the JSON result (``--report-only`` rebuilds it)."""
-    from megatron_oases.planner.cluster.verify import TARGETS
+    from megatron_oases.search.verify import TARGETS
 
     rows = out["rows"]
     thumb_row = out["rule_of_thumb"]
@@ -273,7 +273,9 @@ def _with_fsdp(cands, margs, result):
     """``cands`` with the fastest FSDP2 candidate stock and the fastest under a split schedule
     (planned in full, at every layout FSDP2 runs) where none of ``cands`` is one, each placed by
     its predicted time; their plans join ``result['plans']``."""
-    from megatron_oases.planner.cluster.search import (
+    from megatron_oases.planner.settings import AUTO, PlanSettings
+    from megatron_oases.planner.sharding import strategies_for
+    from megatron_oases.search.search import (
         OASES_CHOICES,
         STOCK_CHOICES,
         Layout,
@@ -281,8 +283,6 @@ def _with_fsdp(cands, margs, result):
         _refine,
         layouts,
     )
-    from megatron_oases.planner.settings import AUTO, PlanSettings
-    from megatron_oases.planner.sharding import strategies_for
     from megatron_oases.testbed.clusters import load_cluster
 
     spec = load_cluster(CLUSTER)
@@ -337,7 +337,7 @@ def reanalyze(runs_dir, out_dir):
     not the runs it reports."""
     from megatron_oases.compare.runner import read_run
     from megatron_oases.errors import OasesConfigError
-    from megatron_oases.planner.cluster.verify import run_dir, run_queue_share
+    from megatron_oases.search.verify import run_dir, run_queue_share
 
     path = os.path.join(out_dir, "verify_search.json")
     try:
@@ -387,9 +387,9 @@ def _write(out, out_dir):
 def main(argv=None):
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    from megatron_oases.planner.cluster.search import model_for_search, search
-    from megatron_oases.planner.cluster.verify import verify, verify_table
     from megatron_oases.profiler.model_config import read_model_file
+    from megatron_oases.search.search import model_for_search, search
+    from megatron_oases.search.verify import verify, verify_table
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "planner"))
@@ -410,7 +410,7 @@ def main(argv=None):
         _write(reanalyze(args.runs, args.out), args.out)
         print(f"wrote {args.out}/verify_search.json and .md from the runs in {args.runs}")
         return 0
-    from megatron_oases.planner.cluster import search as search_mod
+    from megatron_oases.search import search as search_mod
 
     search_mod._optimizers = lambda layout: (False,)  # no distributed optimizer (docstring)
     flat = {**read_model_file(MODEL), **SHAPE}
@@ -426,8 +426,8 @@ def main(argv=None):
         and c["recompute"] == thumb["recompute"]
         for c in cands
     ):
-        from megatron_oases.planner.cluster.search import Layout, _flags
         from megatron_oases.planner.settings import PlanSettings
+        from megatron_oases.search.search import Layout, _flags
 
         extra = dict(thumb, level=0, rule_of_thumb=True)
         layout = Layout(**thumb["layout"])

@@ -23,7 +23,13 @@ shards and costs: ``megatron_oases/planner/sharding.py``).
 import json
 
 from ..errors import OasesConfigError
-from ..validation import SPLITS, check_schedule
+from ..recompute_settings import RECOMPUTE_MODES, SELECTIVE_MODES
+from ..validation import (
+    SPLITS,
+    check_schedule,
+    check_schedule_recompute,
+    check_whole_layer_recompute,
+)
 from . import is_finite, read_json, write_atomic
 from .profile import sha256_of
 
@@ -199,6 +205,89 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
 def load_plan(path, num_layers=None, tensor_model_parallel_size=None):
     plan = read_json(path, "plan file", _WRITE_ONE)
     return validate_plan(plan, num_layers, tensor_model_parallel_size, source=str(path))
+
+
+#: The run's fields a plan file records, each with its key there (:func:`recorded_run`).
+PLAN_KEYS = {
+    "global_batch_size": "global_batch_size",
+    "micro_batch_size": "micro_batch_size",
+    "schedule": "schedule",
+    "recompute": "recompute",
+    "recompute_layers": "recompute_num_layers",
+    "split": "split",
+    "sequence_parallel": "sequence_parallel",
+    "distributed_optimizer": "distributed_optimizer",
+    "data_parallel_sharding": "data_parallel_sharding",
+    "memory_gb": "memory_gb",
+    "tensor_model_parallel_size": "tensor_model_parallel_size",
+    "data_parallel_size": "data_parallel_size",
+    "pipeline_model_parallel_size": "pipeline_model_parallel_size",
+}
+
+
+def recompute_mode(value, source="recompute"):
+    """``value`` as one of :data:`RECOMPUTE_MODES`. Booleans are the older form (plans written
+    before selective recomputation was planned, ``recompute=True`` callers): True is ``full``,
+    False ``none``; None is the default, ``full``."""
+    if value is None or value is True:
+        return "full"
+    if value is False:
+        return "none"
+    if value in RECOMPUTE_MODES:
+        return value
+    raise OasesConfigError(
+        f"{source}: unknown recompute setting {value!r}; choose one of {', '.join(RECOMPUTE_MODES)}"
+    )
+
+
+class RecordedRun:
+    """The run a plan file records (:func:`recorded_run`): each field of :data:`PLAN_KEYS` an
+    attribute, the plan's value where it records one, else None; :meth:`recorded` says which
+    it records (a hand-written or uniform plan records little). The runtime compares it with
+    Megatron's flags (``validation.plan_differences``); ``oases plan --evaluate`` merges it with
+    its own flags (``PlanSettings.from_plan``)."""
+
+    def __init__(self, values, path):
+        self._values, self.path = dict(values), path
+
+    def __getattr__(self, name):
+        if name in PLAN_KEYS:
+            return self._values.get(name)
+        raise AttributeError(name)
+
+    def recorded(self, name):
+        """Whether the plan records field ``name``."""
+        return name in self._values
+
+    def source(self, name):
+        """Field ``name``'s key in the plan, as a message names it."""
+        return f"plan {self.path}'s {PLAN_KEYS[name]}"
+
+
+def recorded_run(plan, path="plan"):
+    """The run ``plan`` (a plan file's dict, at ``path``) was made for: a :class:`RecordedRun`.
+    A null ``recompute_num_layers`` is a setting (every layer); other nulls are not recorded.
+    ``recompute`` is read by :func:`recompute_mode`. A schedule recorded with a recompute setting
+    it cannot run is one line naming the file (the plan alone: no flag of the user's is wrong)."""
+    values = {}
+    for name, key in PLAN_KEYS.items():
+        if (key in plan) if name == "recompute_layers" else plan.get(key) is not None:
+            values[name] = plan[key]
+    if "recompute" in values:
+        values["recompute"] = recompute_mode(values["recompute"], str(path))
+    schedule, recompute = values.get("schedule"), values.get("recompute")
+    if schedule is not None and recompute is not None:
+        fix = "record recompute full"
+        try:
+            check_schedule(schedule, source="schedule")
+            if recompute in SELECTIVE_MODES:
+                check_whole_layer_recompute(schedule, flag="schedule", fix=fix)
+            check_schedule_recompute(schedule, recompute == "full", flag="schedule", fix=fix)
+        except OasesConfigError as exc:
+            raise OasesConfigError(
+                f"plan {path} records a run that cannot be planned ({exc}); edit or re-plan it"
+            ) from None
+    return RecordedRun(values, path)
 
 
 def needs_plan_file(plan):

@@ -2,8 +2,9 @@
 settings type.
 
 Built once, from ``oases plan``'s flags (:meth:`PlanSettings.from_args`) or from a plan file's
-recorded run merged with the flags (:meth:`PlanSettings.from_plan`: ``--evaluate``, and the
-runtime's plan-versus-run warning, which compares it with Megatron's flags), and passed down whole
+recorded run merged with the flags (:meth:`PlanSettings.from_plan`, ``--evaluate``; the recorded
+run itself is read by :func:`~megatron_oases.formats.plan.recorded_run`, which the runtime's
+plan-versus-run warning reads too, without the planner), and passed down whole
 to :func:`.api.make_plan`, :func:`.choose.choose_plan`, :func:`.prediction.predict` and
 :func:`.build.build_problem`; a :class:`~.problem.ChainProblem` hands it back as
 ``problem.settings``. The checks that need no profile live in ``__post_init__``, one line each
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import OasesConfigError
-from ..formats.plan import parse_degrees, parse_pins
-from ..recompute_settings import RECOMPUTE_MODES, SELECTIVE_MODES
+from ..formats.plan import PLAN_KEYS, parse_degrees, parse_pins, recompute_mode, recorded_run
+from ..recompute_settings import SELECTIVE_MODES
 from ..validation import (
     check_schedule,
     check_schedule_recompute,
@@ -62,22 +63,6 @@ FLAGS = {
     "max_switches": "--max-switches",
     "host_us_per_call": "--host-us-per-call",
 }
-#: The run's fields a plan file records, each with its key there (:meth:`PlanSettings.from_plan`).
-PLAN_KEYS = {
-    "global_batch_size": "global_batch_size",
-    "micro_batch_size": "micro_batch_size",
-    "schedule": "schedule",
-    "recompute": "recompute",
-    "recompute_layers": "recompute_num_layers",
-    "split": "split",
-    "sequence_parallel": "sequence_parallel",
-    "distributed_optimizer": "distributed_optimizer",
-    "data_parallel_sharding": "data_parallel_sharding",
-    "memory_gb": "memory_gb",
-    "tensor_model_parallel_size": "tensor_model_parallel_size",
-    "data_parallel_size": "data_parallel_size",
-    "pipeline_model_parallel_size": "pipeline_model_parallel_size",
-}
 #: The fields whose flag, where given, wins over the plan's value (the others agree with it).
 _FLAG_FIRST = ("global_batch_size", "micro_batch_size", "memory_gb")
 #: The flags that cannot contradict a plan under ``--evaluate``, in the order they are checked.
@@ -92,21 +77,6 @@ _AGREE = (
     "distributed_optimizer",
     "data_parallel_sharding",
 )
-
-
-def recompute_mode(value, source="recompute"):
-    """``value`` as one of :data:`RECOMPUTE_MODES`. Booleans are the older form (plans written
-    before selective recomputation was planned, ``recompute=True`` callers): True is ``full``,
-    False ``none``; None is the default, ``full``."""
-    if value is None or value is True:
-        return "full"
-    if value is False:
-        return "none"
-    if value in RECOMPUTE_MODES:
-        return value
-    raise OasesConfigError(
-        f"{source}: unknown recompute setting {value!r}; choose one of {', '.join(RECOMPUTE_MODES)}"
-    )
 
 
 def recompute_label(value, recompute_num_layers=None):
@@ -283,20 +253,21 @@ class PlanSettings:
     def from_plan(cls, plan, args=None, path="plan"):
         """The run ``plan`` (a plan file's dict, at ``path``) was made for, merged with ``args``
         (``oases plan``'s flags, or any object with some of their attribute names; None: no
-        flags, the runtime's reading): each field the plan's where it records one, else the
-        flag's (or the default); batch sizes and memory the flags' first (where both are given
+        flags): the plan's recorded run (:func:`~megatron_oases.formats.plan.recorded_run`, which
+        the runtime reads alone) merged with them: each field the plan's where it records one,
+        else the flag's (or the default); batch sizes and memory the flags' first (where both are given
         they agree), margin and host cost the flags'. A flag that contradicts what the plan
         records is one line naming both (a prediction of another run would be a silent wrong
         answer). ``sources`` names the plan's key or the flag of each value, for messages and for
         :meth:`recorded`. Without flags, a plan whose recorded run cannot be planned is one line
         naming the file."""
         given = _given_flags(args)
-        _check_flags_agree(plan, given, path)
+        run = recorded_run(plan, path)  # the plan's half: formats/plan.py, the runtime's reader
+        _check_flags_agree(plan, run, given, path)
         values, sources = {}, {}
-        for name, key in PLAN_KEYS.items():
-            recorded = key in plan if name == "recompute_layers" else plan.get(key) is not None
-            if recorded and not (name in _FLAG_FIRST and name in given):
-                values[name], sources[name] = plan[key], f"plan {path}'s {key}"
+        for name in PLAN_KEYS:
+            if run.recorded(name) and not (name in _FLAG_FIRST and name in given):
+                values[name], sources[name] = getattr(run, name), run.source(name)
             elif name in given:
                 values[name], sources[name] = given[name][0], _flag_of(name, given)
         for name in ("margin", "host_us_per_call"):
@@ -366,17 +337,15 @@ def _flag_of(name, given):
     return given[name][1].split(" ")[0] if name == "recompute" else FLAGS[name]
 
 
-def _check_flags_agree(plan, given, path):
-    """No flag the user passed contradicts what the plan records."""
+def _check_flags_agree(plan, run, given, path):
+    """No flag the user passed contradicts what the plan records (``run``: its
+    :func:`~megatron_oases.formats.plan.recorded_run`)."""
     for name in _AGREE:
         key = PLAN_KEYS[name]
-        # a null recompute_num_layers is a setting (every layer); other nulls: not recorded
-        recorded = key in plan if key == "recompute_num_layers" else plan.get(key) is not None
-        if name not in given or not recorded:
+        if name not in given or not run.recorded(name):
             continue
         value, flag = given[name]
-        theirs = recompute_mode(plan[key], str(path)) if key == "recompute" else plan[key]
-        if theirs != value:
+        if getattr(run, name) != value:
             raise OasesConfigError(
                 f"{flag} contradicts plan {path}, made for {key} {json.dumps(plan[key])}; drop "
                 f"the flag to evaluate the plan as made, or re-plan with {flag}"

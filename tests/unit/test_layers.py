@@ -2,7 +2,9 @@
 
 Every module of the package must sit on a row (a file or a folder named in the first column),
 no import, lazy ones inside functions included, may name a module of a row above its own, and no
-chain of imports (lazy ones included) may lead from a module back to itself, within a row too."""
+chain of imports (lazy ones included) may lead from a module back to itself, within a row too; nor,
+with each folder of the package one node (a top-level module its own), from a folder back to
+itself."""
 
 import ast
 import re
@@ -136,6 +138,57 @@ def test_no_import_circle():
     assert circle is None, "import circle:\n" + "\n".join(
         f"{a}:{graph[a][b]} -> {b}" for a, b in zip(circle, circle[1:])
     )
+
+
+def room_of(rel):
+    """The folder-level node of module ``rel``: its folder of the package
+    (``megatron_oases/planner/``) or, for a top-level module, the module itself."""
+    parts = rel.split("/")
+    return rel if len(parts) == 2 else "/".join(parts[:2]) + "/"
+
+
+def folder_graph(graph):
+    """``graph`` (``{module: {imported module: line}}``) between folders: ``{room: {room: one
+    import that joins them, as "file:line -> file"}}``; imports inside one folder left out."""
+    rooms = {}
+    for a, targets in graph.items():
+        for b, line in targets.items():
+            if room_of(a) != room_of(b):
+                rooms.setdefault(room_of(a), {}).setdefault(room_of(b), f"{a}:{line} -> {b}")
+    return rooms
+
+
+def test_no_import_circle_between_folders():
+    """The rows may place two modules of one folder at different heights (the planner's core
+    sat below config.py, its command and cluster search above compare/): every file import ran
+    down its rows while config.py -> planner/ -> compare/ -> config.py closed a circle between
+    folders. With each folder one node (each top-level module its own), the graph has none."""
+    graph = {p.relative_to(ROOT).as_posix(): imports_of(p) for p in sorted(PKG.rglob("*.py"))}
+    rooms = folder_graph(graph)
+    circle = import_circle(rooms)
+    assert circle is None, "import circle between folders:\n" + "\n".join(
+        rooms[a][b] for a, b in zip(circle, circle[1:])
+    )
+
+
+def test_the_folder_graph_joins_folders_not_files():
+    """The check itself: files of one folder are one node; a top-level module is its own."""
+    graph = {
+        "megatron_oases/config.py": {"megatron_oases/planner/settings.py": 3},
+        "megatron_oases/planner/cli.py": {"megatron_oases/compare/session.py": 5},
+        "megatron_oases/planner/settings.py": {"megatron_oases/planner/api.py": 1},
+        "megatron_oases/compare/session.py": {"megatron_oases/config.py": 7},
+    }
+    rooms = folder_graph(graph)
+    joined = "megatron_oases/planner/cli.py:5 -> megatron_oases/compare/session.py"
+    assert rooms["megatron_oases/planner/"] == {"megatron_oases/compare/": joined}
+    assert import_circle(graph) is None  # no file-level circle ...
+    assert import_circle(rooms) == [  # ... but one between folders
+        "megatron_oases/compare/",
+        "megatron_oases/config.py",
+        "megatron_oases/planner/",
+        "megatron_oases/compare/",
+    ]
 
 
 def test_the_circle_check_finds_a_circle():

@@ -7,9 +7,9 @@ import copy
 import pytest
 
 from megatron_oases import device_model
-from megatron_oases.planner.cluster.search import model_for_search
 from megatron_oases.profiler import analytic, layer_math
 from megatron_oases.profiler.model_config import read_model_file
+from megatron_oases.search.search import model_for_search
 from megatron_oases.testbed.clusters import load_cluster
 
 

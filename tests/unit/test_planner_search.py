@@ -1,4 +1,4 @@
-"""``oases plan --gpus N``: the DP x TP x PP search (:mod:`megatron_oases.planner.cluster.search`)."""
+"""``oases plan --gpus N``: the DP x TP x PP search (:mod:`megatron_oases.search.search`)."""
 
 import json
 import os
@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from megatron_oases.planner.cluster.search import (
+from megatron_oases.profiler.model_config import read_model_file
+from megatron_oases.search.search import (
     Layout,
     layouts,
     model_for_search,
     search,
     why_first,
 )
-from megatron_oases.profiler.model_config import read_model_file
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_bad_search_flags_are_one_line(extra, message, capsys):
 
 
 def test_spearman_ranks_with_ties():
-    from megatron_oases.planner.cluster.verify import spearman
+    from megatron_oases.search.verify import spearman
 
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
@@ -120,7 +120,7 @@ def test_spearman_ranks_with_ties():
 def test_the_chosen_layout_is_the_lowest_predicted_whatever_order_the_rows_ran_in():
     """verify_search runs every other repeat in reverse order: the chosen layout is the search's
     pick (lowest predicted), not the first row run (it was, and printed 571 % for 3.7 %)."""
-    from megatron_oases.planner.cluster.verify import summarize
+    from megatron_oases.search.verify import summarize
 
     rows = [
         {"name": "chosen", "predicted_s": 1.0, "measured_s": 1.037},
@@ -142,8 +142,8 @@ def test_a_plan_with_layers_below_tp_runs_with_its_file(tmp_path, degrees, needs
     line carry ``--oases-plan`` (they did only where the degrees differed between layers, so the
     grid measured stock TP2 PP2 against the prediction for degree 1: +45 %)."""
     from megatron_oases.formats.plan import uniform_plan
-    from megatron_oases.planner.cluster.cli import run_with_line
-    from megatron_oases.planner.cluster.verify import candidate_flags
+    from megatron_oases.search.cli import run_with_line
+    from megatron_oases.search.verify import candidate_flags
 
     plan = dict(uniform_plan(4, 2, schedule="off"), degrees=degrees)
     plan["launch_flags"] = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"
@@ -160,7 +160,7 @@ def test_a_plan_with_layers_below_tp_runs_with_its_file(tmp_path, degrees, needs
 def test_a_run_is_dilated_for_the_layer_shape_it_computes():
     """D of a verify run follows the layer a rank computes: every layer at 1 under TP2 with
     micro-batch 2 is a full-width layer of one sample (D of TP1 mb1, not of TP2 mb2)."""
-    from megatron_oases.planner.cluster.verify import layer_shape
+    from megatron_oases.search.verify import layer_shape
 
     layout = {"tp": 2, "micro_batch": 2}
     assert layer_shape(layout) == (2, 2)
@@ -170,7 +170,7 @@ def test_a_run_is_dilated_for_the_layer_shape_it_computes():
 
 
 def test_stage_splits_are_the_ones_megatron_takes():
-    from megatron_oases.planner.cluster.stage_split import split_flags, stage_splits
+    from megatron_oases.search.stage_split import split_flags, stage_splits
 
     assert stage_splits(4, 2) == [(1, 0, 3), (2, 0, 2), (3, 0, 1)]
     for first, middle, last in stage_splits(10, 4):
@@ -206,8 +206,8 @@ def test_pipeline_sends_are_costed_on_the_link_between_stages(gpt7b):
     analytic profile fits that send on the link between rank 0 and rank TP x DP."""
     from megatron_oases.formats.profile import Profile
     from megatron_oases.planner.api import make_plan
-    from megatron_oases.planner.cluster.search import _profile
     from megatron_oases.planner.settings import PlanSettings
+    from megatron_oases.search.search import _profile
 
     within = _profile(gpt7b, Layout(2, 2, 1, 1), "rtx3090-pcie")  # stages on one node
     across = _profile(gpt7b, Layout(4, 2, 1, 1), "rtx3090-pcie")  # 4 GPUs per node: across
@@ -258,7 +258,7 @@ def test_the_cpu_wait_share_is_compares_run_queue_time_over_the_iteration():
     """The grid's correction for the 2-CPU host: the ranks' mean run-queue wait (what ``oases
     compare`` reports as run-queue ms, run_metrics' ``runq_us``) ÷ the iteration, each rank's
     beside it; taken off the measured time as that share; nothing where a trace has no record."""
-    from megatron_oases.planner.cluster.verify import less_run_queue, run_queue_share
+    from megatron_oases.search.verify import less_run_queue, run_queue_share
     from megatron_oases.viz.analysis import run_metrics
 
     traces = [_rank_trace(0, 1000.0, 100.0), _rank_trace(1, 1000.0, 300.0)]
@@ -286,7 +286,7 @@ def _grid_rows():
 
 
 def test_the_grid_targets_on_either_figure():
-    from megatron_oases.planner.cluster.verify import grid_targets, spearman
+    from megatron_oases.search.verify import grid_targets, spearman
 
     rows = _grid_rows()
     raw = grid_targets(rows, "measured_s")

@@ -11,10 +11,10 @@ from helpers.variants import h2048_profile
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.planner.api import make_plan
 from megatron_oases.planner.build import build_problem
-from megatron_oases.planner.cli import build_parser
 from megatron_oases.planner.evaluate import evaluated_run
 from megatron_oases.planner.prediction import predict
 from megatron_oases.planner.settings import PlanSettings
+from megatron_oases.search.plan_cli import build_parser
 from megatron_oases.validation import plan_differences, samples_per_group
 
 TIMES = ("solve_time_s", "build_time_s")

@@ -13,13 +13,13 @@ from megatron_oases.formats.profile import Profile
 from megatron_oases.planner import sharding
 from megatron_oases.planner.api import NoPlanFits, make_plan
 from megatron_oases.planner.build import build_problem
-from megatron_oases.planner.cluster.search import Layout, model_for_search, search, verdict
 from megatron_oases.planner.host_model import host_time, sharding_calls
 from megatron_oases.planner.memory_model import memory_parts
 from megatron_oases.planner.settings import PlanSettings
 from megatron_oases.planner.time_model import decompose, evaluate, objective
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.profiler.model_config import read_model_file
+from megatron_oases.search.search import Layout, model_for_search, search, verdict
 
 H, LAYERS, VOCAB, GBS, DP = 2048, 23, 8192, 32, 8
 #: 23 layers (prime: one pipeline stage on 8 GPUs), a small vocabulary, untied (FSDP2 needs it)

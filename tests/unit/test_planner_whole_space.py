@@ -1,5 +1,5 @@
 """The cluster search covers what a Megatron user has (the distributed optimizer, TP = 1 layouts)
-and names the best stock layout beside the best Oases one (:mod:`megatron_oases.planner.cluster.search`).
+and names the best stock layout beside the best Oases one (:mod:`megatron_oases.search.search`).
 """
 
 import json
@@ -9,11 +9,11 @@ import pytest
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.formats.profile import Profile
 from megatron_oases.planner.api import make_plan
-from megatron_oases.planner.cluster import search as search_mod
-from megatron_oases.planner.cluster.search import is_oases, model_for_search, search, verdict
 from megatron_oases.planner.settings import PlanSettings
 from megatron_oases.profiler.analytic import analytic_profile
 from megatron_oases.profiler.model_config import read_model_file
+from megatron_oases.search import search as search_mod
+from megatron_oases.search.search import is_oases, model_for_search, search, verdict
 
 GBS = 32
 

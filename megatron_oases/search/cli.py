@@ -4,8 +4,8 @@
 import json
 import sys
 
-from ...errors import OasesConfigError
-from ...outputs import check_output_file, make_parent
+from ..errors import OasesConfigError
+from ..outputs import check_output_file, make_parent
 
 #: The most GPUs ``--gpus`` takes: far beyond today's clusters (the layouts searched grow with it).
 MAX_GPUS = 1 << 16
@@ -66,7 +66,7 @@ def add_search_flags(p):
 def run_with_line(plan, out=None):
     """``run with: FLAGS``, plus ``--oases-plan`` where a layer runs below the layout's TP (the
     runtime reads those degrees from the plan file; the flags alone would run stock)."""
-    from ...formats.plan import needs_plan_file
+    from ..formats.plan import needs_plan_file
 
     hint = ""
     if needs_plan_file(plan):
@@ -81,7 +81,7 @@ def fsdp2_notes(result):
     rows = [result["candidates"][0], result.get("best_stock")]
     if not any(r and r.get("data_parallel_sharding") == "torch_fsdp2" for r in rows):
         return []
-    from ...compat import fsdp2_checkpoint_gap
+    from ..compat import fsdp2_checkpoint_gap
 
     gap = fsdp2_checkpoint_gap()
     return [f"torch FSDP2 trains here, but {gap}"] if gap else []
@@ -89,8 +89,8 @@ def fsdp2_notes(result):
 
 def search_main(args):
     """``--gpus N``: the cluster-wide search (:mod:`.search`)."""
-    from ...formats.plan import save_plan
-    from ...profiler.model_config import read_model_file, set_overrides
+    from ..formats.plan import save_plan
+    from ..profiler.model_config import read_model_file, set_overrides
     from .search import model_for_search, search, table, verdict, why_first
 
     given = [f for f, v in (("--profile", args.profile), ("--evaluate", args.evaluate)) if v]
@@ -116,7 +116,7 @@ def search_main(args):
              if v]  # fmt: skip
     if fixed:
         raise OasesConfigError(f"--gpus chooses {', '.join(fixed)} itself; drop them")
-    from ...testbed.clusters import load_cluster
+    from ..testbed.clusters import load_cluster
 
     load_cluster(args.cluster)  # a bad name: one line before the model is validated
     flat = {**read_model_file(args.model), **set_overrides(args.set)}  # the model --verify-top runs

@@ -1,8 +1,8 @@
 """Uneven pipeline stage splits (``--decoder-first-pipeline-num-layers`` /
 ``--decoder-last-pipeline-num-layers``) for ``oases plan --gpus``.
 
-The chain model (:mod:`.build`) costs one stage of ``num_layers / P`` layers and charges it both
-ends of the model (embedding, output layer and loss), which is exact for P = 1 and the even
+The chain model (:mod:`..planner.build`) costs one stage of ``num_layers / P`` layers and charges
+it both ends of the model (embedding, output layer and loss), which is exact for P = 1 and the even
 split's bottleneck otherwise. Here each stage gets only its own end: the first the embedding, the
 last the output layer and loss, so moving layers off the last stage (a large vocabulary) or off
 the first (which holds P micro-batches of activations in 1F1B) can shorten the iteration or fit
@@ -16,10 +16,10 @@ The stage-to-stage sends are in every stage's time (the chain model's ``pipeline
 import functools
 from dataclasses import replace
 
-from ...errors import OasesConfigError
-from ..api import host_term
-from ..build import build_problem
-from ..time_model import evaluate
+from ..errors import OasesConfigError
+from ..planner.api import host_term
+from ..planner.build import build_problem
+from ..planner.time_model import evaluate
 
 
 def stage_splits(total_layers, pp, spread=None):

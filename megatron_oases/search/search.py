@@ -17,8 +17,8 @@ replaced by a reduce-scatter and a parameter all-gather), and TP = 1 layouts run
 only (nothing to overlap). Stock Megatron at every layout and recompute setting is ranked too:
 the result names the best stock layout (uniform degree, ``off``) beside the best Oases one
 (an overlapped schedule or per-layer degrees) and their ratio, so a cluster where stock wins says
-so. Sharded data parallelism too (:mod:`..sharding`): every layout with DP > 1 is costed with
-torch FSDP2 and each Megatron-FSDP strategy as stock settings, and with FSDP2 under the split
+so. Sharded data parallelism too (:mod:`..planner.sharding`): every layout with DP > 1 is costed
+with torch FSDP2 and each Megatron-FSDP strategy as stock settings, and with FSDP2 under the split
 schedules (where Megatron and the runtime run them: FSDP2 without PP and for untied embeddings;
 Megatron-FSDP stock only), each at its layout's uniform TP. See ``docs/planner.md`` ("Searching
 the cluster").
@@ -29,14 +29,14 @@ import dataclasses
 import time
 from dataclasses import replace
 
-from ...errors import OasesConfigError
-from ..api import make_plan
-from ..choose import SETTINGS, choose_plan, setting_name
-from ..settings import AUTO, PlanSettings
-from ..sharding import STRATEGIES as SHARDINGS
-from ..sharding import label as sharding_label
-from ..sharding import launch_flags as sharding_flags
-from ..sharding import strategies_for
+from ..errors import OasesConfigError
+from ..planner.api import make_plan
+from ..planner.choose import SETTINGS, choose_plan, setting_name
+from ..planner.settings import AUTO, PlanSettings
+from ..planner.sharding import STRATEGIES as SHARDINGS
+from ..planner.sharding import label as sharding_label
+from ..planner.sharding import launch_flags as sharding_flags
+from ..planner.sharding import strategies_for
 from .stage_split import best_split
 
 #: Level one's settings: (schedule, recompute).
@@ -77,7 +77,7 @@ class Layout:
 def model_for_search(flat, global_batch_size, overrides=None):
     """Megatron's args of a model file's model, validated as one rank (TP = PP = DP = micro-batch
     = 1): the file's own parallel sizes are a layout the search replaces, not a constraint."""
-    from ...profiler.model_config import model_args
+    from ..profiler.model_config import model_args
 
     single = dict(
         tensor_model_parallel_size=1,
@@ -97,7 +97,7 @@ def model_for_search(flat, global_batch_size, overrides=None):
 
 def layouts(args, gpus, global_batch_size, gpus_per_node):
     """Every :class:`Layout` of ``gpus`` GPUs Megatron can run for ``args``' model."""
-    from ...profiler.analytic import candidate_degrees
+    from ..profiler.analytic import candidate_degrees
 
     tps = [t for t in candidate_degrees(args, min(gpus, gpus_per_node)) if gpus % t == 0]
     out = []
@@ -121,8 +121,8 @@ def layouts(args, gpus, global_batch_size, gpus_per_node):
 
 
 def _profile(args, layout, cluster):
-    from ...formats.profile import Profile
-    from ...profiler.analytic import analytic_profile
+    from ..formats.profile import Profile
+    from ..profiler.analytic import analytic_profile
 
     args = copy.copy(args)
     args.tensor_model_parallel_size = layout.tp
@@ -144,7 +144,7 @@ def _optimizers(layout):
 
 
 def _shardings(layout, untied):
-    """The sharding strategies the layout can run stock (:func:`..sharding.strategies_for`);
+    """The sharding strategies the layout can run stock (:func:`..planner.sharding.strategies_for`);
     which of them run under the split schedules: :func:`_runs`."""
     return strategies_for(layout.dp, layout.pp, untied)
 
@@ -192,7 +192,7 @@ def _row(layout, plan):
 def _flags(layout, setting, common):
     """A candidate's launch line: the layout's flags and its setting's (``setting``: a plan or a
     ranking row)."""
-    from ..choose import launch_flags
+    from ..planner.choose import launch_flags
 
     own = launch_flags(
         setting["schedule"],
@@ -212,7 +212,7 @@ def _uniform(
 ):
     """The layout's row for one setting at its uniform degree (None where it does not fit);
     ``optimizer``: the distributed optimizer; ``sharding``: a sharding strategy (None: none);
-    ``common``: the search's settings (:class:`~..settings.PlanSettings`)."""
+    ``common``: the search's settings (:class:`~..planner.settings.PlanSettings`)."""
     try:
         setting = replace(
             common,
@@ -365,7 +365,7 @@ def search(
     with ``launch_flags`` that include the layout. ``sharding``: True, every sharding strategy
     (FSDP) where it runs; False, none (for comparison); or the names of those to try (e.g.
     ``("torch_fsdp2",)`` for runs on CPU ranks, where Megatron-FSDP does not run)."""
-    from ...testbed.clusters import load_cluster
+    from ..testbed.clusters import load_cluster
 
     t0 = time.perf_counter()
     spec = load_cluster(cluster)

@@ -13,9 +13,9 @@ a measurement on GPUs.
 
 import os
 
-from ...errors import OasesConfigError
-from ...validation import samples_per_group
-from ..sharding import STRATEGIES
+from ..errors import OasesConfigError
+from ..planner.sharding import STRATEGIES
+from ..validation import samples_per_group
 
 #: What the emulated grid (``benchmarks/planner/verify_search.py``) is held to: each candidate
 #: within 15 % of its prediction, Spearman over the search's top 5 ≥ 0.9, the chosen candidate
@@ -83,7 +83,7 @@ def less_run_queue(measured_s, share):
 def candidate_flags(cand, plan, out_dir):
     """A candidate's launch flags as run: its launch line, plus ``--oases-plan`` (the plan written
     into ``out_dir``) where a layer runs below the layout's TP: the line alone would run stock."""
-    from ...formats.plan import needs_plan_file, save_plan
+    from ..formats.plan import needs_plan_file, save_plan
 
     flags = cand["launch_flags"].split()
     if plan is not None and needs_plan_file(plan):
@@ -107,12 +107,12 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
     """Run ``result``'s first ``k`` candidates (:func:`.search.search`); returns
     ``{'rows': [...], 'spearman', 'dilation', 'best_measured', 'chosen_gap'}`` and adds
     ``measured_s`` to each run candidate."""
-    from ...compare.runner import run_variant
-    from ...compare.variants import Variant
-    from ...config import EmulatedLink
-    from ...profiler.model_config import model_argv
-    from ...testbed.clusters import load_cluster
-    from ...testbed.emulator import dilation_env, emulation_info
+    from ..compare.runner import run_variant
+    from ..compare.variants import Variant
+    from ..config import EmulatedLink
+    from ..profiler.model_config import model_argv
+    from ..testbed.clusters import load_cluster
+    from ..testbed.emulator import dilation_env, emulation_info
 
     if k < 1:
         raise OasesConfigError("--verify-top must be ≥ 1")

@@ -18,12 +18,12 @@ import sys
 from ..errors import OasesConfigError
 from ..formats.plan import DATA_PARALLEL_SHARDINGS
 from ..outputs import check_output_file, make_parent
+from ..planner.ilp import DEFAULT_TIME_LIMIT_S
+from ..planner.problem import DEFAULT_MARGIN
+from ..planner.settings import AUTO, PlanSettings, recompute_label
 from ..recompute_settings import RECOMPUTE_MODES
 from ..validation import SCHEDULES, SPLITS
-from .cluster.cli import add_search_flags
-from .ilp import DEFAULT_TIME_LIMIT_S
-from .problem import DEFAULT_MARGIN
-from .settings import AUTO, PlanSettings, recompute_label
+from .cli import add_search_flags
 
 #: The longest ``--time-limit`` (a day): a bound, not a suggestion.
 MAX_TIME_LIMIT_S = 86400.0
@@ -220,11 +220,11 @@ def _add_output_flags(g):
 
 
 def _evaluate(args):
-    """``--evaluate PLAN``: print :func:`.evaluate.evaluate_plan`'s prediction."""
+    """``--evaluate PLAN``: print :func:`..planner.evaluate.evaluate_plan`'s prediction."""
     from ..formats.plan import load_plan
     from ..formats.profile import load_profile
-    from .evaluate import evaluate_plan
-    from .explain import compress_degrees, explanation_table, host_line
+    from ..planner.evaluate import evaluate_plan
+    from ..planner.explain import compress_degrees, explanation_table, host_line
 
     plan = load_plan(args.evaluate)
     out = evaluate_plan(plan, load_profile(args.profile), args, args.evaluate, args.profile)
@@ -272,7 +272,7 @@ def main(argv):
     args = build_parser().parse_args(argv)
     _check_solve_flags(args)
     if args.gpus is not None:
-        from .cluster.cli import search_main
+        from .cli import search_main
 
         return search_main(args)
     search_only = [f for f, v in (("--cluster", args.cluster), ("--model", args.model),
@@ -295,9 +295,9 @@ def main(argv):
         check_output_file(args.out, example="plan.json")
     settings = PlanSettings.from_args(args)
     from ..formats.plan import save_plan
-    from .api import PlannerVerificationError, make_plan
-    from .choose import alternatives_table, choose_plan
-    from .explain import explanation_table, summary
+    from ..planner.api import PlannerVerificationError, make_plan
+    from ..planner.choose import alternatives_table, choose_plan
+    from ..planner.explain import explanation_table, summary
 
     plan_with = choose_plan if settings.schedule == AUTO else make_plan
     try:
