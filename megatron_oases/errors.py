@@ -3,9 +3,30 @@ on a check (:class:`TrainingStopped`, exit 1), each printed as one line once per
 
 import os
 
+#: The longest error line printed (:func:`cut_line`): a line quoting a whole input value reached
+#: 106 kB. Values are quoted at most ``formats.MAX_QUOTED`` characters where they are quoted;
+#: this is the bound on the whole line, whatever it quotes.
+MAX_LINE_CHARS = 2000
+
+
+def cut_line(text, limit=MAX_LINE_CHARS):
+    """``text`` on one line of at most about ``limit`` characters: a longer one keeps its start
+    (what is wrong) and its end (the fix) and says how much was cut between them."""
+    text = " ".join(str(text).splitlines()) if "\n" in str(text) else str(text)
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]} [... {len(text) - head - tail} characters cut ...] {text[-tail:]}"
+
 
 class OasesConfigError(ValueError):
-    """A configuration the user can fix; the message names the fix."""
+    """A configuration the user can fix; the message names the fix. Its text is one line of at
+    most :data:`MAX_LINE_CHARS` (:func:`cut_line`), however long the values it quotes."""
+
+    def __init__(self, *args):
+        if len(args) == 1 and isinstance(args[0], str):
+            args = (cut_line(args[0]),)
+        super().__init__(*args)
 
 
 class TrainingStopped(Exception):

@@ -7,12 +7,14 @@ Every input file of the package (these two, cluster profiles, model configs) is 
 :func:`read_json` or :func:`read_yaml`: one bounded reader (:func:`read_bytes`) that refuses, in
 one :class:`OasesConfigError` line naming the file, what is missing, not a regular file
 (``/dev/zero``, a pipe), larger than :data:`MAX_INPUT_BYTES`, binary or malformed; each format's
-own validator then checks the values. Plans and profiles are written by :func:`write_atomic`.
+own validator then checks the values by the one numeric rule (:func:`number_fault`, bounds in
+:data:`RANGES`). Plans and profiles are written by :func:`write_atomic`.
 """
 
 import json
 import math
 import os
+import reprlib
 import stat
 
 from ..errors import OasesConfigError
@@ -80,6 +82,8 @@ def read_json(path, what, fix):
         raise _refuse(
             what, path, f"is not valid JSON ({exc.msg} at line {exc.lineno})", fix
         ) from None
+    except ValueError:  # an integer of more digits than Python converts (4300)
+        raise _refuse(what, path, "holds a number too large for any field", fix) from None
     except RecursionError:
         raise _refuse(what, path, "is not valid JSON (nested too deeply)", fix) from None
 
@@ -107,6 +111,10 @@ def read_yaml(path, what, fix=None):
         raise _refuse(
             what, path, "is not valid YAML (nested too deeply)", fix or "fix the file"
         ) from None
+    except ValueError:  # an integer of more digits than Python converts (4300)
+        raise _refuse(
+            what, path, "holds a number too large for any field", fix or "fix the file"
+        ) from None
 
 
 def is_number(x):
@@ -115,8 +123,112 @@ def is_number(x):
 
 
 def is_finite(x):
-    """A number that is neither NaN nor infinite (JSON and YAML can spell both)."""
-    return is_number(x) and math.isfinite(x)
+    """A number that is neither NaN nor infinite (JSON and YAML can spell both) and that a float
+    can hold: an integer such as ``10**400`` is not (``math.isfinite`` on it raised
+    ``OverflowError``, a traceback per rank for a plan's ``memory_gb``)."""
+    if not is_number(x):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
+#: The one numeric rule's plausible ranges, per kind of value in an input file (plan, profile,
+#: cluster profile): ``kind: (low, high, unit)``, both ends included (``low`` 0 for a value that
+#: may be 0). Generous — far beyond any real device — they only catch what no machine is, and
+#: would plan in silence with absurd numbers (``sustained_tflops: 1e-300`` planned 300-digit
+#: iteration times):
+#:
+#: * ``tflops``: a GPU's dense rate, 1 GFLOP/s to 1 EFLOP/s (today's: 10 to 5000).
+#: * ``bandwidth_gbs``: a link's or memory's bandwidth, 1 MB/s to 1 PB/s (today's: 1 to 10000).
+#: * ``latency_us``: a link's per-step latency, up to one second.
+#: * ``host_us``: host time per aten call, up to one second (as ``--host-us-per-call``).
+#: * ``memory_gb``: a device's memory budget, above 0 up to 100000 GB (as ``--memory``).
+#: * ``fraction``: a memory margin, 0 to 10 (1000 %, as ``--margin``).
+#: * ``seconds``: a profiled time (one layer, one collective), up to 10^6 s (11 days).
+#: * ``s_per_byte``: a fit's time per byte, up to 1 ms per byte (1 kB/s).
+#: * ``bytes``: a profiled size or count (bytes, parameters, samples), up to 10^18.
+RANGES = {
+    "tflops": (1e-3, 1e6, "TFLOPS"),
+    "bandwidth_gbs": (1e-3, 1e6, "GB/s"),
+    "latency_us": (0, 1e6, "us"),
+    "host_us": (0, 1e6, "us"),
+    "memory_gb": (0, 1e5, "GB"),
+    "fraction": (0, 10, ""),
+    "seconds": (0, 1e6, "s"),
+    "s_per_byte": (0, 1e-3, "s/byte"),
+    "bytes": (0, 1e18, ""),
+}
+
+
+def number_fault(value, kind=None, positive=False):
+    """The one numeric rule of every input file: None when ``value`` is a number (not a
+    ``bool``) that a float holds, finite, above 0 where ``positive``, and inside ``kind``'s
+    :data:`RANGES` (no bound without ``kind``); else what it must be, for the format's one
+    line: ``must be {fault}, got ...``."""
+    low, high, unit = RANGES[kind] if kind else (None, None, "")
+    positive = positive or bool(low)
+    what = "a finite positive number" if positive else "a finite number"
+    if low:
+        what += f" from {low:g} to {high:g}"
+    elif high is not None:
+        what += f" of at most {high:g}" if positive else f" >= 0 and at most {high:g}"
+    what += f" {unit}" if unit else ""
+    ok = is_finite(value) and not (positive and value <= 0)
+    if ok and low is not None:
+        ok = low <= value <= high
+    return None if ok else what
+
+
+#: The one rule's bounds for counts, per kind: ``kind: (low, high)``, generous as :data:`RANGES`.
+#:
+#: * ``size``: a model dimension, layer count, parallel size or batch (up to 2^31 - 1).
+#: * ``gpus_per_node``: up to 4096.
+#: * ``sms``: streaming multiprocessors a collective takes (an H100 has 132), up to 1024.
+#: * ``dtype_bytes``: bytes per element, 1 to 8.
+COUNTS = {
+    "size": (1, 2**31 - 1),
+    "gpus_per_node": (1, 4096),
+    "sms": (1, 1024),
+    "dtype_bytes": (1, 8),
+}
+
+
+def count_fault(value, kind="size"):
+    """The one rule for a count: an integer (not a ``bool``) inside ``kind``'s :data:`COUNTS`;
+    None, or what it must be."""
+    low, high = COUNTS[kind]
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return None
+    return (
+        f"a positive integer of at most {high}" if low == 1 else f"an integer from {low} to {high}"
+    )
+
+
+#: The longest quoted value an error line shows (:func:`quote`): one line reached 106 kB.
+MAX_QUOTED = 200
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxdict = 3, 8, 8
+_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = MAX_QUOTED
+
+
+def quote(value):
+    """``repr(value)`` for an error line, at most :data:`MAX_QUOTED` characters (bounded for any
+    value: a YAML alias can nest a list a billion deep, an integer can have 4000 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        try:
+            text = str(value)
+        except ValueError:  # beyond Python's limit of digits for str()
+            return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+        return f"{text[:8]}... ({len(text.lstrip('-'))} digits)"
+    try:
+        text = _QUOTE.repr(value)
+    except (ValueError, RecursionError):
+        text = f"<{type(value).__name__}>"
+    if len(text) > MAX_QUOTED:
+        text = text[: MAX_QUOTED - 3] + "..."
+    return text
 
 
 def write_atomic(path, text, what):

@@ -30,7 +30,7 @@ from ..validation import (
     check_schedule_recompute,
     check_whole_layer_recompute,
 )
-from . import is_finite, read_json, write_atomic
+from . import count_fault, number_fault, quote, read_json, write_atomic
 from .profile import sha256_of
 
 PLAN_VERSION = 1
@@ -175,10 +175,10 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
     split = plan.get("split")
     if split is not None and split not in SPLITS:
         _fail(source, f"split must be one of {', '.join(SPLITS)}, got {split!r}")
-    for key in _COUNTS:
+    for key in _COUNTS:  # the formats' one rule for counts and numbers
         v = plan.get(key)
-        if v is not None and (not _is_int(v) or v < 1):
-            _fail(source, f"{key} must be a positive integer or null, got {v!r}")
+        if v is not None and count_fault(v):
+            _fail(source, f"{key} must be {count_fault(v)} or null, got {quote(v)}")
     for key in ("sequence_parallel", "allow_unsplit", "distributed_optimizer"):
         v = plan.get(key)
         if v is not None and not isinstance(v, bool):
@@ -190,11 +190,10 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
             f"data_parallel_sharding must be null or one of {', '.join(DATA_PARALLEL_SHARDINGS)}, "
             f"got {sharding!r}",
         )
-    for key, positive in (("memory_gb", True), ("memory_margin", False)):
-        v = plan.get(key)
-        if v is not None and not (is_finite(v) and (v > 0 if positive else v >= 0)):
-            kind = "a finite positive number" if positive else "a finite number >= 0"
-            _fail(source, f"{key} must be {kind} or null, got {v!r}")
+    for key, kind, positive in (("memory_gb", "memory_gb", True), ("memory_margin", "fraction", 0)):
+        fault = plan.get(key) is not None and number_fault(plan[key], kind, positive)
+        if fault:
+            _fail(source, f"{key} must be {fault} or null, got {quote(plan[key])}")
     if plan.get("profile") is not None and not isinstance(plan["profile"], str):
         _fail(source, f"profile must be a path or null, got {plan['profile']!r}")
     if plan.get("predicted") is not None and not isinstance(plan["predicted"], dict):

@@ -57,10 +57,18 @@ to ``d2 > d1`` all-gathers over ranks ``0, d1, 2·d1, …`` (``d2/d1`` of them).
 import bisect
 import hashlib
 import json
-import math
 
 from ..errors import OasesConfigError
-from . import is_finite, read_json, write_atomic
+from . import (
+    RANGES,
+    count_fault,
+    is_finite,
+    is_number,
+    number_fault,
+    quote,
+    read_json,
+    write_atomic,
+)
 
 PROFILE_VERSION = 1
 PHASES = ("forward_s", "recompute_s", "backward_s")
@@ -349,78 +357,86 @@ class Profile:
 
 def _number(x):
     """A finite number (JSON spells NaN and infinity too: a profile holding them planned
-    "peak memory inf GB" and negative iterations)."""
+    "peak memory inf GB" and negative iterations) that a float holds."""
     return is_finite(x)
 
 
 def _positive_int(x):
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+    return count_fault(x) is None
 
 
-def _points(x):
-    """``[[x, y], ...]``, non-empty, every value finite, ``x > 0`` (samples or bytes) and
-    ``y >= 0`` (seconds or bytes)."""
-    return (
-        isinstance(x, list)
-        and bool(x)
-        and all(
-            isinstance(p, list) and len(p) == 2 and all(map(_number, p)) and p[0] > 0 and p[1] >= 0
-            for p in x
-        )
+def _points_fault(x, xs, ys):
+    """None when ``x`` is ``[[x, y], ...]``, non-empty, every ``x`` positive (samples or bytes,
+    the one rule's kind ``bytes``) and every ``y`` of kind ``ys`` (seconds or bytes); else what it
+    must be."""
+    ok = isinstance(x, list) and bool(x)
+    ok = ok and all(
+        isinstance(p, list)
+        and len(p) == 2
+        and number_fault(p[0], "bytes", positive=True) is None
+        and number_fault(p[1], ys) is None
+        for p in x
     )
+    high = RANGES[ys][1]
+    return None if ok else f"a list of [{xs}, {ys}], {xs} > 0 and {ys} from 0 to {high:g}"
 
 
-def _numbers(value, path, bad):
-    """Every leaf of ``value`` a finite number >= 0 (``*source`` and ``link`` notes may be text);
-    the first other leaf's dotted path goes to ``bad``."""
+def _numbers(value, path, kind, bad):
+    """Every leaf of ``value`` a number of the one rule's ``kind`` (``*source`` and ``link``
+    notes may be text); the first other leaf's dotted path, value and fault go to ``bad``."""
     if isinstance(value, dict):
         for k, v in value.items():
             if isinstance(v, str) and (str(k).endswith("source") or k == "link"):
                 continue
-            _numbers(v, f"{path}.{k}", bad)
+            _numbers(v, f"{path}.{k}", kind, bad)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _numbers(v, f"{path}[{i}]", bad)
-    elif not (_number(value) and value >= 0) and not bad:
-        bad.append((path, value))
-
-
-#: What a time, byte or fit entry of a profile must be.
-_NON_NEGATIVE = "a number, finite and >= 0"
+            _numbers(v, f"{path}[{i}]", kind, bad)
+    elif not bad:
+        fault = number_fault(value, kind)
+        if fault:
+            bad.append((path, value, fault))
 
 
 def check_profile_types(d, where="profile"):
     """The profile format's validator: the types and ranges the planner reads, so that a
-    hand-edited or damaged profile is one line naming the entry (never a ``ValueError`` from deep
-    in the cost model, nor a plan made of NaN, infinite or negative times and bytes)."""
+    hand-edited or damaged profile is one line naming the entry (never a ``ValueError`` or
+    ``OverflowError`` from deep in the cost model, nor a plan made of NaN, infinite, negative or
+    absurd times and bytes). Every number follows the formats' one rule
+    (:func:`megatron_oases.formats.number_fault`: times ``seconds``, sizes ``bytes``, a fit's
+    slope ``s_per_byte``; counts :func:`~megatron_oases.formats.count_fault`)."""
 
     def fail(path, value, expected):
-        got = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise OasesConfigError(
-            f"{where}: {path} must be {expected}, got {got}; fix the entry or re-create the "
-            "profile with `oases profile`"
+            f"{where}: {path} must be {expected}, got {quote(value)}; fix the entry or re-create "
+            "the profile with `oases profile`"
         )
 
     if not isinstance(d["model"], dict):
         fail("model", d["model"], "a mapping of model settings")
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        if key in d["model"] and not _positive_int(d["model"][key]):
-            fail(f"model.{key}", d["model"][key], "a positive integer")
+        if key in d["model"] and count_fault(d["model"][key]):
+            fail(f"model.{key}", d["model"][key], count_fault(d["model"][key]))
     if "num_layers" not in d["model"]:
         raise OasesConfigError(f"{where}: missing key 'model.num_layers'")
     for key, value in d["model"].items():
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(f"model.{key}", value, "a finite number")
+        if is_number(value) and number_fault(value):
+            fail(f"model.{key}", value, number_fault(value))
     for key in (
         "tensor_model_parallel_size",
         "data_parallel_size",
         "pipeline_model_parallel_size",
         "dtype_bytes",
     ):
-        if key in d and not _positive_int(d[key]):
-            fail(key, d[key], "a positive integer")
-    if d.get("memory_gb") is not None and not (_number(d["memory_gb"]) and d["memory_gb"] > 0):
-        fail("memory_gb", d["memory_gb"], "a finite positive number or null")
+        fault = key in d and count_fault(d[key], "dtype_bytes" if key == "dtype_bytes" else "size")
+        if fault:
+            fail(key, d[key], fault)
+    if d.get("memory_gb") is not None and number_fault(d["memory_gb"], "memory_gb", True):
+        fail(
+            "memory_gb",
+            d["memory_gb"],
+            number_fault(d["memory_gb"], "memory_gb", True) + " or null",
+        )
     if d.get("cluster") is not None and not isinstance(d["cluster"], str):
         fail("cluster", d["cluster"], "a cluster profile's name or path, or null")
     if not isinstance(d.get("sequence_parallel", False), bool):
@@ -437,12 +453,9 @@ def check_profile_types(d, where="profile"):
             if not isinstance(phases, dict):
                 fail(f"compute.{block}.{deg}", phases, "a mapping phase -> points")
             for phase, pts in phases.items():
-                if not _points(pts):
-                    fail(
-                        f"compute.{block}.{deg}.{phase}",
-                        pts,
-                        "a list of [samples, seconds], finite, samples > 0 and seconds >= 0",
-                    )
+                fault = _points_fault(pts, "samples", "seconds")
+                if fault:
+                    fail(f"compute.{block}.{deg}.{phase}", pts, fault)
     for section in ("comm", "memory"):
         if not isinstance(d[section], dict):
             fail(section, d[section], "a mapping")
@@ -462,21 +475,23 @@ def check_profile_types(d, where="profile"):
             at = f"{where_fits}.{key}".lstrip(".")
             if not isinstance(fit, dict):
                 fail(at, fit, "a mapping with alpha_s and beta_s_per_byte")
-            for name in ("alpha_s", "beta_s_per_byte"):
-                value = fit.get(name)
-                if not (_number(value) and value >= 0):
-                    fail(f"{at}.{name}", value, _NON_NEGATIVE)
-            if "points" in fit and not _points(fit["points"]):
-                fail(f"{at}.points", fit["points"], "a list of [bytes, seconds], finite, >= 0")
-    numeric = {"memory": d["memory"], "fixed_compute": d.get("fixed_compute") or {}}
+            for name, kind in (("alpha_s", "seconds"), ("beta_s_per_byte", "s_per_byte")):
+                fault = number_fault(fit.get(name), kind)
+                if fault:
+                    fail(f"{at}.{name}", fit.get(name), fault)
+            fault = "points" in fit and _points_fault(fit["points"], "bytes", "seconds")
+            if fault:
+                fail(f"{at}.points", fit["points"], fault)
+    numeric = {"memory": (d["memory"], "bytes")}
+    numeric["fixed_compute"] = (d.get("fixed_compute") or {}, "seconds")
     if grad_sync is not None:
         for key in ("bytes_per_layer", "param_bytes_per_layer"):
-            numeric[f"grad_sync.{key}"] = grad_sync.get(key, {})
-    for section, value in numeric.items():
+            numeric[f"grad_sync.{key}"] = (grad_sync.get(key, {}), "bytes")
+    for section, (value, kind) in numeric.items():
         bad = []
-        _numbers(value, section, bad)
+        _numbers(value, section, kind, bad)
         if bad:
-            fail(bad[0][0], bad[0][1], _NON_NEGATIVE)
+            fail(*bad[0])
 
 
 def load_profile(path):

@@ -10,7 +10,6 @@ a list gives several values.
 
 import math
 import os
-import reprlib
 import shlex
 
 from .. import resources
@@ -52,16 +51,22 @@ def model_config_path(name_or_path):
 
 def check_flag_values(flags, source):
     """The model-config rule for flag values (``flags``: flag name -> value): a number, string,
-    true/false/null or a list of those; no NaN or infinity (YAML's ``.nan``, ``.inf``), which
-    Megatron's float flags would take as they are. One line naming ``source`` and the flag."""
+    true/false/null or a list of those; every number by the formats' one rule
+    (:func:`megatron_oases.formats.is_finite`): no NaN or infinity (YAML's ``.nan``,
+    ``.inf``), which Megatron's float flags would take as they are, nor an integer too large for
+    a float (``10**400``). One line naming ``source`` and the flag."""
+    from ..formats import is_finite, is_number, quote
+
     for key, value in flags.items():
         for v in value if isinstance(value, list) else [value]:
-            if isinstance(v, float) and not math.isfinite(v):
-                raise OasesConfigError(f"{source}: {key} is {v}; give a finite number")
+            if is_number(v) and not is_finite(v):
+                raise OasesConfigError(
+                    f"{source}: {key} is {quote(v)}; give a finite number (one a float holds)"
+                )
             if not (v is None or isinstance(v, (bool, int, float, str))):
                 raise OasesConfigError(
                     f"{source}: {key} must be a number, a string, true/false or a list of "
-                    f"those, got {type(v).__name__} {reprlib.repr(v)}"
+                    f"those, got {type(v).__name__} {quote(v)}"
                 )
 
 

@@ -6,7 +6,6 @@ intra-node group uses the intra-node (PCIe) link — a ring is as slow as its sl
 """
 
 import os
-import reprlib
 from dataclasses import dataclass, field
 
 from .. import resources
@@ -124,16 +123,18 @@ def load_cluster(name_or_path):
 
 def cluster_from_dict(raw, source="cluster profile"):
     """The cluster-profile format's one validator: a :class:`ClusterProfile` from the mapping
-    ``raw``, or one :class:`OasesConfigError` line naming ``source`` and the field. Rates,
-    bandwidths and memory are finite and positive, latencies and host costs finite and not
-    negative (a zero bandwidth divided by zero in every link time, a negative one gave negative
-    times that the planner and ``oases compare`` reported as they were)."""
+    ``raw``, or one :class:`OasesConfigError` line naming ``source`` and the field. Every number
+    follows the formats' one rule (:func:`megatron_oases.formats.number_fault`): finite, held by a
+    float, and inside its kind's plausible range — rates, bandwidths and memory positive,
+    latencies and host costs not negative (a zero bandwidth divided by zero in every link time, a
+    negative one gave negative times, ``sustained_tflops: 1e-300`` 300-digit iteration times,
+    ``10**400`` an ``OverflowError``)."""
     import difflib
-    import math
+
+    from ..formats import count_fault, number_fault, quote
 
     def fail(key, value, expected):
-        got = reprlib.repr(value)  # bounded: YAML aliases can nest a list a billion deep
-        raise OasesConfigError(f"{source}: {key} must be {expected}, got {got}; {_FIX}")
+        raise OasesConfigError(f"{source}: {key} must be {expected}, got {quote(value)}; {_FIX}")
 
     if not isinstance(raw, dict):
         raise OasesConfigError(f"{source}: a cluster profile must be a YAML mapping; {_FIX}")
@@ -142,21 +143,22 @@ def cluster_from_dict(raw, source="cluster profile"):
             near = difflib.get_close_matches(str(key), KEYS, n=1, cutoff=0.75)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise OasesConfigError(
-                f"{source}: unknown key {key!r}{hint}; the keys are {', '.join(KEYS)}"
+                f"{source}: unknown key {quote(key)}{hint}; the keys are {', '.join(KEYS)}"
             )
     missing = [k for k in REQUIRED if raw.get(k) is None]
     if missing:
         raise OasesConfigError(f"{source}: missing {', '.join(missing)}; {_FIX}")
 
-    def number(key, value, positive=True):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not ok or not math.isfinite(value) or value < 0 or (positive and value == 0):
-            fail(key, value, "a finite positive number" if positive else "a finite number >= 0")
+    def number(key, value, kind, positive=True):
+        fault = number_fault(value, kind, positive)
+        if fault:
+            fail(key, value, fault)
         return float(value)
 
-    def count(key, value):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            fail(key, value, "a positive integer")
+    def count(key, value, kind):
+        fault = count_fault(value, kind)
+        if fault:
+            fail(key, value, fault)
         return value
 
     def text(key, value):
@@ -169,37 +171,39 @@ def cluster_from_dict(raw, source="cluster profile"):
         if not isinstance(value, dict) or set(value) != {"bandwidth_gbs", "latency_us"}:
             fail(key, value, "a mapping {bandwidth_gbs: GB/s, latency_us: us}")
         return Link(
-            bandwidth_gbs=number(f"{key}.bandwidth_gbs", value["bandwidth_gbs"]),
-            latency_us=number(f"{key}.latency_us", value["latency_us"], positive=False),
+            bandwidth_gbs=number(f"{key}.bandwidth_gbs", value["bandwidth_gbs"], "bandwidth_gbs"),
+            latency_us=number(f"{key}.latency_us", value["latency_us"], "latency_us", False),
         )
 
-    gpus = count("gpus_per_node", raw["gpus_per_node"])
+    gpus = count("gpus_per_node", raw["gpus_per_node"], "gpus_per_node")
     pairs = raw.get("nvlink_pairs") or []
     if not isinstance(pairs, list) or not all(
         isinstance(p, list) and p and all(isinstance(r, int) and 0 <= r < gpus for r in p)
         for p in pairs
     ):
         fail("nvlink_pairs", pairs, f"a list of lists of local GPU indices (0..{gpus - 1})")
-    peak = number("peak_tflops", raw["peak_tflops"])
+    peak = number("peak_tflops", raw["peak_tflops"], "tflops")
     bandwidth = raw.get("memory_bandwidth_gbs")
     return ClusterProfile(
         name=text("name", raw["name"]),
         gpu=text("gpu", raw["gpu"]),
         peak_tflops=peak,
-        sustained_tflops=number("sustained_tflops", raw.get("sustained_tflops", peak)),
-        dtype_bytes=count("dtype_bytes", raw.get("dtype_bytes", 2)),
-        memory_gb=number("memory_gb", raw["memory_gb"]),
+        sustained_tflops=number("sustained_tflops", raw.get("sustained_tflops", peak), "tflops"),
+        dtype_bytes=count("dtype_bytes", raw.get("dtype_bytes", 2), "dtype_bytes"),
+        memory_gb=number("memory_gb", raw["memory_gb"], "memory_gb"),
         gpus_per_node=gpus,
         intra_node=link("intra_node"),
         inter_node=link("inter_node"),
         nvlink=link("nvlink") if raw.get("nvlink") is not None else None,
         nvlink_pairs=tuple(tuple(p) for p in pairs),
         dtype=text("dtype", raw.get("dtype", "fp16")),
-        comm_sms=count("comm_sms", raw.get("comm_sms", 2)),
+        comm_sms=count("comm_sms", raw.get("comm_sms", 2), "sms"),
         host_us_per_call=number(
-            "host_us_per_call", raw.get("host_us_per_call", 12.0), positive=False
+            "host_us_per_call", raw.get("host_us_per_call", 12.0), "host_us", positive=False
         ),
         memory_bandwidth_gbs=(
-            None if bandwidth is None else number("memory_bandwidth_gbs", bandwidth)
+            None
+            if bandwidth is None
+            else number("memory_bandwidth_gbs", bandwidth, "bandwidth_gbs")
         ),
     )

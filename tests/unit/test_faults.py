@@ -41,7 +41,7 @@ def _bad_profiles(profile, tmp_path):
         (
             "tp",
             ("tensor_model_parallel_size", "two"),
-            "tensor_model_parallel_size must be a " "positive integer, got 'two'",
+            "tensor_model_parallel_size must be a positive integer of at most 2147483647, got 'two'",
         ),
         ("degrees", ("degrees", "1,2"), "degrees must be a non-empty list of positive integers"),
         ("memory", ("memory", "lots"), "memory must be a mapping, got 'lots'"),
@@ -55,7 +55,7 @@ def _bad_profiles(profile, tmp_path):
     first = next(iter(bad["memory"]["state_bytes_per_layer"]))
     bad["memory"]["state_bytes_per_layer"][first] = "12GB"
     (tmp_path / "state.json").write_text(json.dumps(bad))
-    out[tmp_path / "state.json"] = f"memory.state_bytes_per_layer.{first} must be a number"
+    out[tmp_path / "state.json"] = f"memory.state_bytes_per_layer.{first} must be a finite number"
     bad = json.loads(json.dumps(data))
     bad["compute"]["mlp"][first]["forward_s"] = [[1, "fast"]]
     (tmp_path / "compute.json").write_text(json.dumps(bad))

@@ -1,0 +1,218 @@
+"""The limits of input and control files (issue 60): one numeric rule for every file format
+(``megatron_oases/formats/__init__.py``: finite, held by a float, inside a plausible range),
+error lines of bounded length, and every small control file read through the one bounded
+reader."""
+
+import copy
+import json
+import math
+
+import pytest
+import yaml
+
+from megatron_oases import resources
+from megatron_oases.cli import main as oases
+from megatron_oases.errors import MAX_LINE_CHARS, OasesConfigError
+from megatron_oases.formats import MAX_QUOTED, RANGES, number_fault, quote, read_json, read_yaml
+from megatron_oases.formats.plan import load_plan, uniform_plan
+from megatron_oases.formats.profile import Profile
+from megatron_oases.testbed.clusters import load_cluster
+
+HUGE = 10**400  # an integer no float holds: math.isfinite(HUGE) raises OverflowError
+
+
+def _one_line(capsys):
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def _cluster(tmp_path, edits, name="bad.yaml"):
+    """The packaged rtx3090-nvlink profile with ``edits`` ({"intra_node.bandwidth_gbs": 0}),
+    written as YAML (an integer of any size is written as its digits)."""
+    with open(resources.cluster_profile("rtx3090-nvlink")) as f:
+        raw = yaml.safe_load(f)
+    for dotted, value in edits.items():
+        node, *path = dotted.split(".")
+        if path:
+            raw[node][path[0]] = value
+        else:
+            raw[node] = value
+    out = tmp_path / name
+    out.write_text(yaml.safe_dump(raw))
+    return out
+
+
+@pytest.fixture(scope="module")
+def profile_data():
+    from helpers.variants import h2048_profile
+
+    return h2048_profile("rtx3090-pcie").data
+
+
+def _edited(data, dotted, value):
+    d = copy.deepcopy(data)
+    node = d
+    *path, last = dotted.split(".")
+    for key in path:
+        node = node[key]
+    node[last] = value
+    return d
+
+
+# ----------------------------------------------------------------- 60.2: one numeric rule
+def test_the_rule_holds_what_a_float_holds():
+    assert number_fault(HUGE) == "a finite number"
+    assert number_fault(-HUGE, "latency_us") is not None
+    assert number_fault(True) is not None and number_fault("1") is not None
+    assert number_fault(1e-300, "tflops") == "a finite positive number from 0.001 to 1e+06 TFLOPS"
+    assert number_fault(0, "latency_us") is None and number_fault(0, "memory_gb", True)
+    for low, high, _ in RANGES.values():
+        assert 0 <= low < high < math.inf
+
+
+@pytest.mark.parametrize(
+    "dotted, fault",
+    [
+        ("memory.overhead_bytes", "memory.overhead_bytes must be a finite number >= 0"),
+        ("memory_gb", "memory_gb must be a finite positive number of at most 100000 GB"),
+        ("model.ffn_hidden_size", "model.ffn_hidden_size must be a finite number"),
+        ("model.hidden_size", "model.hidden_size must be a positive integer of at most"),
+    ],
+)
+def test_a_profile_integer_too_large_for_a_float_is_one_line(profile_data, dotted, fault):
+    """``memory.overhead_bytes: 10**400`` ended in ``OverflowError: int too large to convert to
+    float`` from ``math.isfinite``."""
+    with pytest.raises(OasesConfigError) as err:
+        Profile(_edited(profile_data, dotted, HUGE), path="p.json")
+    assert f"p.json: {fault}" in str(err.value) and "(401 digits)" in str(err.value)
+
+
+def test_oases_plan_on_a_profile_with_a_huge_integer_is_one_line(profile_data, tmp_path, capsys):
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(_edited(profile_data, "memory.overhead_bytes", HUGE)))
+    argv = ["plan", "--profile", str(path), "--global-batch-size", "8", "--memory", "24"]
+    assert oases(argv + ["--out", str(tmp_path / "plan.json")]) == 2
+    line = _one_line(capsys)
+    assert line.startswith(f"oases plan: error: {path}: memory.overhead_bytes must be a finite")
+    assert len(line) < 400
+
+
+@pytest.mark.parametrize(
+    "dotted, value, message",
+    [
+        ("compute.mlp.1.forward_s", [[1, 1e300]], "must be a list of [samples, seconds]"),
+        ("memory.overhead_bytes", 1e30, "must be a finite number >= 0 and at most 1e+18"),
+        ("fixed_compute.forward_s_per_sample", 1e9, "and at most 1e+06 s"),
+    ],
+)
+def test_implausible_profile_values_are_refused(profile_data, dotted, value, message):
+    if dotted.startswith("fixed_compute") and "fixed_compute" not in profile_data:
+        profile_data = dict(profile_data, fixed_compute={"forward_s_per_sample": 0.0})
+    with pytest.raises(OasesConfigError) as err:
+        Profile(_edited(profile_data, dotted, value), path="p.json")
+    assert str(err.value).startswith(f"p.json: {dotted} must be") and message in str(err.value)
+    fits = profile_data["comm"]["all_reduce"]
+    key = next(iter(fits))
+    with pytest.raises(OasesConfigError, match="beta_s_per_byte must be a finite number >= 0"):
+        Profile(_edited(profile_data, f"comm.all_reduce.{key}.beta_s_per_byte", 1.0), "p.json")
+
+
+def test_a_plan_memory_gb_too_large_for_a_float_is_one_line(tmp_path):
+    """``memory_gb: 10**400`` in a plan: an ``OverflowError`` traceback on every rank."""
+    for key, value, fault in (
+        ("memory_gb", HUGE, "memory_gb must be a finite positive number of at most 100000 GB"),
+        ("memory_margin", HUGE, "memory_margin must be a finite number >= 0 and at most 10"),
+        ("global_batch_size", HUGE, "global_batch_size must be a positive integer of at most"),
+    ):
+        plan = uniform_plan(4, 2)
+        plan[key] = value
+        path = tmp_path / "plan.json"
+        path.write_text(json.dumps(plan))
+        with pytest.raises(OasesConfigError) as err:
+            load_plan(str(path))
+        assert f"{path}: {fault}" in str(err.value) and "(401 digits)" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key, value, fault",
+    [
+        ("intra_node.bandwidth_gbs", HUGE, "a finite positive number from 0.001 to 1e+06 GB/s"),
+        ("sustained_tflops", 1e-300, "a finite positive number from 0.001 to 1e+06 TFLOPS"),
+        ("peak_tflops", 1e9, "a finite positive number from 0.001 to 1e+06 TFLOPS"),
+        ("nvlink.bandwidth_gbs", 1e-300, "a finite positive number from 0.001 to 1e+06 GB/s"),
+        ("inter_node.latency_us", 1e12, "a finite number >= 0 and at most 1e+06 us"),
+        ("memory_gb", 1e9, "a finite positive number of at most 100000 GB"),
+        ("memory_bandwidth_gbs", 1e-12, "a finite positive number from 0.001 to 1e+06 GB/s"),
+        ("host_us_per_call", HUGE, "a finite number >= 0 and at most 1e+06 us"),
+        ("comm_sms", 10**9, "a positive integer of at most 1024"),
+        ("gpus_per_node", HUGE, "a positive integer of at most 4096"),
+        ("dtype_bytes", 64, "a positive integer of at most 8"),
+    ],
+)
+def test_cluster_values_are_finite_and_plausible(tmp_path, key, value, fault):
+    """``bandwidth_gbs: 10**400``: ``OverflowError``; ``sustained_tflops: 1e-300``: plans with
+    300-digit iteration times."""
+    path = _cluster(tmp_path, {key: value})
+    with pytest.raises(OasesConfigError) as err:
+        load_cluster(str(path))
+    assert f"cluster profile {path}: {key} must be {fault}, got " in str(err.value)
+    assert len(str(err.value)) < 400
+
+
+def test_packaged_clusters_are_inside_the_rule():
+    for name in resources.available_clusters():
+        load_cluster(name)
+
+
+def test_a_model_config_integer_too_large_for_a_float_is_one_line(tmp_path):
+    from megatron_oases.megatron_lm.configs import load_model_config
+
+    project = tmp_path / "project.yaml"
+    project.write_text(f"model: {{num-layers: 2, hidden-size: 64, lr: {HUGE}}}\n")
+    with pytest.raises(OasesConfigError, match=rf"{project}: model: lr is 10000000\.\.\. \(401"):
+        load_model_config(str(project))
+
+
+def test_a_number_beyond_pythons_digit_limit_is_one_line(tmp_path):
+    """An integer of more than 4300 digits: a ``ValueError`` from the JSON and YAML parsers."""
+    path = tmp_path / "plan.json"
+    path.write_text('{"memory_gb": ' + "9" * 5000 + "}")
+    with pytest.raises(OasesConfigError, match="holds a number too large for any field"):
+        read_json(str(path), "plan file", "fix it")
+    path = tmp_path / "c.yaml"
+    path.write_text("memory_gb: " + "9" * 5000 + "\n")
+    with pytest.raises(OasesConfigError, match="holds a number too large for any field"):
+        read_yaml(str(path), "cluster profile")
+
+
+# ------------------------------------------------------------- 60.2: bounded error lines
+def test_quoted_values_are_bounded():
+    for value in ("x" * 10**6, [list(range(10**4))] * 10**3, HUGE, 10**10000, {"k" * 10**5: 1}):
+        assert len(quote(value)) <= MAX_QUOTED
+
+
+def test_an_error_line_is_cut_keeping_its_start_and_its_fix():
+    exc = OasesConfigError("plan p.json: schedule " + "x" * 106_000 + "; choose one of off, oases")
+    text = str(exc)
+    assert len(text) <= MAX_LINE_CHARS + 50 and "\n" not in text
+    assert text.startswith("plan p.json: schedule xxx")
+    assert text.endswith("; choose one of off, oases") and "characters cut" in text
+
+
+def test_a_cluster_key_of_100_kb_is_a_short_line(tmp_path, capsys):
+    """One error line reached 106 kB: a mistyped key (or value) was quoted whole."""
+    path = _cluster(tmp_path, {"k" * 106_000: 1})
+    assert oases(["calibrate", "--profile", str(path)]) == 2
+    line = _one_line(capsys)
+    assert "unknown key 'kkkk" in line and len(line) < 1000
+
+
+def test_a_plan_with_a_100_kb_value_is_a_short_line(tmp_path):
+    plan = uniform_plan(4, 2)
+    plan["schedule"] = "s" * 106_000
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(OasesConfigError) as err:
+        load_plan(str(path))
+    assert len(str(err.value)) <= MAX_LINE_CHARS + 50
