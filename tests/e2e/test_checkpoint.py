@@ -1,8 +1,12 @@
 """Megatron's own checkpoints (``--save/--load``, torch_dist) under the Oases schedules, in
-Megatron-LM's loop: exact resume across schedules and TP layouts, a different model refused with
-one line, an interrupted save that leaves the previous checkpoint loadable, NaN stopping the run."""
+Megatron-LM's loop: exact resume across schedules and TP layouts, the distributed optimizer's
+resume bit for bit at the right Adam step, a different model refused with one line, an interrupted
+save that leaves the previous checkpoint loadable, NaN stopping the run. Every resume is compared
+over two iterations after the load: the first depends only on the loaded parameters, the second on
+the loaded optimizer state too."""
 
 import os
+import re
 
 import pytest
 from helpers import GPT, NO_DROP, RECOMPUTE
@@ -15,8 +19,9 @@ TP2 = "--tensor-model-parallel-size 2 "
 
 
 def _round_trip_worker(base, ckpt):
-    """Iterations 1-2 under one schedule (saved at 2 by --exit-interval), 3 after loading."""
-    out = {"reference": pretrain_and_capture(f"{base} {TP2} --train-iters 3 --oases-schedule off")}
+    """Iterations 1-2 under one schedule (saved at 2 by --exit-interval), 3-4 after loading (the
+    second of them depends on the loaded optimizer state too)."""
+    out = {"reference": pretrain_and_capture(f"{base} {TP2} --train-iters 4 --oases-schedule off")}
     for saver, loader, layout in (
         ("oases", "off", TP2),  # saved by a schedule, loaded by stock Megatron
         ("off", "cross-pass", TP2),  # saved by stock, loaded by a schedule
@@ -24,11 +29,11 @@ def _round_trip_worker(base, ckpt):
     ):
         path = os.path.join(ckpt, f"{saver}-{loader}")
         save = pretrain_and_capture(
-            f"{base} {TP2} --train-iters 3 --exit-interval 2 --save {path} "
+            f"{base} {TP2} --train-iters 4 --exit-interval 2 --save {path} "
             f"--oases-schedule {saver}"
         )
         load = pretrain_and_capture(
-            f"{base} {layout} --train-iters 3 --load {path} --oases-schedule {loader}"
+            f"{base} {layout} --train-iters 4 --load {path} --oases-schedule {loader}"
         )
         out[f"{saver}->{loader}"] = {"save": save, "load": load, "files": sorted(os.listdir(path))}
     return out
@@ -38,38 +43,84 @@ def _round_trip_worker(base, ckpt):
 def test_resume_across_schedules_and_layouts(tmp_path):
     res = run_distributed(_round_trip_worker, 2, BASE, str(tmp_path), timeout=560)[-1]
     ref = res.pop("reference")["losses"]
-    assert len(ref) == 3
+    assert len(ref) == 4
     for name, r in res.items():
         assert r["save"]["exit_code"] == 0 and r["save"]["losses"] == ref[:2], name
         assert "latest_checkpointed_iteration.txt" in r["files"] and "iter_0000002" in r["files"]
-        assert len(r["load"]["losses"]) == 1, name  # resumed at iteration 3
+        assert len(r["load"]["losses"]) == 2, name  # resumed at iteration 3, then 4
         err = max_rel_diff(r["load"]["losses"], ref[2:])
-        print(f"{name}: next loss {r['load']['losses'][0]:.9f} vs {ref[2]:.9f} (rel {err:.1e})")
+        print(f"{name}: losses 3-4 {r['load']['losses']} vs {ref[2:]} (rel {err:.1e})")
         assert err < 1e-5, name
 
 
 def _distributed_optimizer_worker(base, ckpt):
-    """DP=2 with ``--use-distributed-optimizer`` (torch's Adam here: no Apex, no TE): saved at
-    iteration 2, resumed at 3."""
-    dp2 = f"{base} --tensor-model-parallel-size 1 --use-distributed-optimizer --train-iters 3"
+    """``--use-distributed-optimizer`` (torch's Adam here: no Apex, no TE): uninterrupted to
+    iteration 4, and saved at 2 by ``--exit-interval`` then resumed to 4; both save iteration 4
+    (``--save`` saves at the end)."""
+    run = f"{base} --use-distributed-optimizer --train-iters 4"
+    full, resumed = os.path.join(ckpt, "full"), os.path.join(ckpt, "resumed")
     return {
-        "reference": pretrain_and_capture(dp2),
-        "save": pretrain_and_capture(f"{dp2} --exit-interval 2 --save {ckpt}"),
-        "load": pretrain_and_capture(f"{dp2} --load {ckpt}"),
+        "full": pretrain_and_capture(f"{run} --save {full}"),
+        "save": pretrain_and_capture(f"{run} --exit-interval 2 --save {resumed}"),
+        "load": pretrain_and_capture(f"{run} --load {resumed} --save {resumed}"),
     }
 
 
-@pytest.mark.timeout(400)
-def test_distributed_optimizer_resumes(tmp_path):
+def _saved_adam_steps(iteration_dir):
+    """Every Adam ``step`` that a torch_dist checkpoint of the distributed optimizer holds: the
+    param groups of its ``optimizer.distributed.dp_group_idx_<i>.optimizer`` objects (one per
+    data-parallel group), read with torch's own checkpoint reader."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(iteration_dir))
+    names = list(reader.read_metadata().state_dict_metadata)
+    keys = [
+        k
+        for k in names
+        if re.fullmatch(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/.+", k)
+    ]
+    assert keys, names
+    objects = {k: io.BytesIO() for k in keys}
+    dcp.load(objects, storage_reader=reader, no_dist=True)
+    steps = []
+    for value in objects.values():
+        for state in value if isinstance(value, list) else [value]:
+            steps += [group["step"] for group in state["param_groups"]]
+    return steps
+
+
+#: (ranks, flags): stock TP1 x DP2, and a split schedule at TP2 x DP2.
+DISTOPT_RUNS = {
+    "off": (2, "--tensor-model-parallel-size 1 --oases-schedule off"),
+    "oases": (4, TP2 + "--oases-schedule oases"),
+}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedule", list(DISTOPT_RUNS))
+def test_distributed_optimizer_resumes_bit_for_bit_at_the_right_adam_step(tmp_path, schedule):
     """Without Apex/TE the load stopped on a bare ``AssertionError`` per rank after the model
     build (Megatron's ``DistributedOptimizer.state_dict``), then in fp32 on an in-place copy into
-    a leaf: the ``distopt-resume`` patch (megatron_oases/platform/distopt_resume.py)."""
-    r = run_distributed(_distributed_optimizer_worker, 2, BASE, str(tmp_path / "ck"), timeout=380)
-    r = r[-1]
-    ref = r["reference"]["losses"]
-    assert r["save"]["losses"] == ref[:2]
-    assert "distopt-resume" in r["load"]["installed"], r["load"]["installed"]
-    assert len(r["load"]["losses"]) == 1 and max_rel_diff(r["load"]["losses"], ref[2:]) < 1e-5
+    a leaf; once it ran, every parameter's state shared one Adam ``step``, reset to 0 and counted
+    once per parameter (the checkpoint of iteration 4 stored 36): iteration 3 equal, 4 not. The
+    ``distopt-resume`` patch (megatron_oases/platform/distopt_resume.py) fixes the three; two
+    iterations after the load are compared, bit for bit, and the saved steps."""
+    world, flags = DISTOPT_RUNS[schedule]
+    results = run_distributed(
+        _distributed_optimizer_worker, world, f"{BASE} {flags}", str(tmp_path), timeout=560
+    )
+    for rank, r in enumerate(results):
+        full, save, load = r["full"]["losses"], r["save"]["losses"], r["load"]["losses"]
+        assert "distopt-resume" in r["load"]["installed"], r["load"]["installed"]
+        assert ("oases-schedule" in r["load"]["installed"]) == (schedule != "off")
+        assert len(full) == 4 and save == full[:2], (rank, save, full)
+        # iterations 3 and 4 after the load: the second depends on Adam's state and step
+        assert len(load) == 2 and load == full[2:], (rank, load, full)
+    for run, iteration in (("full", 4), ("resumed", 2), ("resumed", 4)):
+        steps = _saved_adam_steps(tmp_path / run / f"iter_{iteration:07d}")
+        assert steps and set(steps) == {float(iteration)}, (run, iteration, steps)
 
 
 def _refuse_worker(base, ckpt):
@@ -156,8 +207,8 @@ def test_nan_loss_stops_the_run(tmp_path):
 
 def _plan_worker(base, ckpt, plan_a, plan_b):
     """A plan's checkpoint is a stock checkpoint: stock, TP=1 and another plan resume from it;
-    a stock checkpoint resumes under a plan."""
-    tp2 = f"{base} {TP2} --train-iters 3"
+    a stock checkpoint resumes under a plan. Saved at 2, two iterations after each load."""
+    tp2 = f"{base} {TP2} --train-iters 4"
     out = {"reference": pretrain_and_capture(f"{tp2} --oases-schedule off")["losses"]}
     saved = os.path.join(ckpt, "plan")
     out["save"] = pretrain_and_capture(
@@ -165,7 +216,7 @@ def _plan_worker(base, ckpt, plan_a, plan_b):
     )["losses"]
     for name, flags in (
         ("stock", f"{tp2} --oases-schedule off"),
-        ("tp1", f"{base} --tensor-model-parallel-size 1 --train-iters 3"),
+        ("tp1", f"{base} --tensor-model-parallel-size 1 --train-iters 4"),
         ("other-plan", f"{tp2} --oases-schedule overlap --oases-plan {plan_b}"),
     ):
         out[f"plan->{name}"] = pretrain_and_capture(f"{flags} --load {saved}")["losses"]
@@ -196,7 +247,8 @@ def test_per_layer_plan_checkpoints_are_stock_checkpoints(tmp_path):
     res = run_distributed(_plan_worker, 2, base, str(tmp_path), *plans, timeout=560)[-1]
     ref = res.pop("reference")
     assert max_rel_diff(res.pop("save"), ref[:2]) < 1e-5
+    assert len(ref) == 4
     for name, losses in res.items():
         err = max_rel_diff(losses, ref[2:])
-        print(f"{name}: next loss {losses[0]:.9f} vs {ref[2]:.9f} (rel {err:.1e})")
-        assert len(losses) == 1 and err < 1e-5, name
+        print(f"{name}: losses 3-4 {losses} vs {ref[2:]} (rel {err:.1e})")
+        assert len(losses) == 2 and err < 1e-5, name

@@ -385,12 +385,17 @@ def test_unwritable_trace_path_is_one_line_before_training(tmp_path):
     assert "Traceback" not in proc.stderr and not TRAINED.search(proc.stdout)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_torch_format_checkpoint_resumes(tmp_path):
     """``--ckpt-format torch`` (no metadata.json, one ``torch.save`` file per model-parallel
-    rank) was called "incomplete or damaged ... start without --load"; it resumes now."""
+    rank) was called "incomplete or damaged ... start without --load"; it resumes now, and
+    repeats the uninterrupted run's iterations 3 and 4 bit for bit (the second after the load
+    depends on the loaded optimizer state too)."""
     ckpt = str(tmp_path / "ckpt")
-    argv = "train --ckpt-format torch --num-workers 0 --train-iters 4 --save".split() + [ckpt]
+    argv = "train --ckpt-format torch --num-workers 0 --train-iters 4".split()
+    full = launch(argv + ["--log-json", str(tmp_path / "full.json")], nproc=1)
+    assert full.returncode == 0, full.stderr[-3000:]
+    argv += ["--save", ckpt]
     first = launch(argv + ["--exit-interval", "2"], nproc=1)
     assert first.returncode == 0, first.stderr[-3000:]
     assert os.listdir(os.path.join(ckpt, "iter_0000002")) == ["mp_rank_00"]
@@ -398,6 +403,8 @@ def test_torch_format_checkpoint_resumes(tmp_path):
     assert resumed.returncode == 0 and not errors(resumed), resumed.stderr[-3000:]
     with open(tmp_path / "b.json") as f:
         assert json.load(f)["lm loss"]["start_step"] == 3  # iterations 3 and 4, from the checkpoint
+    again, uninterrupted = losses(tmp_path / "b.json"), losses(tmp_path / "full.json")
+    assert len(uninterrupted) == 4 and again == uninterrupted[2:], (again, uninterrupted)
 
 
 def _children(pid):
