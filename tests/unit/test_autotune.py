@@ -1,8 +1,10 @@
 """``--oases-schedule auto`` without process groups: which candidates a command line allows, the
 one-line refusals, the trial's order, drops and choice, and the tuner's step loop on a fake
 ``train_step`` (a failed candidate dropped, its micro-batches and RNG state handed to the retry;
-a resumed choice kept), and ``--oases-retune-interval``'s re-timings (when, against whom, when
-they switch, their refusals). The multi-rank behaviour is ``tests/e2e/test_autotune_e2e.py``."""
+a resumed choice kept), ``--oases-retune-interval``'s re-timings (when, against whom, when
+they switch, their refusals), and the tuner's parts alone: ``train_step``'s call by name, the
+retry, the agreement over a fake world. The multi-rank behaviour is
+``tests/e2e/test_autotune_e2e.py``."""
 
 import argparse
 import types
@@ -576,3 +578,201 @@ def test_a_runner_up_failing_in_a_retiming_leaves_the_choice(megatron_args, caps
     out = capsys.readouterr().out
     assert "oases failed on rank(s) 0" in out
     assert "re-timed the best two at iteration 18 (0 steps, medians): overlap -, oases - " in out
+
+
+# ------------------------------------------- the tuner's parts: train_step's call, retry, agreement
+
+
+def test_a_step_call_replaces_arguments_by_name_and_keeps_the_calls_shape():
+    """``train_step``'s arguments are found by name through Megatron's signature, wherever
+    ``train()`` put them, and the call keeps its shape (``--oases-trace`` reads ``iteration`` from
+    the keywords)."""
+    from megatron_oases.tuning.step_retry import PARAMETERS, StepCall, train_step_signature
+
+    signature = train_step_signature()
+    assert set(PARAMETERS) <= set(signature.parameters)
+    fs, data, fb = object(), iter(()), object()
+    call = StepCall(signature, (fs, data, "m", "o", "s", "c", fb), {"iteration": 4})
+    assert call.get("data_iterator") is data and call.get("forward_backward_func") is fb
+    assert call.get("iteration") == 4 and call.get("pg_collection") is None
+    a, k = call.replaced(data_iterator="D", forward_backward_func="F")
+    assert a == (fs, "D", "m", "o", "s", "c", "F") and k == {"iteration": 4}
+    rest = dict(model="m", optimizer="o", opt_param_scheduler="s", config="c")
+    by_keyword = StepCall(
+        signature, (fs,), dict(rest, data_iterator=data, forward_backward_func=fb)
+    )
+    a, k = by_keyword.replaced(data_iterator="D")
+    assert a == (fs,) and k["data_iterator"] == "D" and k["forward_backward_func"] is fb
+    with pytest.raises(TypeError):  # a call Megatron's train_step would refuse too
+        StepCall(signature, (fs, data), {"no_such_argument": 1})
+
+
+def test_the_tuner_hands_train_step_its_call_as_train_made_it(megatron_args):
+    """Through the trial and after it: ``iteration`` stays a keyword, the rest positional."""
+    selection = Selection()
+    step = FakeStep(selection)
+    seen = []
+
+    def real(*a, **k):
+        seen.append((len(a), sorted(k)))
+        return step(*a, **k)
+
+    tuner = runtime.Tuner(AutoTune(candidates=(A, B), budget=8, train_iters=20), selection)
+    data = iter(range(1000))
+    for i in range(10):
+        tuner.train_step(real, step.args(data), {"iteration": i})
+    assert tuner.fixed is not None  # 8 trial steps, then 2 after the choice
+    assert seen == [(7, ["iteration"])] * 10
+
+
+def test_a_retried_step_replays_its_micro_batches_and_random_state(megatron_args):
+    """:class:`StepRetry` alone: the failed attempt's micro-batches come first in the next
+    attempt (an iterator, or a list of them: one per model chunk), the RNG is back, a failure
+    outside the forward-backward is told apart from one inside."""
+    from megatron_oases.tuning.step_retry import StepCall, StepRetry, train_step_signature
+
+    chunks = [iter(range(0, 100)), iter(range(100, 200))]
+    args = (None, chunks, None, None, None, None, lambda data_iterator: data_iterator)
+    retry = StepRetry(StepCall(train_step_signature(), args, {}))
+    a, _ = retry.attempt()
+    first = [next(a[1][0]), next(a[1][0]), next(a[1][1])]
+    draw = torch.rand(3)
+    assert not retry.failed_inside
+    retry.undo()
+    a, _ = retry.attempt()
+    again = [next(a[1][0]), next(a[1][0]), next(a[1][1]), next(a[1][1])]
+    assert again == first + [101] and torch.equal(torch.rand(3), draw)
+
+    def failing(data_iterator):
+        raise RuntimeError("out of memory")
+
+    retry = StepRetry(StepCall(train_step_signature(), args[:6] + (failing,), {}))
+    a, k = retry.attempt()
+    with pytest.raises(RuntimeError):
+        a[6](data_iterator=a[1])
+    assert retry.failed_inside
+    retry.attempt()
+    assert not retry.failed_inside  # noted per attempt
+
+
+def test_the_agreement_decodes_the_worlds_max():
+    """One rank's values and their MAX over the world: the slowest time, whether any and whether
+    every rank failed, whether all ran the same candidate."""
+    from megatron_oases.tuning.agreement import decode, encode
+
+    def world(*ranks):
+        return decode(torch.tensor([encode(*r) for r in ranks]).max(dim=0).values.tolist())
+
+    assert world((0.5, None, 2), (0.75, None, 2)) == (0.75, False, False, True)
+    assert world((0.5, "oom", 2), (0.75, None, 2))[1:3] == (True, False)
+    assert world((0.5, "oom", 2), (0.75, "oom", 2))[1:3] == (True, True)
+    assert world((0.5, None, 1), (0.5, None, 2))[3] is False
+    assert world((0.5, None, 0), (0.5, None, 0))[3] is True
+
+
+class FakeWorld:
+    """``torch.distributed``'s all-reduce as the agreement calls it, with one other rank whose
+    values are ``other`` (:func:`encode`'s); ``hangs``: the other rank never arrives."""
+
+    def __init__(self, monkeypatch, other, hangs=False):
+        import torch.distributed as dist
+
+        self.other, self.hangs, self.timeouts = other, hangs, []
+        monkeypatch.setattr(dist, "all_reduce", self.all_reduce)
+
+    def all_reduce(self, values, op=None, group=None, async_op=False):
+        world = self
+
+        class Work:
+            def wait(self, timeout=None):
+                world.timeouts.append(timeout)
+                if world.hangs:
+                    raise RuntimeError("timed out")
+                values.copy_(torch.maximum(values, torch.tensor(world.other, dtype=values.dtype)))
+
+        return Work()
+
+
+def test_the_agreement_stops_a_run_the_ranks_cannot_agree_on(monkeypatch):
+    from megatron_oases.errors import TrainingStopped
+    from megatron_oases.tuning.agreement import FAILED_WAIT_MIN_S, Agreement, encode, patience
+
+    alone = Agreement()  # no group: a rank agrees with itself
+    assert alone.agree(0.25, None, B, 1) == (0.25, False) and alone.slowest == 0.25
+    assert alone.agree(9.0, "oom", B, 1) == (9.0, True) and alone.slowest == 0.25
+    assert alone.reasons("oom") == [(0, "oom")]
+    agreement = Agreement()
+    agreement.group = object()  # a world of two, by FakeWorld
+    FakeWorld(monkeypatch, encode(0.5, None, 1))
+    assert agreement.agree(0.25, None, B, 1) == (0.5, False) and agreement.slowest == 0.5
+    FakeWorld(monkeypatch, encode(0.5, "oom", 1))
+    assert agreement.agree(0.0, "oom", B, 1) == (0.5, True)  # every rank failed: retried
+    with pytest.raises(TrainingStopped, match="overlap failed on some ranks and completed"):
+        agreement.agree(0.25, None, B, 1)
+    FakeWorld(monkeypatch, encode(0.5, None, 2))
+    with pytest.raises(RuntimeError, match="the ranks ran different candidates"):
+        agreement.agree(0.25, None, B, 1)
+    world = FakeWorld(monkeypatch, encode(0.5, None, 1), hangs=True)
+    with pytest.raises(TrainingStopped, match="overlap failed on rank 0 .*still inside"):
+        agreement.agree(0.0, "oom", B, 1)  # failed alone: waits, then stops
+    assert world.timeouts[0].total_seconds() == patience(0.5) == FAILED_WAIT_MIN_S
+    assert agreement.group is None  # abandoned, not destroyed (that would wait too)
+    assert patience(20.0) == 100.0  # five of the slowest steps where that is longer
+
+
+def test_train_step_is_bound_by_megatrons_names_under_a_wrapper_installed_before(
+    megatron_args, monkeypatch
+):
+    """``--log-json``'s wrapper, a test's, a user's: installed on ``train_step`` before the
+    tuner's, each forwards ``*args, **kwargs`` and names nothing it wraps; the install-time check
+    and the binding still see Megatron's parameters (read from Megatron's source)."""
+    import inspect
+
+    from megatron.training import training
+
+    from megatron_oases.errors import OasesConfigError
+    from megatron_oases.patching import Patch
+    from megatron_oases.tuning import step_retry
+
+    original = training.train_step
+
+    def train_step(forward_step_func, *a, **k):
+        return original(forward_step_func, *a, **k)
+
+    wrapper = Patch("test-wrapper", [(training, "train_step", train_step)])
+    step_retry.train_step_signature.cache_clear()
+    wrapper.install()
+    try:
+        step_retry.check_train_step()
+        signature = step_retry.train_step_signature()
+        assert list(signature.parameters) == list(inspect.signature(original).parameters)
+        selection = Selection()
+        step = FakeStep(selection)
+        tuner = runtime.Tuner(AutoTune(candidates=(A, B), budget=8, train_iters=20), selection)
+        drive(tuner, step, 1, iter(range(10)))  # binds under the wrapper
+        assert tuner.signature is signature and len(step.calls) == 1
+    finally:
+        wrapper.uninstall()
+    older = inspect.Signature([inspect.Parameter("data", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
+    monkeypatch.setattr(step_retry, "train_step_signature", lambda: older)
+    with pytest.raises(OasesConfigError, match="changed the signature \\(missing data_iterator, "):
+        step_retry.check_train_step()
+
+
+def test_a_signature_read_from_source_has_the_defs_names_and_kinds():
+    """What :func:`~megatron_oases.tuning.step_retry.train_step_signature` builds from a ``def``
+    is what Python's own signature of it would be (names, kinds, which have defaults)."""
+    import ast
+    import inspect
+
+    from megatron_oases.tuning.step_retry import _signature
+
+    source = "def f(a, /, b, c=1, *rest, d, e=2, **more): pass"
+    space = {}
+    exec(source, space)
+
+    def shape(signature):
+        return [(p.name, p.kind, p.default is p.empty) for p in signature.parameters.values()]
+
+    built = _signature(ast.parse(source).body[0].args)
+    assert shape(built) == shape(inspect.signature(space["f"]))
