@@ -23,6 +23,7 @@ import sys
 import time
 
 from .errors import OasesConfigError
+from .reading import MAX_CONTROL_BYTES, read_bytes
 
 
 def _nearest_existing(path):
@@ -97,12 +98,12 @@ LOCK_FILE = ".oases-lock"
 
 
 def _holder(path):
-    """Who holds the lock at ``path``, as its file names it (for the error line)."""
+    """Who holds the lock at ``path``, as its file names it (for the error line), read through
+    the one bounded reader."""
     try:
-        with open(path) as f:
-            h = json.load(f)
-        return f"pid {h['pid']} on {h['host']}, started {h['started']}"
-    except (OSError, ValueError, KeyError, TypeError):
+        h = json.loads(read_bytes(path, "run lock", limit=MAX_CONTROL_BYTES))
+        return f"pid {h['pid']} on {h['host']}, started {h['started']}"[:200]
+    except (OasesConfigError, ValueError, KeyError, TypeError):
         return "another process"
 
 
@@ -140,8 +141,21 @@ def _flock(path, directory, flag):
     """``path`` opened (created if missing) and locked for this process: the open file, or None
     where the file system has no locks; refused when another holds it."""
     import fcntl
+    import stat
 
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link (it could truncate another file), never blocking on a FIFO
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as exc:
+        raise OasesConfigError(
+            f"{flag} {directory}: cannot open its run lock {path} ({exc.strerror}); remove it "
+            f"(a run lock is a regular file), or choose another {flag} directory"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OasesConfigError(
+            f"{flag} {directory}: its run lock {path} is not a regular file; remove it, or "
+            f"choose another {flag} directory"
+        )
     f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -3,10 +3,13 @@
 * :mod:`.plan` — the per-layer TMP plan (``oases plan --out plan.json``, ``--oases-plan``).
 * :mod:`.profile` — the layer profile (``oases profile --out profile.json``, read by ``oases plan``).
 
-Every input file of the package (these two, cluster profiles, model configs) is read through
-:func:`read_json` or :func:`read_yaml`: one bounded reader (:func:`read_bytes`) that refuses, in
-one :class:`OasesConfigError` line naming the file, what is missing, not a regular file
-(``/dev/zero``, a pipe), larger than :data:`MAX_INPUT_BYTES`, binary or malformed; each format's
+Every input file of the package (these two, cluster profiles, model configs) and every small
+control file (the ``--load`` tracker, a run lock, a checkpoint's ``metadata.json``) is read
+through :func:`read_json`, :func:`read_yaml` or :func:`read_text`: one bounded reader
+(:func:`megatron_oases.reading.read_bytes`, at the bottom of the package so that
+:mod:`megatron_oases.outputs` reads its run lock through it too) that refuses, in one :class:`OasesConfigError` line naming the file, what is
+missing, not a regular file (``/dev/zero``, a pipe), larger than :data:`MAX_INPUT_BYTES` (a
+control file: :data:`MAX_CONTROL_BYTES`), binary or malformed; each format's
 own validator then checks the values by the one numeric rule (:func:`number_fault`, bounds in
 :data:`RANGES`). Plans and profiles are written by :func:`write_atomic`.
 """
@@ -18,74 +21,35 @@ import reprlib
 import stat
 
 from ..errors import OasesConfigError
-
-#: The most bytes an input file (plan, profile, cluster profile, model config) may have: the
-#: largest the package writes are a few MB; anything bigger is another file.
-MAX_INPUT_BYTES = 64 * 2**20
+from ..reading import MAX_CONTROL_BYTES, MAX_INPUT_BYTES, read_bytes, refusal  # noqa: F401
 
 
-def _refuse(what, path, problem, fix):
-    return OasesConfigError(f"{what} {path} {problem}" + (f"; {fix}" if fix else ""))
-
-
-def read_bytes(path, what, fix=None, kind="text"):
-    """The bytes of the regular file ``path`` (at most :data:`MAX_INPUT_BYTES`), or one
-    :class:`OasesConfigError` line naming ``what`` (``plan file``) and ``fix``: a missing or
-    unreadable path, a directory (not a ``kind`` file), a device or pipe, a larger file. Opened
-    without blocking (a FIFO without a writer must not hang the command) and checked on the open
-    file, then read to at most the cap plus one byte (a file that grows meanwhile is caught)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise _refuse(what, path, "not found", fix) from None
-    except OSError as exc:
-        raise _refuse(f"cannot read {what}", path, f"({exc.strerror})", fix) from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise _refuse(what, path, f"is a directory, not a {kind} file", fix)
-        raise _refuse(what, path, "is not a regular file (a device, pipe or socket)", fix)
-    too_big = f"is larger than {MAX_INPUT_BYTES // 2**20} MiB, the most a {what} may be"
-    if st.st_size > MAX_INPUT_BYTES:
-        os.close(fd)
-        raise _refuse(what, path, too_big, fix)
-    with os.fdopen(fd, "rb") as f:
-        try:
-            data = f.read(MAX_INPUT_BYTES + 1)
-        except OSError as exc:
-            raise _refuse(f"cannot read {what}", path, f"({exc.strerror})", fix) from None
-    if len(data) > MAX_INPUT_BYTES:
-        raise _refuse(what, path, too_big, fix)
-    return data
-
-
-def read_text(path, what, fix=None, kind="text"):
+def read_text(path, what, fix=None, kind="text", limit=MAX_INPUT_BYTES):
     """:func:`read_bytes` decoded as UTF-8; binary content (undecodable, or a NUL byte, which no
     text format here holds) is one line."""
-    data = read_bytes(path, what, fix, kind)
+    data = read_bytes(path, what, fix, kind, limit)
     try:
         if b"\0" in data:
             raise UnicodeError
         return data.decode("utf-8")
     except UnicodeError:
-        raise _refuse(what, path, "is not a text file (binary content)", fix) from None
+        raise refusal(what, path, "is not a text file (binary content)", fix) from None
 
 
-def read_json(path, what, fix):
+def read_json(path, what, fix, limit=MAX_INPUT_BYTES):
     """The JSON document in ``path`` (:func:`read_text`); malformed JSON is one
     :class:`OasesConfigError` line naming ``what`` (``plan file``), the line and ``fix``."""
-    text = read_text(path, what, fix, kind="JSON")
+    text = read_text(path, what, fix, kind="JSON", limit=limit)
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise _refuse(
+        raise refusal(
             what, path, f"is not valid JSON ({exc.msg} at line {exc.lineno})", fix
         ) from None
     except ValueError:  # an integer of more digits than Python converts (4300)
-        raise _refuse(what, path, "holds a number too large for any field", fix) from None
+        raise refusal(what, path, "holds a number too large for any field", fix) from None
     except RecursionError:
-        raise _refuse(what, path, "is not valid JSON (nested too deeply)", fix) from None
+        raise refusal(what, path, "is not valid JSON (nested too deeply)", fix) from None
 
 
 def read_yaml(path, what, fix=None):
@@ -104,15 +68,15 @@ def read_yaml(path, what, fix=None):
         if isinstance(exc, yaml.constructor.ConstructorError) and " tag " in problem:
             tag = problem.split(" tag ", 1)[1].strip("'").replace("tag:yaml.org,2002:", "!!")
             problem, where = f"tag {tag}{where} is not allowed: plain YAML, no Python objects", ""
-        raise _refuse(
+        raise refusal(
             what, path, f"is not valid YAML ({problem}{where})", fix or "fix the file"
         ) from None
     except RecursionError:
-        raise _refuse(
+        raise refusal(
             what, path, "is not valid YAML (nested too deeply)", fix or "fix the file"
         ) from None
     except ValueError:  # an integer of more digits than Python converts (4300)
-        raise _refuse(
+        raise refusal(
             what, path, "holds a number too large for any field", fix or "fix the file"
         ) from None
 

@@ -204,13 +204,14 @@ def _files_problem(path):
 
 
 def _backend(path):
-    """The ``sharded_backend`` that the checkpoint's ``metadata.json`` names (None: unreadable)."""
-    import json
+    """The ``sharded_backend`` that the checkpoint's ``metadata.json`` names (None: unreadable;
+    read through the one bounded reader: a FIFO or a device there is no backend)."""
+    from ..formats import MAX_CONTROL_BYTES, read_json
 
     try:
-        with open(os.path.join(path, "metadata.json")) as f:
-            return json.load(f).get("sharded_backend")
-    except (OSError, ValueError, AttributeError):
+        file = os.path.join(path, "metadata.json")
+        return read_json(file, "metadata", None, MAX_CONTROL_BYTES).get("sharded_backend")
+    except (OasesConfigError, AttributeError):
         return None
 
 
@@ -239,16 +240,13 @@ def _older(load_dir, but=None, ckpt_format=None):
 
 def check_tracker(load_dir, ckpt_format=None):
     """The tracker names a complete checkpoint; returns its iteration (None: ``release``).
-    ``ckpt_format``: the run's ``--ckpt-format`` (:func:`_complete`)."""
-    tracker = os.path.join(load_dir, TRACKER)
+    ``ckpt_format``: the run's ``--ckpt-format`` (:func:`_complete`). The tracker is read through
+    the one bounded reader (:func:`.safe_save.read_tracker`): not a regular file, oversized or
+    binary is one line."""
     try:
-        with open(tracker) as f:
-            text = f.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OasesConfigError(
-            f"--load {load_dir}: cannot read {TRACKER} ({exc}); "
-            f"{_older(load_dir, ckpt_format=ckpt_format)}"
-        ) from None
+        text = safe_save.read_tracker(load_dir, _older(load_dir, ckpt_format=ckpt_format))
+    except OasesConfigError as exc:
+        raise OasesConfigError(f"--load {load_dir}: {exc}") from None
     if text == "release":
         return None
     if not re.fullmatch(r"\d+", text):
@@ -403,7 +401,7 @@ def check_load(args):
     if not args.load:
         return
     safe_save.recover(args.load)
-    if not os.path.isfile(os.path.join(args.load, TRACKER)):
+    if not os.path.lexists(os.path.join(args.load, TRACKER)):  # a FIFO or link there: read
         check_nothing_to_load(args)
         return  # the --save directory of a run's first start: Megatron starts from scratch
     ckpt_format = getattr(args, "ckpt_format", None)
@@ -471,14 +469,13 @@ def check_load(args):
 
 
 def _plan_degrees(path):
-    """The per-layer degrees of the plan file ``path``, or None when it cannot be read."""
-    import json
+    """The per-layer degrees of the plan file ``path``, or None when it cannot be read (through
+    the one bounded reader)."""
+    from ..formats import read_json
 
     try:
-        with open(path) as f:
-            degrees = json.load(f)["degrees"]
-        return [int(d) for d in degrees]
-    except (OSError, ValueError, KeyError, TypeError):
+        return [int(d) for d in read_json(path, "plan file", None)["degrees"]]
+    except (OasesConfigError, ValueError, KeyError, TypeError):
         return None
 
 

@@ -26,7 +26,7 @@ import contextlib
 import os
 import shutil
 
-from ..errors import StoppedByAnotherRank, TrainingStopped
+from ..errors import OasesConfigError, StoppedByAnotherRank, TrainingStopped
 from ..patches import REGISTRY, Patch
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -254,9 +254,8 @@ def _failure_is_one_line(target, written, logged=()):
             raise
         save_dir = os.path.dirname(target)
         try:
-            with open(os.path.join(save_dir, TRACKER)) as f:
-                previous = f"the previous checkpoint (iteration {f.read().strip()}) is intact"
-        except OSError:
+            previous = f"the previous checkpoint (iteration {read_tracker(save_dir)}) is intact"
+        except OasesConfigError:
             previous = "no earlier checkpoint exists there"
         signalled = _cut_short_by_signal(exc, target, previous, logged)
         if signalled is not None:  # each rank that saw it (a rank that did not may be waiting)
@@ -424,14 +423,25 @@ def install(args):
         REGISTRY.install(make_patch())
 
 
+def read_tracker(directory, fix=None):
+    """The text of ``directory``'s tracker, stripped, read through the one bounded reader
+    (:func:`megatron_oases.formats.read_text`, at most ``MAX_CONTROL_BYTES``): a tracker that is
+    missing, not a regular file (a symlink to ``/dev/zero`` was read until ``MemoryError``, a
+    FIFO hung the job), oversized or binary is one :class:`OasesConfigError` line naming it and
+    ``fix``."""
+    from ..formats import MAX_CONTROL_BYTES, read_text
+
+    path = os.path.join(directory, TRACKER)
+    return read_text(path, "tracker", fix, limit=MAX_CONTROL_BYTES).strip()
+
+
 def recover(load_dir):
     """Undo a save that crashed between its two renames: the tracker's ``iter_N`` is missing but
-    ``iter_N.replaced`` (the previous complete checkpoint) is there. Returns True if it acted."""
-    tracker = os.path.join(load_dir, TRACKER)
+    ``iter_N.replaced`` (the previous complete checkpoint) is there. Returns True if it acted.
+    A tracker it cannot read is left to :func:`.checkpoint_check.check_tracker`'s line."""
     try:
-        with open(tracker) as f:
-            iteration = int(f.read().strip())
-    except (OSError, ValueError):
+        iteration = int(read_tracker(load_dir))
+    except (OasesConfigError, ValueError):
         return False
     target = os.path.join(load_dir, f"iter_{iteration:07d}")
     if os.path.isdir(target) or not os.path.isdir(target + REPLACED):

@@ -13,7 +13,7 @@ import os
 from ..errors import OasesConfigError
 from ..outputs import lock_dir
 from ..patching import REGISTRY, Patch
-from .safe_save import TRACKER
+from .safe_save import TRACKER, read_tracker
 
 PATCH_NAME = "save-dir-lock"
 
@@ -31,10 +31,9 @@ def check_not_overwriting(args, start_over):
         return
     if same_dir(getattr(args, "load", None), save) or start_over:
         return
-    try:
-        with open(os.path.join(save, TRACKER)) as f:
-            what = f"checkpoints up to iteration {f.read().strip()}"
-    except OSError:
+    try:  # through the one bounded reader
+        what = f"checkpoints up to iteration {read_tracker(save)[:20]}"
+    except OasesConfigError:
         what = "checkpoints"
     raise OasesConfigError(
         f"--save {save} holds {what} of another run; resume from them with --load {save}, "

@@ -216,3 +216,106 @@ def test_a_plan_with_a_100_kb_value_is_a_short_line(tmp_path):
     with pytest.raises(OasesConfigError) as err:
         load_plan(str(path))
     assert len(str(err.value)) <= MAX_LINE_CHARS + 50
+
+
+# ------------------------------------------- 60.3: control files through the bounded reader
+#: The address space a child process may map: a file read whole fails there with MemoryError
+#: instead of taking the host's memory (a tracker linked to /dev/zero took 3.1 GB).
+_CHILD_MEMORY = 4 * 2**30
+
+
+def _limited():
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (_CHILD_MEMORY, _CHILD_MEMORY))
+
+
+def _load_check_in_a_child(load_dir):
+    """``check_load`` (what every rank runs first for ``--load``: ``safe_save.recover``, then the
+    tracker) on ``load_dir`` in a child process with bounded memory and time: its line, or how it
+    failed (a FIFO hung the job, ``/dev/zero`` ended in ``MemoryError``)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import argparse, sys\n"
+        "from megatron_oases.errors import OasesConfigError\n"
+        "from megatron_oases.training import safe_save\n"
+        "from megatron_oases.training.checkpoint_check import check_load\n"
+        "assert safe_save.recover(sys.argv[1]) is False\n"
+        "try:\n"
+        "    check_load(argparse.Namespace(load=sys.argv[1], ckpt_format='torch_dist'))\n"
+        "except OasesConfigError as exc:\n"
+        "    print(exc)\n"
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(load_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            preexec_fn=_limited,
+        )
+    except subprocess.TimeoutExpired:
+        return "hung"
+    return proc.stdout.strip() or proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo", "oversized"])
+def test_a_load_tracker_that_is_not_a_small_regular_file_is_one_line(tmp_path, kind):
+    """``latest_checkpointed_iteration.txt`` linked to ``/dev/zero`` was read until
+    ``MemoryError``; a FIFO hung the job silently until it was killed."""
+    import os
+
+    load = tmp_path / "ckpt"
+    load.mkdir()
+    tracker = load / "latest_checkpointed_iteration.txt"
+    if kind == "dev-zero":
+        os.symlink("/dev/zero", tracker)
+        problem = "is not a regular file (a device, pipe or socket)"
+    elif kind == "fifo":
+        os.mkfifo(tracker)
+        problem = "is not a regular file (a device, pipe or socket)"
+    else:
+        tracker.write_text("2" * 100_000)
+        problem = "is larger than 65536 bytes, the most a tracker may be"
+    line = _load_check_in_a_child(load)
+    assert line == (
+        f"--load {load}: tracker {tracker} {problem}; no complete checkpoint is left there: start "
+        "without --load or use another directory"
+    )
+
+
+def test_a_run_lock_that_is_not_a_regular_file_is_refused(tmp_path):
+    """``.oases-lock`` linked to another file was truncated and written over; a FIFO there
+    ended in a traceback (a seek on a pipe)."""
+    import os
+
+    from megatron_oases.outputs import LOCK_FILE, lock_dir
+
+    victim = tmp_path / "important.txt"
+    victim.write_text("keep me")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    os.symlink(victim, linked / LOCK_FILE)
+    with pytest.raises(OasesConfigError, match=f"--save {linked}: cannot open its run lock"):
+        lock_dir(str(linked), "--save")
+    assert victim.read_text() == "keep me"
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / LOCK_FILE)
+    with pytest.raises(OasesConfigError, match=f"--out {fifo}: its run lock .* is not a regular"):
+        lock_dir(str(fifo), "--out")
+    held = lock_dir(str(tmp_path), "--out")  # a regular lock file still works
+    assert held is not None
+    held.close()
+
+
+def test_a_run_lock_holder_is_read_bounded(tmp_path):
+    from megatron_oases.outputs import _holder
+
+    lock = tmp_path / "lock"
+    lock.write_text(json.dumps({"pid": 1, "host": "h" * 10**6, "started": "now"}))
+    assert len(_holder(str(lock))) <= 200
+    lock.write_text("x" * 10**6)
+    assert _holder(str(lock)) == "another process"
