@@ -86,17 +86,21 @@ def _is_last_rank():
     return dist.get_rank() == dist.get_world_size() - 1
 
 
-def make_patch(config, built=None):
-    """A patch iff ``--log-json PATH``."""
-    path = config.log_json
-    if not path:
+def make_recorder(config):
+    """The run's :class:`GoldenValuesRecorder` iff ``--log-json PATH``, else None."""
+    return GoldenValuesRecorder(config.log_json) if config.log_json else None
+
+
+def make_patch(config, recorder):
+    """``golden-values`` recording into ``recorder`` (:func:`make_recorder`) iff ``--log-json
+    PATH``."""
+    if not config.log_json:
         return None
     import torch
     from megatron.training import training
 
     orig_step = require_symbol(training, "train_step", called_by=[training.train])
     orig_log = require_symbol(training, "training_log", called_by=[training.train])
-    recorder = GoldenValuesRecorder(path)
     state = {"elapsed": None}
 
     def train_step(*a, **k):
@@ -133,9 +137,7 @@ def make_patch(config, built=None):
             recorder.write()
         return result
 
-    patch = Patch(
+    return Patch(
         "golden-values",
         [(training, "train_step", train_step), (training, "training_log", training_log)],
     )
-    patch.recorder = recorder
-    return patch

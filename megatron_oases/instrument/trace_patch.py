@@ -74,11 +74,13 @@ def _stock_pass(tracer):
 
 
 class TracePatch(Patch):
-    def __init__(self, config):
+    """``oases-trace``: Megatron's collectives, layers and ``train_step`` recorded into ``tracer``
+    (the run's, :func:`make_tracer`, which the schedule records into too)."""
+
+    def __init__(self, config, tracer):
         self.path = config.trace
         self.schedule = str(config.schedule)
-        #: Created now so that the schedule patch, built after this one, records into it.
-        self.tracer = Tracer(schedule=self.schedule)
+        self.tracer = tracer
         self._bwd_layer = -1
         orig_layer_forward = TransformerLayer.forward
         patch = self
@@ -201,8 +203,13 @@ class TracePatch(Patch):
         self.tracer.events = []
 
 
-def make_patch(config, built=None):
-    """The ``oases-trace`` patch when ``--oases-trace`` is given, else None."""
+def make_tracer(config):
+    """The run's :class:`~.trace.Tracer` when ``--oases-trace`` is given, else None."""
+    return Tracer(schedule=str(config.schedule)) if config.trace else None
+
+
+def make_patch(config, tracer):
+    """The ``oases-trace`` patch recording into ``tracer`` (:func:`make_tracer`), else None."""
     if not config.trace:
         return None
-    return TracePatch(config)
+    return TracePatch(config, tracer)

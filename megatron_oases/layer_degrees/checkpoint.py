@@ -16,19 +16,19 @@ from dataclasses import replace
 import torch
 
 from ..compat import require_symbol
-from .runtime import layer_degrees_of
 
 LAYERS = "decoder.layers."
 
 
-def _planned(model):
-    """(decoder, its :class:`~.runtime.LayerDegrees`) of each model chunk that has a plan."""
+def _planned(model, plans):
+    """(decoder, its :class:`~.runtime.LayerDegrees`) of each model chunk that has a plan
+    (``plans``: the run's :class:`~.runtime.AttachedPlans`)."""
     out = []
     for chunk in model if isinstance(model, (list, tuple)) else [model]:
         module = chunk
         while hasattr(module, "module"):
             module = module.module
-        layer_degrees = layer_degrees_of(getattr(module, "decoder", None))
+        layer_degrees = plans.of(getattr(module, "decoder", None))
         if layer_degrees is not None:
             out.append((module.decoder, layer_degrees))
     return out
@@ -179,8 +179,9 @@ def _get_path(state, path):
     return state
 
 
-def make_checkpoint_replacements():
-    """Replacements for the ``oases-schedule`` patch when a plan is given."""
+def make_checkpoint_replacements(plans):
+    """Replacements for the ``oases-schedule`` patch when a plan is given; ``plans``: the run's
+    :class:`~.runtime.AttachedPlans`, where ``prepare_model`` records each stage's degrees."""
     from megatron.core.dist_checkpointing import serialization
     from megatron.training import training
 
@@ -199,7 +200,7 @@ def make_checkpoint_replacements():
             context["model"] = None
 
     def save_preprocess(sharded_state_dict, *args, **kwargs):
-        planned = _planned(context["model"]) if context["model"] is not None else []
+        planned = _planned(context["model"], plans) if context["model"] is not None else []
         if planned:
             rewritten = _rewrite(sharded_state_dict, planned)
             sharded_state_dict.clear()
@@ -214,7 +215,7 @@ def make_checkpoint_replacements():
     )
 
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        planned = _planned(context["model"]) if context["model"] is not None else []
+        planned = _planned(context["model"], plans) if context["model"] is not None else []
         if not planned:
             return original_load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         gathers = []

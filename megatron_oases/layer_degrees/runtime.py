@@ -34,23 +34,29 @@ class LayerDegrees:
         return out
 
 
-#: decoder -> the :class:`LayerDegrees` its plan gave it (:func:`attach_plan`)
-_ATTACHED = weakref.WeakKeyDictionary()
-
-
-def layer_degrees_of(decoder):
-    """The :class:`LayerDegrees` :func:`attach_plan` gave ``decoder``, or None: for the
+class AttachedPlans:
+    """decoder → the :class:`LayerDegrees` its plan gave it (:func:`attach_plan`), for one run's
     checkpoint hook (:mod:`.checkpoint`), which Megatron's ``save_checkpoint``/``load_checkpoint``
-    hand the model chunks, not the plan. The forward gets them as its argument."""
-    return _ATTACHED.get(decoder) if decoder is not None else None
+    hand the model chunks, not the plan (the forward gets the degrees as its argument). One per
+    runtime (``patches.OasesRuntime.plans``); held weakly, as the decoders are Megatron's."""
+
+    def __init__(self):
+        self._degrees = weakref.WeakKeyDictionary()
+
+    def attach(self, decoder, layer_degrees):
+        self._degrees[decoder] = layer_degrees
+
+    def of(self, decoder):
+        """``decoder``'s :class:`LayerDegrees`, or None (no plan, or another run's model)."""
+        return self._degrees.get(decoder) if decoder is not None else None
 
 
-def attach_plan(model, config):
+def attach_plan(model, config, plans):
     """Rebuild ``model``'s layers at the degrees of ``config.plan`` (an
     :class:`~megatron_oases.config.OasesConfig`'s, read and checked once) and route the replica
     gradient sum through the model config's ``finalize_model_grads_func``; returns the
-    :class:`LayerDegrees` that ``prepare_model`` binds to the decoder's forward (recorded for
-    :func:`layer_degrees_of`)."""
+    :class:`LayerDegrees` that ``prepare_model`` binds to the decoder's forward (recorded in
+    ``plans``, the run's :class:`AttachedPlans`, for its checkpoint hook)."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
     if not isinstance(model.decoder, TransformerBlock):  # validation refuses it first
@@ -61,7 +67,7 @@ def attach_plan(model, config):
     groups = LayerDegreeGroups(config.tensor_model_parallel_size, degrees)
     layer_degrees = LayerDegrees(groups, apply_plan(model, degrees, groups))
     set_finalize_model_grads(model.config, finalize_with_replica_sync(groups))
-    _ATTACHED[model.decoder] = layer_degrees
+    plans.attach(model.decoder, layer_degrees)
     return layer_degrees
 
 

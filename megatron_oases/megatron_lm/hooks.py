@@ -125,10 +125,9 @@ def install(args, prog=None):
     except OasesConfigError as exc:
         exit_with_error(f"{prog}: error: {exc}")
     _install_cpu_shims()  # already done by extra_args_provider(); a no-op with CUDA
-    if patches.REGISTRY.get(HOOK_PATCH) is None:
-        patches.REGISTRY.install(hook)
+    if not patches.is_installed(HOOK_PATCH):
         atexit.register(uninstall)
-    return patches.REGISTRY.get(HOOK_PATCH)
+    return patches.install_patch(hook)
 
 
 def uninstall():
@@ -153,14 +152,16 @@ def model_setup_hook(args, config, training_module=None):
         training_module, "setup_model_and_optimizer", called_by=[training_module.pretrain]
     )
 
+    runtime = prepare.RuntimeOnce(config)
+
     def prepare_stages(stages):
         for stage in stages:
-            prepare.prepare_model(stage, config)
+            prepare.prepare_model(stage, runtime.get())
         return stages
 
     @functools.wraps(original)
     def setup_model_and_optimizer(model_type, model_provider_func=None, *rest, **kwargs):
-        prepare.install(config)  # idempotent
+        runtime.get()  # the run's runtime: after initialize_megatron, before any model
         if prepare.changes_model(config):
             model_cfg = getattr(kwargs.get("cfg_container"), "model", None)
             if model_cfg is not None:

@@ -37,7 +37,7 @@ the whole pass) with their unsharded gradients: ``2·F·p`` (ZeRO-3), ``F·p`` (
 
 **Under the split schedules** (``overlap``, ``cross-pass``, ``oases``) only FSDP2 runs
 (Megatron-FSDP is refused there): the engine gathers the whole stage before its forward and again
-before its backward (``schedule/fsdp.py``), so every layer's gathered parameters and unsharded
+before its backward (``schedule/engine/fsdp.py``), so every layer's gathered parameters and unsharded
 gradients are held at once (``2·P·p`` per layer, additive), and the all-gathers run before the
 first op and the reduce-scatters in FSDP2's end-of-backward callback: nothing hidden.
 

@@ -131,7 +131,7 @@ def replacements():
     return out
 
 
-def make_patch(config, built=None):
+def make_patch(config):
     """The patch for ``--use-distributed-optimizer``, else None (or where nothing is left)."""
     if not config.distributed_optimizer:
         return None

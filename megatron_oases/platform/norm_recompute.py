@@ -25,7 +25,7 @@ def make_init(original):
     return __init__
 
 
-def make_patch(config, built=None):
+def make_patch(config):
     """The patch for selective recomputation of ``layernorm`` without TE, else None."""
     if config.recompute_granularity != "selective":
         return None

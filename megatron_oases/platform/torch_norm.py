@@ -33,7 +33,7 @@ def make_norm_new(original):
     return __new__
 
 
-def make_patch(config, built=None):
+def make_patch(config):
     """``torch-norm-sp`` for ``--sequence-parallel`` with the local spec (the only one
     :mod:`megatron_oases.validation` lets through), else None."""
     if not config.sequence_parallel:

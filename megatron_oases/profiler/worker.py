@@ -61,11 +61,11 @@ def profile_worker(payload):
     patch = None
     if payload.get("emulate_link"):
         from ..config import EmulatedLink, OasesConfig
-        from ..patching import REGISTRY
+        from ..patches import install_patch
         from ..testbed.emulator import make_patch
 
         patch = make_patch(OasesConfig(emulate_link=EmulatedLink(payload["emulate_link"])))
-        REGISTRY.install(patch)
+        install_patch(patch)
     try:
         # every rank creates every group in the same order
         singles = {r: dist.new_group([r]) for r in range(world)}
@@ -133,7 +133,7 @@ def profile_worker(payload):
         }
     finally:
         if patch is not None:
-            from ..patching import REGISTRY
+            from ..patches import uninstall
 
-            REGISTRY.uninstall(patch.name)
+            uninstall(patch.name)
         parallel_state.destroy_model_parallel()

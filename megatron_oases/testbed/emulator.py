@@ -329,8 +329,8 @@ def _cpus():
     return host_cpus()
 
 
-def make_patch(config, built=None):
-    """Factory for :func:`megatron_oases.patches.install_patches`: a patch iff ``--emulate-link``
+def make_patch(config):
+    """Factory for the run's runtime (:func:`megatron_oases.patches.make_runtime`): a patch iff ``--emulate-link``
     (``config.emulate_link``)."""
     link = config.emulate_link
     if link is None:

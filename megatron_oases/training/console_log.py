@@ -11,7 +11,7 @@ makes such a first iteration an ordinary log point, which resets as every other 
 import inspect
 
 from ..compat import require_call, require_symbol
-from ..patching import REGISTRY, Patch
+from ..patches import Patch, install_patch, is_installed
 
 PATCH_NAME = "console-log-interval"
 
@@ -40,5 +40,5 @@ def make_patch(log_interval):
 
 def install(args):
     """For the run's ``--log-interval`` (idempotent; ``patches.uninstall_all()`` reverts it)."""
-    if REGISTRY.get(PATCH_NAME) is None:
-        REGISTRY.install(make_patch(max(1, int(getattr(args, "log_interval", 1) or 1))))
+    if not is_installed(PATCH_NAME):
+        install_patch(make_patch(max(1, int(getattr(args, "log_interval", 1) or 1))))

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from ..compat import require_symbol
-from ..patching import REGISTRY, Patch
+from ..patches import Patch, install_patch, is_installed
 
 PATCH_NAME = "dataset-helpers"
 
@@ -50,5 +50,5 @@ def make_patch():
 def install():
     """Idempotent; ``patches.uninstall_all()`` reverts it. ``initialize_megatron`` imports
     ``compile_helpers`` from its module at call time, so replacing the module's name suffices."""
-    if REGISTRY.get(PATCH_NAME) is None:
-        REGISTRY.install(make_patch())
+    if not is_installed(PATCH_NAME):
+        install_patch(make_patch())

@@ -6,8 +6,8 @@ own ``GPTModelBuilder`` with the local layer spec, through
 :func:`megatron_oases.compat.build_gpt_model`), ``forward_step`` with the masked-mean-per-token
 loss and Megatron's NaN/Inf checks, and a dataset provider (``MockGPTDataset`` for ``--mock-data``,
 ``GPTDataset`` for ``--data-path``) — plus the one Oases hook: :func:`model_provider` installs the
-patches on its first call (distributed state is up, no model built yet) and prepares each built
-stage (:mod:`megatron_oases.prepare`).
+run's runtime on its first call (distributed state is up, no model built yet) and prepares each
+built stage with it (:mod:`megatron_oases.prepare`).
 """
 
 from functools import partial
@@ -34,14 +34,14 @@ def model_provider(
     pg_collection=None,
     *,
     args,
-    oases_config,
+    runtime,
 ):
     """One pipeline stage of the GPT model (a ``HybridModel`` with ``--hybrid-layer-pattern``, as
-    Megatron-LM's ``pretrain_hybrid.py`` builds): Megatron's builder, then the per-layer plan if any.
-    ``args``/``oases_config``: the parsed Megatron args and
-    :class:`~megatron_oases.config.OasesConfig`, bound by :func:`bind_model_provider` (``config``
+    Megatron-LM's ``pretrain_hybrid.py`` builds): Megatron's builder, then the stage prepared with
+    the run's runtime. ``args``: the parsed Megatron args; ``runtime``: a
+    :class:`~megatron_oases.prepare.RuntimeOnce`, bound by :func:`bind_model_provider` (``config``
     is Megatron's own model config)."""
-    prepare.install(oases_config)  # idempotent: after parsing and distributed init, before a model
+    run = runtime.get()  # installed on the first stage: after distributed init, before a model
     if pg_collection is None:
         from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -50,12 +50,13 @@ def model_provider(
     if getattr(args, "hybrid_layer_pattern", None):  # Megatron's HybridModel (pretrain_hybrid.py)
         from .hybrid import build_hybrid_model as build
     model = build(args, pg_collection, pre_process, post_process, vp_stage, config)
-    return prepare.prepare_model(model, oases_config)
+    return prepare.prepare_model(model, run)
 
 
 def bind_model_provider(args, oases_config):
-    """:func:`model_provider` with the run's parsed settings, as Megatron's ``pretrain()`` calls it."""
-    return partial(model_provider, args=args, oases_config=oases_config)
+    """:func:`model_provider` with the run's parsed settings (its runtime installed on the first
+    call), as Megatron's ``pretrain()`` calls it."""
+    return partial(model_provider, args=args, runtime=prepare.RuntimeOnce(oases_config))
 
 
 def get_batch(data_iterator, vp_stage=None):

@@ -12,7 +12,7 @@ import os
 
 from ..errors import OasesConfigError
 from ..outputs import lock_dir
-from ..patching import REGISTRY, Patch
+from ..patches import Patch, install_patch, is_installed
 from .safe_save import TRACKER, read_tracker
 
 PATCH_NAME = "save-dir-lock"
@@ -65,11 +65,9 @@ def claim_save_dir(args, start_over):
     if not save:
         return None
     check_not_overwriting(args, start_over)
-    if not is_job_rank_0() or REGISTRY.get(PATCH_NAME) is not None:
+    if not is_job_rank_0() or is_installed(PATCH_NAME):
         return None
     held = lock_save_dir(save)
     if held is None:
         return None
-    patch = Patch(PATCH_NAME, after_uninstall=held.close)
-    REGISTRY.install(patch)
-    return patch
+    return install_patch(Patch(PATCH_NAME, after_uninstall=held.close))

@@ -327,33 +327,31 @@ def _publish(choice, record, recorder, tracer):
         tracer.schedule = choice.schedule
 
 
-def hand_offs(built):
-    """What the tuner takes from the patches built before it: the ``oases-schedule`` patch's
-    ``LayerSchedule`` (it selects on it), ``golden-values``' recorder and ``oases-trace``'s tracer
-    (it writes the choice into them)."""
-    selection = getattr(built.get("oases-schedule"), "layer_schedule", None)
-    recorder = getattr(built.get("golden-values"), "recorder", None)
-    tracer = getattr(built.get("oases-trace"), "tracer", None)
-    return selection, recorder, tracer
-
-
-def make_patch(config, built=None):
-    """``oases-autotune`` for ``--oases-schedule auto`` (``config.autotune``), else None.
-    ``built``: the patches built before it (:func:`hand_offs`)."""
+def make_tuner(config, selection, recorder=None, tracer=None):
+    """The run's :class:`Tuner` for ``--oases-schedule auto`` (``config.autotune``), else None:
+    it selects each iteration's candidate on ``selection`` (the run's ``LayerSchedule``; None
+    when only stock can run) and writes its choice into ``recorder`` (``--log-json``) and
+    ``tracer`` (``--oases-trace``), each the runtime's or None."""
     settings = getattr(config, "autotune", None)
     if settings is None:
         return None
+    if settings.splits and selection is None:
+        raise RuntimeError("oases: --oases-schedule auto needs the run's schedule selection")
+    return Tuner(settings, selection, recorder, tracer, train_step_signature())
+
+
+def make_patch(config, tuner):
+    """``oases-autotune``: ``tuner`` (:func:`make_tuner`) on Megatron's ``train_step`` and its
+    record on the checkpoint's args check, for ``--oases-schedule auto``; else None."""
+    if tuner is None:
+        return None
     from megatron.training import checkpointing, training
 
-    selection, recorder, tracer = hand_offs(built or {})
-    if settings.splits and selection is None:
-        raise RuntimeError("oases: --oases-schedule auto needs the oases-schedule patch first")
     step = require_symbol(training, "train_step", called_by=[training.train])
     check_train_step()
     check = require_symbol(
         checkpointing, "check_checkpoint_args", called_by=[checkpointing.load_checkpoint]
     )
-    tuner = Tuner(settings, selection, recorder, tracer, train_step_signature())
 
     def train_step(*a, **k):
         return tuner.train_step(step, a, k)
@@ -362,7 +360,7 @@ def make_patch(config, built=None):
         tuner.checkpoint_args(checkpoint_args)
         return check(checkpoint_args, *rest, **kwargs)
 
-    patch = Patch(
+    return Patch(
         PATCH_NAME,
         [
             (training, "train_step", train_step),
@@ -370,5 +368,3 @@ def make_patch(config, built=None):
         ],
         after_uninstall=tuner.close,
     )
-    patch.tuner = tuner
-    return patch

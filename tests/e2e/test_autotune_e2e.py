@@ -51,17 +51,32 @@ def _test_patch(record, slow=None, fail=None):
     {rank: schedule whose first step raises inside the forward-backward, after the second
     micro-batch's forward}. Records the losses, the schedule of each step, and the tuner's record
     (the choice, once made)."""
+    import inspect
+
     import torch
     import torch.distributed as dist
-    from megatron.training import training
+    from megatron.training import get_args, training
 
-    from megatron_oases.patching import REGISTRY, Patch
+    from megatron_oases.patching import Patch
+    from megatron_oases.tuning.runtime import ARGS_KEY
 
     original = training.train_step
+    signature = inspect.signature(original)
     rank, fired = dist.get_rank(), set()
 
+    def selection(model):
+        """The run's schedule selection, as the prepared stage's bound decoder holds it."""
+        for chunk in model:
+            while hasattr(chunk, "module"):
+                chunk = chunk.module
+            forward = vars(chunk.decoder).get("forward")
+            if forward is not None:
+                return forward.args[1].layer_schedule
+        raise AssertionError("no prepared stage on this rank")
+
     def train_step(forward_step_func, *a, **k):
-        schedule = REGISTRY.get("oases-schedule").layer_schedule.schedule
+        model = signature.bind(forward_step_func, *a, **k).arguments["model"]
+        schedule = selection(model).schedule
         step_func = forward_step_func
         if (fail or {}).get(rank) == schedule and schedule not in fired:
             fired.add(schedule)
@@ -80,7 +95,7 @@ def _test_patch(record, slow=None, fail=None):
             time.sleep(SLEEP)  # is slower, which only the agreed (slowest rank's) time shows
         loss = out[0].get("lm loss") if out[0] else None
         record["losses"].append(None if loss is None else float(torch.as_tensor(loss).flatten()[0]))
-        record["tuner"] = REGISTRY.get("oases-autotune").tuner.record  # as of the step before
+        record["tuner"] = getattr(get_args(), ARGS_KEY, None)  # the tuner's, as of the step before
         return out
 
     return Patch("test-autotune", [(training, "train_step", train_step)])

@@ -54,8 +54,9 @@ def test_replica_grad_runs_are_in_place_views():
 
 
 def test_the_plans_degrees_are_recorded_for_the_checkpoint_hook():
-    """``layer_degrees_of`` finds the degrees :func:`attach_plan` gave a decoder (recorded when
-    ``prepare_model`` attaches the plan), nothing for another one; the spans of equal degree."""
+    """A run's :class:`AttachedPlans` finds the degrees :func:`attach_plan` gave a decoder
+    (recorded when ``prepare_model`` attaches the plan), nothing for another one or in another
+    run's table; the spans of equal degree."""
     from megatron_oases.layer_degrees import runtime
 
     class Decoder:
@@ -63,7 +64,9 @@ def test_the_plans_degrees_are_recorded_for_the_checkpoint_hook():
 
     planned, other = Decoder(), Decoder()
     degrees = runtime.LayerDegrees(groups=None, degrees=[1, 1, 2, 2, 1])
-    runtime._ATTACHED[planned] = degrees
-    assert runtime.layer_degrees_of(planned) is degrees
-    assert runtime.layer_degrees_of(other) is None and runtime.layer_degrees_of(None) is None
+    plans, another_run = runtime.AttachedPlans(), runtime.AttachedPlans()
+    plans.attach(planned, degrees)
+    assert plans.of(planned) is degrees
+    assert plans.of(other) is None and plans.of(None) is None
+    assert another_run.of(planned) is None
     assert degrees.spans() == [(1, [0, 1]), (2, [2, 3]), (1, [4])]

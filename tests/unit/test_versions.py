@@ -84,8 +84,8 @@ def _built_patches(args):
     config = OasesConfig.from_args(args)
     built = {
         "oases-schedule": schedule.make_patch(config),
-        "golden-values": golden.make_patch(config),
-        "oases-trace": trace.make_patch(config),
+        "golden-values": golden.make_patch(config, golden.make_recorder(config)),
+        "oases-trace": trace.make_patch(config, trace.make_tracer(config)),
         megatron_lm.HOOK_PATCH: megatron_lm.model_setup_hook(args, config),
     }
     assert all(p is not None for p in built.values()), built
@@ -233,8 +233,9 @@ def test_the_schedule_without_a_plan_replaces_at_most_two_process_wide_symbols(f
 
     from megatron_oases.schedule.megatron import patch as schedule
 
-    patch = schedule.make_patch(OasesConfig.from_args(parse(TINY + flags, world_size=2)))
-    assert patch is not None and patch.stage_ends
+    config = OasesConfig.from_args(parse(TINY + flags, world_size=2))
+    patch = schedule.make_patch(config)
+    assert patch is not None and schedule.joins_stage_ends(config)
     replaced = [(owner, attr) for owner, attr, _ in patch.replacements]
     assert len(replaced) <= 2, replaced
     assert replaced == [(tensor_parallel, "scatter_to_sequence_parallel_region")]

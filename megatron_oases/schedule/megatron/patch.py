@@ -1,5 +1,6 @@
-"""The ``oases-schedule`` patch: what the schedule changes process-wide, in one list, and the
-:class:`~.engine.LayerSchedule` the stages it is applied to share.
+"""The ``oases-schedule`` patch: what the schedule changes process-wide, in one list; and the
+run's :class:`~.entry.LayerSchedule` (:func:`make_selection`), which the runtime hands to every
+stage it prepares.
 
 The schedule itself is applied per model instance (:func:`.binding.bind_schedule`, from
 ``prepare_model``): the decoders' and models' forwards and their TP linears. Process-wide, the patch
@@ -21,7 +22,7 @@ Outside the engine everything runs stock code.
 
 from ...compat import finalize_model_grads_replacements
 from ...layer_degrees.model import make_param_is_not_tp_duplicate
-from ...patching import REGISTRY, Patch
+from ...patching import Patch
 from ...validation import Schedule
 from ..engine.deferral import make_scatter
 from .binding import check_megatron as check_bound_forwards
@@ -32,38 +33,50 @@ from .graphs import BlockGraphs
 PATCH_NAME = "oases-schedule"
 
 
-def make_patch(config, built=None):
-    """``oases-schedule`` for a checked :class:`~megatron_oases.config.OasesConfig` asking for a
-    split schedule or a per-layer plan, else None. ``built``: the patches built before this one
-    (by name); the tracer of ``oases-trace``."""
+def make_selection(config, tracer=None):
+    """The :class:`~.entry.LayerSchedule` every stage of the run reads at each call, for a checked
+    :class:`~megatron_oases.config.OasesConfig` asking for a split schedule or a per-layer plan,
+    else None. ``--oases-schedule auto`` starts on stock: its tuner selects each iteration's
+    candidate on it. ``tracer``: ``oases-trace``'s, or None."""
     if not config.patches_model:
         return None
-    plan = config.plan is not None
-    trace = (built or {}).get("oases-trace")
-    from megatron.core import tensor_parallel
-    from megatron.core.optimizer import clip_grads
-
-    # ``--oases-schedule auto`` starts on stock; its tuner selects each iteration's candidate
     auto = config.autotune is not None
-    layer_schedule = LayerSchedule(
+    return LayerSchedule(
         schedule=Schedule.OFF if auto else config.schedule,
         parts=config.sub_batches,
         split=config.split,
         graphs=BlockGraphs(config.cuda_graphs) if config.cuda_graphs and not auto else None,
-        tracer=trace.tracer if trace is not None else None,
+        tracer=tracer,
     )
+
+
+def joins_stage_ends(config):
+    """Whether the stages' ends join the programs (:mod:`.gpt_model`): a split schedule without a
+    plan."""
+    return config.overlapped and config.plan is None
+
+
+def make_patch(config, plans=None):
+    """``oases-schedule`` for a checked :class:`~megatron_oases.config.OasesConfig` asking for a
+    split schedule or a per-layer plan, else None. ``plans``: the run's
+    :class:`~megatron_oases.layer_degrees.runtime.AttachedPlans` (a plan's checkpoint hook reads
+    each stage's degrees there)."""
+    if not config.patches_model:
+        return None
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer import clip_grads
+
     check_bound_forwards()
     replacements = []
-    ends = config.overlapped and not plan  # the stage's ends join the programs (.gpt_model)
-    if ends:
+    if joins_stage_ends(config):
         scatter = check_gpt_model()
         replacements.append(
             (tensor_parallel, "scatter_to_sequence_parallel_region", make_scatter(scatter))
         )
-    if plan:  # checkpoints of a plan are written in the stock layout
+    if config.plan is not None:  # checkpoints of a plan are written in the stock layout
         from ...layer_degrees.checkpoint import make_checkpoint_replacements
 
-        replacements += make_checkpoint_replacements()
+        replacements += make_checkpoint_replacements(plans)
         replacements += finalize_model_grads_replacements()  # the replica sync, before 0.19
         # grad-norm clipping counts each replica of a degree-d shard once
         for owner in (tensor_parallel, clip_grads):
@@ -74,19 +87,4 @@ def make_patch(config, built=None):
                     make_param_is_not_tp_duplicate(owner.param_is_not_tensor_parallel_duplicate),
                 )
             )
-    patch = Patch(PATCH_NAME, replacements=replacements)
-    patch.layer_schedule = layer_schedule  # what ``auto``'s tuner selects on (.tuning.runtime)
-    patch.stage_ends = ends  # what bind_schedule wires into each GPT stage
-    return patch
-
-
-def installed():
-    """The installed ``oases-schedule`` patch (its ``layer_schedule`` and ``stage_ends``)."""
-    patch = REGISTRY.get(PATCH_NAME)
-    if patch is None:
-        raise RuntimeError(
-            "megatron-oases: a split schedule or a per-layer plan needs the oases-schedule patch "
-            "installed before the model is built (megatron_oases.prepare.install(config), then "
-            "prepare_model)"
-        )
-    return patch
+    return Patch(PATCH_NAME, replacements=replacements)

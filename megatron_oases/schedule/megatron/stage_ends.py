@@ -13,6 +13,7 @@ import torch
 
 from ..engine.cuts import grad_sink
 from ..engine.executor import Comm, Compute
+from ..engine.ops import BlockOps
 from . import loss
 from .rng import replay, snapshot
 
@@ -60,7 +61,7 @@ class EmbeddingEnd:
             Compute(lambda: self._lookup(sb), **labels),
             Comm(
                 get=lambda: sb.ends.take("lookup"),
-                done=lambda t: setattr(sb.ends, "lookup", t),
+                done=BlockOps.store(sb.ends, "lookup"),
                 group=self.group,
                 kind="reduce_scatter" if self.sequence_parallel else "all_reduce",
                 **labels,
@@ -112,7 +113,7 @@ class EmbeddingEnd:
             Compute(lambda: self._backward_to_scatter(sb), **labels),
             Comm(
                 get=lambda: sb.ends.take("scatter_grad"),
-                done=lambda t: setattr(sb.ends, "scatter_grad", t),
+                done=BlockOps.store(sb.ends, "scatter_grad"),
                 group=self.group,
                 kind="all_gather",
                 **labels,
@@ -191,7 +192,7 @@ class OutputEnd:
                 Compute(norm, **labels),
                 Comm(
                     get=lambda: sb.ends.take("head_input").detach(),
-                    done=lambda t: setattr(sb.ends, "head_input", t),
+                    done=BlockOps.store(sb.ends, "head_input"),
                     group=self.group,
                     kind="all_gather",
                     **labels,
@@ -216,7 +217,7 @@ class OutputEnd:
         model = self.model
         with torch.enable_grad():
             x = grad_sink(
-                anchor, sb.ends.take("head_input"), lambda g: setattr(sb.ends, "head_input_grad", g)
+                anchor, sb.ends.take("head_input"), BlockOps.store(sb.ends, "head_input_grad")
             )
             weight = None
             if model.share_embeddings_and_output_weights:
@@ -244,7 +245,7 @@ class OutputEnd:
             Compute(lambda: _backward(sb.ends.take("loss"), sb.ends.take("loss_grad")), **labels),
             Comm(
                 get=lambda: sb.ends.take("head_input_grad"),
-                done=lambda t: setattr(sb.ends, "head_input_grad", t),
+                done=BlockOps.store(sb.ends, "head_input_grad"),
                 group=self.group,
                 kind="reduce_scatter" if self.sequence_parallel else "all_reduce",
                 **labels,
