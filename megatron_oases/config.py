@@ -198,16 +198,49 @@ def _half(args):
 def _warn_plan_differences(path, plan, args, schedule):
     """Once per job (rank 0): the plan was made for another run than this command line's (the
     plan's recorded run, :func:`~.formats.plan.recorded_run`: the plan format's reader, which
-    ``oases plan --evaluate`` reads too; the runtime imports no planner code)."""
+    ``oases plan --evaluate`` reads too; the runtime imports no planner code) or for another
+    sequence length or vocabulary (its ``model_shape``). A plan made for another layer shape
+    (:data:`~.formats.plan.LAYER_SHAPE`: its degrees, memory and times were chosen for other
+    layers) is refused, on every rank; a plan that records no shape (written before plans did)
+    gets a note."""
     import os
     import sys
 
-    from .formats.plan import recorded_run
+    from .errors import OasesConfigError
+    from .formats.plan import LAYER_SHAPE, MODEL_SHAPE, recorded_run, shape_differences
 
-    differences = plan_differences(recorded_run(plan, path), args, schedule)
+    ours = {key: getattr(args, key, None) for key in MODEL_SHAPE}
+    vocab, divisible = getattr(args, "vocab_size", None), "make_vocab_size_divisible_by"
+    if ours["padded_vocab_size"] is None and vocab and getattr(args, divisible, None):
+        # what pretrain() pads --vocab-size to (set later, by Megatron's tokenizer set-up)
+        from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+
+        ours["padded_vocab_size"] = vocab_size_with_padding(vocab, args, logging_enabled=False)
+    shape = [(MODEL_SHAPE[k], *values, k) for k, *values in shape_differences(plan, ours)]
+    layer = [d for d in shape if d[3] in LAYER_SHAPE]
+    if layer:
+        raise OasesConfigError(
+            f"--oases-plan {path} was made for a model of "
+            + ", ".join(f"{flag} {planned}" for flag, planned, _, _ in layer)
+            + "; this run has "
+            + ", ".join(f"{flag} {value}" for flag, _, value, _ in layer)
+            + ": its degrees, memory and times were chosen for those layers; re-plan for this "
+            "model (`oases plan` with a profile of it)"
+        )
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if plan.get("model_shape") is None and rank0:
+        print(
+            f"oases: note: --oases-plan {path} records no model shape (written before plans "
+            "recorded one): its degrees are checked against this model, but not that it was "
+            "planned for it; re-plan to record the shape",
+            file=sys.stderr,
+            flush=True,
+        )
+    differences = [d[:3] for d in shape if d[3] not in LAYER_SHAPE]
+    differences += plan_differences(recorded_run(plan, path), args, schedule)
     if schedule == Schedule.AUTO:  # auto tries the plan's schedule among others
         differences = [d for d in differences if d[0] != "--oases-schedule"]
-    if not differences or int(os.environ.get("RANK", "0")) != 0:
+    if not differences or not rank0:
         return
     theirs = ", ".join(f"{flag} {planned}" for flag, planned, _ in differences)
     ours = ", ".join(f"{flag} {value}" for flag, _, value in differences)

@@ -4,6 +4,11 @@ Keys the per-layer TMP runtime reads: ``version`` (1), ``tensor_model_parallel_s
 domain T), ``degrees`` (one per layer, powers of two dividing T), ``schedule``,
 ``global_batch_size``, ``micro_batch_size``. Everything else (``predicted``, ``objective``,
 ``solver``, ``solve_time_s``, ``status``, ``input_hash``, ``profile`` …) documents how it was made.
+``model_shape`` records the model a plan was made for (layers, hidden size, heads, FFN size,
+sequence length, padded vocabulary; :data:`MODEL_SHAPE`): a run of another layer shape is refused,
+one of another sequence length or vocabulary warned of (``config.py``); a plan written before
+plans recorded it still loads, with a note. A key outside :data:`PLAN_FILE_KEYS` is refused (a
+mistyped optional key would otherwise be ignored in silence).
 A uniform plan (:func:`uniform_plan`) is a valid plan file too. ``split`` ``"sequence"`` marks a
 plan of sequence chunks (``oases plan --split sequence``): every layer at T, run with its
 ``launch_flags`` and without ``--oases-plan``, which refuses it.
@@ -58,6 +63,68 @@ _COUNTS = (
     "num_microbatches",
 )
 _WRITE_ONE = "write one with `oases plan --out PLAN_JSON`"
+#: ``model_shape``'s keys (Megatron's names), each with its flag for messages.
+MODEL_SHAPE = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "seq_length": "--seq-length",
+    "padded_vocab_size": "padded vocabulary",
+}
+#: The shape that makes a layer what the plan chose its degree for (the degrees' validity, each
+#: layer's memory and times): a run of another is refused. Sequence length and vocabulary change
+#: the activations' length and the model's ends; the degrees stay valid: a warning.
+LAYER_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
+#: Every key a plan file may have: what the runtime and ``--evaluate`` read, then what documents
+#: how the plan was made (``oases plan``, the cluster search, :func:`uniform_plan`).
+PLAN_FILE_KEYS = (
+    *REQUIRED_KEYS,
+    "schedule",
+    "recompute",
+    "recompute_num_layers",
+    "split",
+    "sequence_parallel",
+    "distributed_optimizer",
+    "data_parallel_sharding",
+    "global_batch_size",
+    "micro_batch_size",
+    "num_microbatches",
+    "data_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers",
+    "model_shape",
+    "allow_unsplit",
+    "unsplit_degrees",
+    "memory_gb",
+    "memory_margin",
+    "memory_granule_bytes",
+    "constraints",
+    "predicted",
+    "uniform",
+    "speedup",
+    "objective",
+    "objective_units",
+    "solver",
+    "solve_time_s",
+    "build_time_s",
+    "status",
+    "verify",
+    "input_hash",
+    "profile",
+    "profile_sha256",
+    "profile_kind",
+    "cluster",
+    "model",
+    "alternatives",
+    "launch_flags",
+    "layout",
+    "stage_split",
+    "search",
+    "best_stock",
+    "best_oases",
+    "stock_over_oases",
+)
 
 
 def _missing(keys, plan):
@@ -151,6 +218,7 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
         _fail(source, f"not a plan: {_missing(missing, plan)}; {fix}")
     if plan["version"] != PLAN_VERSION:
         _fail(source, f"unsupported plan version {plan['version']!r} (expected {PLAN_VERSION})")
+    _check_keys(plan, PLAN_FILE_KEYS, source, "a plan's keys")
     T = plan.get("tensor_model_parallel_size")
     if not _is_int(T) or T < 1:
         _fail(source, f"tensor_model_parallel_size must be a positive integer, got {T!r}")
@@ -194,11 +262,67 @@ def validate_plan(plan, num_layers=None, tensor_model_parallel_size=None, source
         fault = plan.get(key) is not None and number_fault(plan[key], kind, positive)
         if fault:
             _fail(source, f"{key} must be {fault} or null, got {quote(plan[key])}")
+    if plan.get("model_shape") is not None:
+        _check_shape(plan["model_shape"], source)
     if plan.get("profile") is not None and not isinstance(plan["profile"], str):
         _fail(source, f"profile must be a path or null, got {plan['profile']!r}")
     if plan.get("predicted") is not None and not isinstance(plan["predicted"], dict):
         _fail(source, f"predicted must be a mapping or null, got {plan['predicted']!r}")
     return plan
+
+
+def _check_keys(mapping, known, source, what):
+    """No key outside ``known``: one line naming the unknown ones (the near miss of each, where
+    there is one) and the known ones."""
+    import difflib
+
+    unknown = [k for k in mapping if k not in known]
+    if not unknown:
+        return
+    named = []
+    for key in unknown[:5]:
+        near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.75)
+        named.append(quote(key) + (f" (did you mean {near[0]!r}?)" if near else ""))
+    more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+    s = "s" if len(unknown) > 1 else ""
+    _fail(
+        source,
+        f"unknown key{s} {', '.join(named)}{more}; {what} are {', '.join(known)}: rename or "
+        f"remove {'them' if s else 'it'}",
+    )
+
+
+def _check_shape(shape, source):
+    """``model_shape``: a mapping of :data:`MODEL_SHAPE`'s keys to counts (the formats' one rule
+    for counts)."""
+    if not isinstance(shape, dict):
+        _fail(source, f"model_shape must be a mapping or null, got {quote(shape)}")
+    _check_keys(shape, tuple(MODEL_SHAPE), source, "model_shape's keys")
+    for key, value in shape.items():
+        if count_fault(value):
+            _fail(source, f"model_shape.{key} must be {count_fault(value)}, got {quote(value)}")
+
+
+def model_shape_of(shape, num_layers=None):
+    """The ``model_shape`` a plan records, from a profile's model section (the keys of
+    :data:`MODEL_SHAPE` it has); ``num_layers``: the whole model's layers, where given."""
+    out = {k: shape[k] for k in MODEL_SHAPE if _is_int(shape.get(k)) and shape[k] >= 1}
+    if num_layers is not None:
+        out["num_layers"] = int(num_layers)
+    return out
+
+
+def shape_differences(plan, shape):
+    """Where the model ``plan`` was made for (its ``model_shape``) differs from ``shape`` (the
+    run's, or a profile's, by Megatron's names; a value missing or None is not known and not
+    compared): ``[(key, plan's value, shape's value)]`` in :data:`MODEL_SHAPE`'s order. A plan
+    that records no shape: ``[]``."""
+    recorded = plan.get("model_shape") or {}
+    return [
+        (key, recorded[key], shape[key])
+        for key in MODEL_SHAPE
+        if key in recorded and shape.get(key) is not None and shape[key] != recorded[key]
+    ]
 
 
 def load_plan(path, num_layers=None, tensor_model_parallel_size=None):
@@ -397,6 +521,8 @@ def plan_document(
         "profile_kind": profile.data.get("kind"),
         "cluster": profile.data.get("cluster"),
         "model": profile.shape.get("name"),
+        # the model the plan is for: a run of another is refused or warned of (config.py)
+        "model_shape": model_shape_of(profile.shape, meta["total_layers"]),
     }
     return plan
 

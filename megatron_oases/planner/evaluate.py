@@ -9,6 +9,7 @@ a one-line :class:`OasesConfigError` (the plan-versus-flags ones are
 from dataclasses import replace
 
 from ..errors import OasesConfigError
+from ..formats.plan import MODEL_SHAPE, shape_differences
 from ..validation import SPLIT_SCHEDULES, samples_per_group
 from .api import host_bound_iteration, host_term
 from .build import build_problem
@@ -54,6 +55,7 @@ def evaluated_run(plan, profile, args=None, plan_path="plan", profile_path="prof
     fix = _replan_hint(plan, plan_path, profile_path)
     run = PlanSettings.from_plan(plan, args, plan_path)
     pp = _check_same_model(run, plan["degrees"], profile, plan_path, profile_path, fix)
+    _check_same_shape(plan, profile, plan_path, profile_path, fix)
     if run.global_batch_size is None:
         raise OasesConfigError("pass --global-batch-size (the plan does not record one)")
     _check_batch(run, profile.dp, profile_path, fix)
@@ -95,6 +97,18 @@ def _check_same_model(run, degrees, profile, path, prof, fix):
                 f"plan {path} is for a {what} of {theirs} but profile {prof} has {ours}; {fix}"
             )
     return pp
+
+
+def _check_same_shape(plan, profile, path, prof, fix):
+    """The model the plan records (``model_shape``; older plans record none) is the profile's:
+    a prediction on another model's profile would describe another run."""
+    differ = shape_differences(plan, profile.shape)
+    if differ:
+        theirs = ", ".join(f"{MODEL_SHAPE[key]} {planned}" for key, planned, _ in differ)
+        ours = ", ".join(f"{MODEL_SHAPE[key]} {value}" for key, _, value in differ)
+        raise OasesConfigError(
+            f"plan {path} was made for a model of {theirs} but profile {prof} is of {ours}; {fix}"
+        )
 
 
 def _check_batch(run, D, prof, fix):

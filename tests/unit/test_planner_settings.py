@@ -285,6 +285,7 @@ def test_the_plan_versus_run_warning_is_one_line_naming_both(tmp_path, capsys, m
     monkeypatch.setenv("RANK", "0")
     plan = {"version": 1, "tensor_model_parallel_size": 4, "degrees": [2, 4], "schedule": "oases"}
     plan.update(data_parallel_size=4, distributed_optimizer=True)
+    plan["model_shape"] = {"num_layers": 2}  # a plan without one gets a note too (test_plan_shape)
     capsys.readouterr()
     _warn_plan_differences("p.json", plan, _megatron_args(), "oases")
     err = capsys.readouterr().err.strip().splitlines()
