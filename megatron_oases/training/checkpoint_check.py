@@ -463,9 +463,39 @@ def check_load(args):
             f"--load {args.load} holds a checkpoint of another model: {problem} Use the "
             "model flags it was saved with, or another --load directory"
         )
-    problem = _schedule_problem(saved, args)
+    problem = _optimizer_problem(saved, args) or _schedule_problem(saved, args)
     if problem:
         raise OasesConfigError(f"--load {args.load}: {problem}")
+
+
+def _optimizer_problem(saved, args):
+    """The checkpoint's optimizer state is laid out for the other optimizer: saved with
+    ``--use-distributed-optimizer`` and loaded without it (Megatron-Core's load stops on a
+    ``KeyError`` for the optimizer's keys, which the load patch called "damaged"), or the reverse
+    (a ``CheckpointingException``, "ShardedTensor.flattened_range is not supported"). The
+    checkpoint is intact: name the flag, and ``--no-load-optim`` (under which both load)."""
+    if args.no_load_optim or args.finetune:
+        return None
+    if (getattr(args, "ckpt_format", None) or "torch_dist") != "torch_dist":
+        return None  # the torch format and FSDP's formats lay optimizer state out otherwise
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+        return None
+    there = bool(getattr(saved, "use_distributed_optimizer", False))
+    if there == bool(getattr(args, "use_distributed_optimizer", False)):
+        return None
+    if there:
+        return (
+            "the checkpoint was saved with --use-distributed-optimizer and is intact: its "
+            "optimizer state is sharded for the distributed optimizer; add "
+            "--use-distributed-optimizer to resume it, or --no-load-optim to start a new "
+            "optimizer from its weights"
+        )
+    return (
+        "the checkpoint was saved without --use-distributed-optimizer and is intact: "
+        "Megatron-Core cannot load its optimizer state into the distributed optimizer; drop "
+        "--use-distributed-optimizer to resume it, or add --no-load-optim to start a new "
+        "distributed optimizer from its weights"
+    )
 
 
 def _plan_degrees(path):

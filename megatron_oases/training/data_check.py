@@ -5,7 +5,11 @@ read only when a sample from its end is drawn).
 
 The index check reads a few bytes of each ``.idx`` (Megatron's ``_IndexReader`` layout: header,
 version, dtype code, counts, then the sequence lengths, pointers and document indices) and compares
-the ``.bin``'s size with the end of its last sequence; nothing is read in bulk."""
+the ``.bin``'s size with the end of its last sequence. Where the vocabulary is known before the
+tokenizer is built (``--tokenizer-type NullTokenizer``: ``--vocab-size`` is the vocabulary), the
+largest token id of each ``.bin`` is read once (one pass, memory-mapped, by the index's dtype):
+an id beyond the vocabulary is masked by Megatron's vocab-parallel embedding and loss in silence
+at TP > 1 (an ``IndexError`` at TP 1)."""
 
 import os
 import struct
@@ -53,6 +57,18 @@ def check_data_paths(args):
         why = index_problem(prefix)
         if why:
             raise OasesConfigError(f"data prefix {prefix}: {why}; {_AGAIN}")
+        why = vocabulary_problem(prefix, _vocabulary(args))
+        if why:
+            raise OasesConfigError(f"data prefix {prefix}: {why}")
+
+
+def _vocabulary(args):
+    """The vocabulary size known before the tokenizer is built, or None: ``--vocab-size`` under
+    ``--tokenizer-type NullTokenizer`` (other tokenizers read theirs from files, not loaded
+    here)."""
+    if getattr(args, "tokenizer_type", None) == "NullTokenizer":
+        return getattr(args, "vocab_size", None)
+    return None
 
 
 _AGAIN = "preprocess the data again (Megatron's tools/preprocess_data.py)"
@@ -103,4 +119,65 @@ def index_problem(prefix):
             f"{bin_} holds {have} bytes, {os.path.basename(idx)} indexes {end}: the two files "
             "are not one pair"
         )
+    return None
+
+
+#: numpy's names of Megatron's index dtype codes (``indexed_dataset.DType``).
+DTYPE_NAMES = {
+    1: "uint8",
+    2: "int8",
+    3: "int16",
+    4: "int32",
+    5: "int64",
+    6: "float64",
+    7: "float32",
+    8: "uint16",
+}
+#: Token ids read per step of :func:`token_id_range` (a bounded working set on any corpus).
+_CHUNK = 1 << 24
+
+
+def token_id_range(prefix):
+    """(smallest, largest) token id of ``PREFIX.bin`` (a pair :func:`index_problem` passed), read
+    once, memory-mapped in chunks by the index's dtype; None for an empty one."""
+    import numpy
+
+    with open(prefix + ".idx", "rb") as f:
+        f.seek(17)
+        code = f.read(1)[0]
+    dtype = numpy.dtype(DTYPE_NAMES[code])
+    count = os.path.getsize(prefix + ".bin") // dtype.itemsize
+    if count == 0:
+        return None
+    ids = numpy.memmap(prefix + ".bin", dtype=dtype, mode="r", shape=(count,))
+    low, high = None, None
+    for start in range(0, count, _CHUNK):
+        chunk = ids[start : start + _CHUNK]
+        lo, hi = chunk.min().item(), chunk.max().item()
+        low = lo if low is None else min(low, lo)
+        high = hi if high is None else max(high, hi)
+    del ids
+    return low, high
+
+
+def vocabulary_problem(prefix, vocab_size):
+    """Why ``PREFIX.bin``'s token ids do not fit a vocabulary of ``vocab_size`` (ids 0 to
+    ``vocab_size - 1``), or None (also when ``vocab_size`` is None: not known)."""
+    if not vocab_size:
+        return None
+    found = token_id_range(prefix)
+    if found is None:
+        return None
+    low, high = found
+    bin_ = prefix + ".bin"
+    if high >= vocab_size:
+        return (
+            f"{bin_} holds token id {high}, beyond --vocab-size {vocab_size} (ids 0 to "
+            f"{vocab_size - 1}; past the padded vocabulary Megatron masks such ids in silence at "
+            f"--tensor-model-parallel-size > 1); set --vocab-size to at least {high + 1} (the "
+            "vocabulary the data was made with), or preprocess the data again with this run's "
+            "tokenizer"
+        )
+    if low < 0:
+        return f"{bin_} holds token id {low}, below 0: not token ids of any tokenizer; {_AGAIN}"
     return None

@@ -319,3 +319,111 @@ def test_a_run_lock_holder_is_read_bounded(tmp_path):
     assert len(_holder(str(lock))) <= 200
     lock.write_text("x" * 10**6)
     assert _holder(str(lock)) == "another process"
+
+
+# ------------------------------------------------------------- 60.6: checkpoint and data
+def _torch_dist_checkpoint(load, iteration=2):
+    """A complete torch_dist checkpoint directory as the pre-flight sees it (its files; the saved
+    arguments come from the test's stand-in for Megatron's peek)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    it = load / f"iter_{iteration:07d}"
+    it.mkdir(parents=True)
+    (it / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (it / ".metadata").write_bytes(pickle.dumps(Metadata({}, storage_data={})))
+    (it / "__0_0.distcp").write_bytes(b"shard")
+    (load / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+@pytest.mark.parametrize("saved_with", [True, False])
+def test_a_checkpoint_of_the_other_optimizer_is_intact_and_names_the_flag(
+    tmp_path, monkeypatch, saved_with
+):
+    """A distributed-optimizer checkpoint loaded without ``--use-distributed-optimizer`` was
+    called "damaged" (Megatron-Core's load: ``KeyError: optimizer.state.exp_avg...``); the
+    reverse was a ``CheckpointingException`` traceback. Both are intact: one line names the
+    flag, and ``--no-load-optim`` loads either."""
+    import copy
+
+    from helpers.runs import parse
+    from megatron.training import checkpointing
+
+    from megatron_oases.training.checkpoint_check import check_load
+
+    load = tmp_path / "ckpt"
+    _torch_dist_checkpoint(load)
+    flag = "" if saved_with else " --use-distributed-optimizer"
+    args = parse(f"--load {load} --train-iters 4{flag}", world_size=2)
+    saved = copy.deepcopy(args)
+    saved.use_distributed_optimizer = saved_with
+    peek = {"args": saved, "checkpoint_version": 3.0, "iteration": 2}
+    monkeypatch.setattr(checkpointing, "_load_base_checkpoint", lambda *a, **k: (peek, "", 0, 0))
+    monkeypatch.setattr(checkpointing, "check_checkpoint_args", lambda *a, **k: None)
+    monkeypatch.setattr(checkpointing, "set_checkpoint_version", lambda *a, **k: None)
+    with pytest.raises(OasesConfigError) as err:
+        check_load(args)
+    text = str(err.value)
+    assert "damaged" not in text and "\n" not in text
+    if saved_with:
+        assert text == (
+            f"--load {load}: the checkpoint was saved with --use-distributed-optimizer and is "
+            "intact: its optimizer state is sharded for the distributed optimizer; add "
+            "--use-distributed-optimizer to resume it, or --no-load-optim to start a new "
+            "optimizer from its weights"
+        )
+    else:
+        assert text.startswith(f"--load {load}: the checkpoint was saved without ")
+        assert "drop --use-distributed-optimizer to resume it" in text
+    args.no_load_optim = True
+    check_load(args)  # the weights alone: both load
+    args.no_load_optim = False
+    args.use_distributed_optimizer = saved_with
+    check_load(args)  # the flag it was saved with
+
+
+def _dataset(prefix, ids, dtype="int32"):
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=getattr(numpy, dtype))
+    for start in range(0, len(ids), 50):
+        builder.add_item(torch.tensor(ids[start : start + 50]))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+@pytest.mark.parametrize("dtype", ["int32", "uint16"])
+def test_token_ids_beyond_the_vocabulary_are_one_line_before_training(tmp_path, monkeypatch, dtype):
+    """Token ids beyond ``--vocab-size`` in an indexed dataset were masked by Megatron at
+    TP > 1 without a word; the data pre-flight reads the largest id once."""
+    from helpers.runs import parse
+
+    from megatron_oases.training import data_check
+
+    monkeypatch.setattr(data_check, "_CHUNK", 64, raising=False)  # several chunks
+    ids = list(range(500)) * 2 + [700] + [3] * 20
+    prefix = _dataset(str(tmp_path / "corpus_text_document"), ids, dtype)
+    argv = f"--data-path {prefix} --tokenizer-type NullTokenizer --tensor-model-parallel-size 2"
+    with pytest.raises(OasesConfigError) as err:
+        data_check.check_data_paths(parse(f"{argv} --vocab-size 512", world_size=2))
+    assert str(err.value).startswith(
+        f"data prefix {prefix}: {prefix}.bin holds token id 700, beyond --vocab-size 512 (ids 0 "
+        "to 511; "
+    )
+    assert "set --vocab-size to at least 701" in str(err.value)
+    data_check.check_data_paths(parse(f"{argv} --vocab-size 701", world_size=2))
+
+
+def test_a_negative_token_id_is_one_line(tmp_path):
+    from helpers.runs import parse
+
+    from megatron_oases.training.data_check import check_data_paths
+
+    prefix = _dataset(str(tmp_path / "neg_text_document"), [5, -3] * 30)
+    args = parse(f"--data-path {prefix} --tokenizer-type NullTokenizer --vocab-size 512", 1)
+    with pytest.raises(OasesConfigError, match=r"neg_text_document\.bin holds token id -3, below"):
+        check_data_paths(args)
