@@ -41,6 +41,11 @@ from dataclasses import dataclass
 from .errors import OasesConfigError
 from .formats.profile import attention_flops_forward
 
+#: The version of what the roofline computes (a layer's FLOPs and memory-bound bytes, the time
+#: rule, hence D and the analytic profiles): bump it (to the day's date) in the same commit that
+#: changes them; benchmark reports record it (tests/unit/test_report_versions.py).
+DEVICE_MODEL_VERSION = "2026-12-07"
+
 #: Bytes per score of the unfused softmax path in fp32 (mask 4+4, softmax 4+4), casts excluded.
 _SOFTMAX_FP32_BYTES = 16
 

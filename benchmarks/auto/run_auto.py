@@ -27,7 +27,11 @@ import subprocess
 import sys
 import time
 
-from megatron_oases.launch import torchrun_command
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from benchmarks import provenance  # noqa: E402
+from megatron_oases.launch import torchrun_command  # noqa: E402
 
 COMMON = (
     "--tensor-model-parallel-size 2 --vocab-size 512 --num-layers 2 --micro-batch-size 2 "
@@ -60,13 +64,16 @@ def _env(dilation=None):
     return env
 
 
-def compare(out, shape, link, dilation=None):
-    """``oases compare`` of stock and the split schedules; its results.json."""
+def compare(out, shape, link, dilation=None, prov=None):
+    """``oases compare`` of stock and the split schedules (its reports stamped with ``prov``);
+    its results.json."""
     cmd = ["oases", "compare", "--nproc", "2", "--warmup", "2", "--iters", "6", "--repeats", "1"]
     cmd += ["--no-host-pass", "--variants", VARIANTS, "--out", out, "--force"]
     cmd += (["--emulate-link", link] if link else []) + ["--"] + shape.split()
     print("$", shlex.join(cmd), flush=True)
     subprocess.run(cmd, check=True, env=_env(dilation))
+    if prov:
+        provenance.stamp(prov, os.path.join(out, "results.md"), os.path.join(out, "results.json"))
     with open(os.path.join(out, "results.json")) as f:
         return json.load(f)
 
@@ -125,6 +132,12 @@ def compare_rows(result):
     ]
 
 
+def _stamped(text, results):
+    """The report with the provenance of the runs ``results`` holds (none recorded: none)."""
+    prov = results.get("provenance")
+    return provenance.markdown(text, prov) if prov else text
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results/auto")
@@ -140,13 +153,18 @@ def main(argv=None):
         with open(os.path.join(out, "results.json")) as f:
             results = json.load(f)
         with open(os.path.join(out, "README.md"), "w") as f:
-            f.write(report(results))
+            f.write(_stamped(report(results), results))
         return
     os.makedirs(out, exist_ok=True)
-    results = {"iters": a.iters, "tune_steps": a.tune_steps}
+    prov = provenance.record(
+        provenance.EMULATED,
+        provenance.command_line(__file__, sys.argv[1:] if argv is None else argv),
+    )
+    results = {"iters": a.iters, "tune_steps": a.tune_steps, "provenance": prov}
 
     # 1. emulated link: compare, then auto and the winner pinned, alternated
-    emulated = compare(os.path.join(out, "compare-rtx3090-pcie"), EMULATED, "rtx3090-pcie")
+    emulated = compare(os.path.join(out, "compare-rtx3090-pcie"), EMULATED, "rtx3090-pcie",
+                       prov=prov)  # fmt: skip
     dilation = emulated["emulation"]["dilation"]
     results["emulated"] = {"dilation": dilation, "compare": compare_rows(emulated)}
     base = f"{EMULATED} {RECOMPUTE} --emulate-link rtx3090-pcie"
@@ -165,7 +183,7 @@ def main(argv=None):
     results["emulated"]["runs"] = runs
 
     # 2. no emulated link, a shape where stock is fastest
-    plain = compare(os.path.join(out, "compare-no-link"), PLAIN, None)
+    plain = compare(os.path.join(out, "compare-no-link"), PLAIN, None, prov=prov)
     results["plain"] = {"compare": compare_rows(plain)}
     auto = f"{PLAIN} {RECOMPUTE} --oases-schedule auto --oases-tune-steps {a.tune_steps}"
     results["plain"]["runs"] = [{"kind": "auto", **train(os.path.join(out, "plain-auto"), auto,
@@ -174,7 +192,7 @@ def main(argv=None):
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(out, "README.md"), "w") as f:
-        f.write(report(results))
+        f.write(_stamped(report(results), results))
     print(f"wrote {out}/README.md, results.json")
 
 

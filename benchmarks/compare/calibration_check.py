@@ -28,6 +28,8 @@ sys.path.insert(0, ROOT)
 PAPER = (0.592, 0.647)  # Figure 2, Megatron-LM, two models on 4x RTX 3090
 from run_benchmarks import COMMON, SHAPES  # noqa: E402  (same directory)
 
+from benchmarks import provenance  # noqa: E402
+
 SHAPE = ["--tensor-model-parallel-size", "2", *COMMON, *SHAPES["h2048"]]
 
 
@@ -141,10 +143,11 @@ def main(argv=None):
         f"{'model, testbed shape, with the compute time measured there':62s} "
         f"{100 * o_share_busy:11.1f} %",
     ]
-    tp4, how4 = None, None
+    tp4, how4, read = None, None, [report.get("provenance")]
     if args.tp4_results and os.path.exists(args.tp4_results):
         with open(args.tp4_results) as f:
             rep4 = json.load(f)
+        read.append(rep4.get("provenance"))
         st4 = next((v for v in rep4["variants"] if v["name"] == "megatron"), None)
         if st4 and st4.get("trace"):
             tp4 = st4["trace"]["exposed_share"]
@@ -186,12 +189,17 @@ def main(argv=None):
     ]
     text = "\n".join(lines)
     print(text)
+    # as current as the runs it reads (and today's link model)
+    prov = provenance.record(
+        provenance.EMULATED, provenance.command_line(__file__, argv), inputs=read
+    )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "calibration.txt"), "w") as f:
-        f.write(text + "\n")
+        f.write(f"provenance: {json.dumps(prov, sort_keys=True)}\n{text}\n")
     with open(os.path.join(args.out, "calibration.json"), "w") as f:
         json.dump(
             {
+                "provenance": prov,
                 "paper_range": PAPER,
                 "model_paper_setup": p_share,
                 "model_paper_setup_compute_s": p_comp,

@@ -20,6 +20,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from benchmarks import provenance  # noqa: E402
+
 
 def reproject(results, host_us_per_call, layers):
     """Per variant ``[name, device_ms, issue_ms, projected_ms, host_bound, emulated_x,
@@ -71,9 +73,11 @@ def main(argv=None):
         "`host_us_per_call`; projected: the larger. Speed-ups over `megatron` (stock, full "
         "recompute) of the same run. A projection from an emulation, not a GPU measurement.",
     ]
+    read = []
     for path in sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/compare/*/results.json"))):
         with open(path) as f:
             results = json.load(f)
+        read.append(results.get("provenance"))
         profile = (results.get("emulation") or {}).get("profile")
         if not profile:
             continue
@@ -100,8 +104,12 @@ def main(argv=None):
             lines.append(f"| {n} | {device:.1f} | {issue:.1f} | {projected:.1f} | "
                          f"{'**yes**' if bound else 'no'} | {fmt(ex)} | {fmt(px)} | "
                          f"{l_dev:.1f} | {l_issue:.1f} | {fmt(lx)} |")  # fmt: skip
+    # as current as the rows it re-reads
+    prov = provenance.record(
+        provenance.EMULATED, provenance.command_line(__file__, argv), inputs=read
+    )
     with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(provenance.markdown("\n".join(lines) + "\n", prov))
     print(f"wrote {args.out}")
     return 0
 

@@ -27,8 +27,11 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
 
 from run_benchmarks import COMMON, SHAPES, shape  # noqa: E402  (the report's shapes)
+
+from benchmarks import provenance  # noqa: E402
 
 # small shapes for the agreement check (a few minutes per compare call on a 2-CPU host)
 CHECK_SHAPES = {
@@ -113,14 +116,21 @@ def main(argv=None):
     p.add_argument("--report-only", action="store_true")
     args = p.parse_args(argv)
     runs = {"all-ranks": [], "one-rank": []}
+    command = provenance.command_line(
+        __file__, [a for a in (sys.argv[1:] if argv is None else argv) if a != "--report-only"]
+    )
+    prov, read = provenance.record(provenance.EMULATED, command), []
     for pair in range(1, args.pairs + 1):
         for mode in runs:
             cmd, out = compare_argv(args, mode, pair)
+            md, js = os.path.join(out, "results.md"), os.path.join(out, "results.json")
             if not args.report_only:
                 print(f"=== pair {pair}, {mode}: oases {' '.join(cmd)}", flush=True)
-                subprocess.call([sys.executable, "-m", "megatron_oases", *cmd], cwd=ROOT)
-            if os.path.exists(os.path.join(out, "results.json")):
+                if subprocess.call([sys.executable, "-m", "megatron_oases", *cmd], cwd=ROOT) == 0:
+                    provenance.stamp(prov, md, js)
+            if os.path.exists(js):
                 runs[mode].append(speedups(out))
+                read.append(provenance.read(js))
     names = [n for n in runs["all-ranks"][0][0]] if runs["all-ranks"] else []
     lines = [
         f"# One rank against all ranks: {args.profile}, {args.shape}, TMP={args.tp}",
@@ -215,8 +225,10 @@ def main(argv=None):
     lines.append("")
     path = os.path.join(OUT, _tag(args), "README.md")
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    # as current as the runs it reads
+    prov = provenance.record(provenance.EMULATED, command, inputs=read or [None])
     with open(path, "w") as f:
-        f.write("\n".join(lines))
+        f.write(provenance.markdown("\n".join(lines), prov))
     print("\n".join(lines))
     print(f"wrote {path}")
     return 0

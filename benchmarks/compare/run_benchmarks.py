@@ -27,6 +27,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 OUT = os.path.join(ROOT, "benchmarks", "results", "compare")
+sys.path.insert(0, ROOT)
+
+from benchmarks import provenance  # noqa: E402
 
 
 def shape(layers, hidden, heads, seq, micro_batch):
@@ -150,10 +153,29 @@ def run(args):
             continue
         argv = compare_argv(profile, shape, args)
         print(f"=== {name}: oases {' '.join(argv)}", flush=True)
+        prov = provenance.record(provenance.EMULATED, _command(name, args))
         rc = subprocess.call([sys.executable, "-m", "megatron_oases", *argv], cwd=ROOT)
         if rc != 0:
             failures.append(f"{name} (exit {rc})")
+        else:  # the row's reports, stamped with what made them
+            d = os.path.join(OUT, name)
+            provenance.stamp(prov, os.path.join(d, "results.md"), os.path.join(d, "results.json"))
     return failures
+
+
+def _command(name, args):
+    """The command that regenerates one row: ``--only NAME`` and the options that differ from
+    the defaults."""
+    extra = []
+    for flag, value, default in (
+        ("--variants", args.variants, None),
+        ("--warmup", args.warmup, 1),
+        ("--iters", args.iters, 3),
+        ("--repeats", args.repeats, 1),
+    ):
+        if value != default:
+            extra += [flag, str(value)]
+    return " ".join(["python benchmarks/compare/run_benchmarks.py --only", name, *extra])
 
 
 def _load(name):
@@ -401,8 +423,14 @@ def write_report(args):
             if v.get("timeline"):
                 lines.append(f"![{v['name']}]({cfg}/{os.path.basename(v['timeline'])})")
         lines.append("")
+    # the index is as current as its rows: their recorded versions, not today's
+    prov = provenance.record(
+        provenance.EMULATED,
+        "python benchmarks/compare/run_benchmarks.py --report-only",
+        inputs=[rep.get("provenance") for rep in reports.values()],
+    )
     with open(os.path.join(OUT, "README.md"), "w") as f:
-        f.write("\n".join(lines))
+        f.write(provenance.markdown("\n".join(lines), prov))
     print(f"wrote {os.path.join(OUT, 'README.md')}")
 
 
@@ -436,9 +464,13 @@ def main(argv=None):
         for profile, shape in MATRIX:
             d = os.path.join(OUT, config_name(profile, shape))
             if os.path.exists(os.path.join(d, "results.json")):
+                prov = provenance.read(os.path.join(d, "results.json"))
                 subprocess.call(
                     [sys.executable, "-m", "megatron_oases", "compare", "--reanalyze", d], cwd=ROOT
                 )
+                if prov:  # the figures re-read from the same runs: what made those runs
+                    md, js = os.path.join(d, "results.md"), os.path.join(d, "results.json")
+                    provenance.stamp(prov, md, js)
     if args.calibration or not args.report_only:
         res = os.path.join(OUT, "rtx3090-pcie-h2048", "results.json")
         if os.path.exists(res):

@@ -18,6 +18,8 @@ sys.path.insert(0, ROOT)
 
 import report_cli  # noqa: E402 (beside this script)
 
+from benchmarks import provenance  # noqa: E402
+
 GPUS, GBS = 8, 64
 
 
@@ -230,6 +232,7 @@ def report(rows):
 
 def main(argv=None):
     args = report_cli.start(__doc__, argv)
+    prov = provenance.record(provenance.PLANNER, provenance.command_line(__file__, argv))
     rows = []
     for model, overrides, cluster in CASES:
         row = run_case(model, overrides, cluster)
@@ -237,9 +240,10 @@ def main(argv=None):
         print(f"{row['model']} seq {row['seq_length']} {cluster}: {row['verdict']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "fsdp.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(provenance.with_provenance({"rows": rows}, prov), f, indent=1)
     with open(os.path.join(args.out, "fsdp.md"), "w") as f:
-        f.write(report(rows))
+        f.write(provenance.markdown(report(rows), prov))
+    provenance.print_summary(prov)
     print(f"wrote {args.out}/fsdp.md")
     return 0
 

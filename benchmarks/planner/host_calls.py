@@ -305,6 +305,11 @@ def main(argv=None):
     with open(args.out, "w") as f:
         f.write(header + yaml.safe_dump(doc, sort_keys=False))
     print(f"wrote {args.out}")
+    print(
+        "if its counts changed: bump HOST_TABLE_VERSION (megatron_oases/planner/host_model.py) "
+        "in the same commit; tests/unit/test_report_versions.py then names the reports to "
+        "regenerate"
+    )
     return 0
 
 

@@ -17,6 +17,8 @@ sys.path.insert(0, ROOT)
 
 import report_cli  # noqa: E402 (beside this script)
 
+from benchmarks import provenance  # noqa: E402
+
 CPU_PROFILE = os.path.join(ROOT, "benchmarks", "results", "validation", "profile.json")
 #: The H100 check's layer (docs/compare.md, "The device model"): H=2048, 32 heads, seq 1024,
 #: TP 2, micro-batch 2, bf16, flash attention, no dropout; per layer, forward + recompute +
@@ -91,6 +93,7 @@ def _h100_row():
 
 def main(argv=None):
     args = report_cli.start(__doc__, argv)
+    prov = provenance.record(("device_model",), provenance.command_line(__file__, argv))
     rows, host = _cpu_rows()
     h100 = _h100_row()
 
@@ -113,8 +116,8 @@ def main(argv=None):
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "roofline_check.json"), "w") as f:
-        json.dump({"cpu": rows, "h100": h100, "h100_measured": H100_MEASURED, **summary}, f,
-                  indent=1)  # fmt: skip
+        doc = {"cpu": rows, "h100": h100, "h100_measured": H100_MEASURED, **summary}
+        json.dump(provenance.with_provenance(doc, prov), f, indent=1)
     lines = [
         "# Roofline compute of analytic profiles against measurements",
         "",
@@ -171,7 +174,8 @@ def main(argv=None):
             f"{t['gemm_ms'] + t['memory_ms']:.2f} | {t['gemm_ms']:.2f} |"
         )
     with open(os.path.join(args.out, "roofline_check.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(provenance.markdown("\n".join(lines) + "\n", prov))
+    provenance.print_summary(prov)
     print("\n".join(lines))
     return 0
 

@@ -17,6 +17,8 @@ sys.path.insert(0, ROOT)
 
 import report_cli  # noqa: E402 (beside this script)
 
+from benchmarks import provenance  # noqa: E402
+
 #: (model file, overrides, cluster, GPUs, global batch); the 256k vocabulary is where an uneven
 #: pipeline split wins (its output layer costs about five layers)
 CASES = [
@@ -33,6 +35,7 @@ CASES = [
 
 def main(argv=None):
     args = report_cli.start(__doc__, argv)
+    prov = provenance.record(provenance.PLANNER, provenance.command_line(__file__, argv))
     from megatron_oases.planner.choose import setting_name
     from megatron_oases.profiler.model_config import read_model_file
     from megatron_oases.search.search import model_for_search, search
@@ -72,7 +75,7 @@ def main(argv=None):
               f"{row['winner']} {row['winner_setting']}", flush=True)  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "search.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(provenance.with_provenance({"rows": rows}, prov), f, indent=1)
     lines = [
         "# `oases plan --gpus N`: search time and choice",
         "",
@@ -121,7 +124,8 @@ def main(argv=None):
             + f" | `{r['best_stock_launch_flags']}` |"
         )
     with open(os.path.join(args.out, "search.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(provenance.markdown("\n".join(lines) + "\n", prov))
+    provenance.print_summary(prov)
     print(f"wrote {args.out}/search.md")
     return 0
 

@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from benchmarks import provenance  # noqa: E402
 from megatron_oases.formats.profile import Profile  # noqa: E402
 from megatron_oases.planner.api import solve  # noqa: E402
 from megatron_oases.planner.build import build_problem  # noqa: E402
@@ -65,6 +66,7 @@ def main(argv=None):
     ap.add_argument("--layers", default="24,96,192")
     ap.add_argument("--out", default=os.path.join(HERE, "..", "results", "planner"))
     args = ap.parse_args(argv)
+    prov = provenance.record(provenance.PLANNER, provenance.command_line(__file__, argv))
     rows = []
     load0 = os.getloadavg()
     for L in [int(x) for x in args.layers.split(",")]:
@@ -128,9 +130,10 @@ def main(argv=None):
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "solve_time.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(provenance.with_provenance(result, prov), f, indent=1)
     with open(os.path.join(args.out, "solve_time.md"), "w") as f:
-        f.write(markdown(result))
+        f.write(provenance.markdown(markdown(result), prov))
+    provenance.print_summary(prov)
     print("all targets met" if result["all_targets_met"] else "TARGET MISSED")
     return 0 if result["all_targets_met"] else 1
 

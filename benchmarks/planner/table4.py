@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from benchmarks import provenance  # noqa: E402
 from megatron_oases.errors import OasesConfigError  # noqa: E402
 from megatron_oases.formats.profile import Profile  # noqa: E402
 from megatron_oases.planner.api import make_plan  # noqa: E402
@@ -136,6 +137,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(HERE, "..", "results", "planner"))
     args = ap.parse_args(argv)
+    prov = provenance.record(provenance.PLANNER, provenance.command_line(__file__, argv))
     rows, paper, sweep, sync, dopt = [], [], [], [], []
     for cluster in CLUSTERS:
         for model in MODELS:
@@ -169,10 +171,11 @@ def main(argv=None):
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "table4.json"), "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump(provenance.with_provenance(result, prov), f, indent=1)
     with open(os.path.join(args.out, "table4.md"), "w") as f:
-        f.write(markdown(result))
+        f.write(provenance.markdown(markdown(result), prov))
     print(markdown(result))
+    provenance.print_summary(prov)
     return 0
 
 

@@ -55,6 +55,11 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from benchmarks import provenance  # noqa: E402
+
+#: the models its figures depend on (the search's cost model, the emulated runs)
+MODELS = ("cost_model", "device_model", "emulator")
+
 MODEL = "tiny-cpu"
 SHAPE = dict(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512,
              max_position_embeddings=512, vocab_size=1024,
@@ -265,8 +270,11 @@ def write_report(out, out_dir):
             f"measured {1e3 * thumb_row['measured_s']:.2f} ms, "
             f"{thumb_row['measured_s'] / chosen['measured_s']:.2f}x the chosen one's."
         )
+    text = "\n".join(lines) + "\n"
+    if out.get("provenance"):  # the grid's run (--report-only, --reanalyze: re-read, not re-run)
+        text = provenance.markdown(text, out["provenance"])
     with open(os.path.join(out_dir, "verify_search.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
 
 
 def _with_fsdp(cands, margs, result):
@@ -410,6 +418,7 @@ def main(argv=None):
         _write(reanalyze(args.runs, args.out), args.out)
         print(f"wrote {args.out}/verify_search.json and .md from the runs in {args.runs}")
         return 0
+    prov = provenance.record(MODELS, provenance.command_line(__file__, argv))
     from megatron_oases.search import search as search_mod
 
     search_mod._optimizers = lambda layout: (False,)  # no distributed optimizer (docstring)
@@ -472,6 +481,7 @@ def main(argv=None):
         "runs_s": round(time.time() - t0),
         "repeats": len(repeats),
         "candidates_run": len(cands),
+        "provenance": prov,
     }
     _write(_summarize(out), args.out)
     print(f"wrote {args.out}/verify_search.md ({out['runs_s']} s of runs)")

@@ -40,6 +40,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, REPO)
+
+from benchmarks import provenance  # noqa: E402
+
+#: the models its figures depend on: the planner's predictions against emulated runs
+MODELS = ("cost_model", "device_model", "emulator")
 MODEL = os.path.join(HERE, "model.yaml")
 LINK = "rtx3090-pcie"
 GLOBAL_BATCH, MICRO_BATCH, T, LAYERS = 4, 4, 2, 4
@@ -280,8 +286,11 @@ def analyze(report, out):
     _plot(rows, os.path.join(out, "scatter.png"))
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(report, f, indent=1)
+    text = _markdown(report)
+    if report.get("provenance"):  # the runs' (--analyze-only re-reads them, not re-runs)
+        text = provenance.markdown(text, report["provenance"])
     with open(os.path.join(out, "results.md"), "w") as f:
-        f.write(_markdown(report))
+        f.write(text)
     print(_markdown(report))
 
 
@@ -439,8 +448,17 @@ def main(argv=None):
             report.setdefault("reruns", []).append(
                 {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "names": names}
             )
+            # rows re-measured now beside the others: as current as the older of the two
+            report["provenance"] = provenance.record(
+                MODELS,
+                provenance.command_line(__file__, sys.argv[1:] if argv is None else argv),
+                inputs=[report.get("provenance")],
+            )
         analyze(report, out)
         return 0
+    prov = provenance.record(
+        MODELS, provenance.command_line(__file__, sys.argv[1:] if argv is None else argv)
+    )
     # an SP profile also holds everything the non-SP plans need
     sp_flag = ["--sequence-parallel"] if a.sequence_parallel else []
     profile = os.path.join(out, "profile-sp.json" if sp_flag else "profile.json")
@@ -491,6 +509,7 @@ def main(argv=None):
                  "load_avg_at_end": open("/proc/loadavg").read().split()[:3]},
         "model": TRAIN, "link": LINK, "profile": os.path.basename(profile),
         "warmup": a.warmup, "iters": a.iters, "planner": chosen, "rows": rows,
+        "provenance": prov,
     }  # fmt: skip
     analyze(report, out)
     return 0

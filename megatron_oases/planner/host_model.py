@@ -25,6 +25,10 @@ from .. import resources
 from ..errors import OasesConfigError
 
 TABLE_PATH = resources.data_path("host_calls.yaml")
+#: The version of the host-call table (configs/host_calls.yaml, rewritten by
+#: benchmarks/planner/host_calls.py): bump it (to the day's date) in the same commit that changes
+#: its counts; the planner's reports record it (tests/unit/test_report_versions.py).
+HOST_TABLE_VERSION = "2026-12-07"
 
 
 def setting_key(schedule, recompute, split="batch"):

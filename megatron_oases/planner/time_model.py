@@ -22,6 +22,11 @@ chains contain (blocks per schedule, boundaries, per-iteration terms) is :mod:`.
 
 import numpy as np
 
+#: The version of the planner's cost model (time and memory: this module, build, memory_model,
+#: block_comm, the host term's rule): bump it (to the day's date) in the same commit that changes
+#: what it computes; the planner's reports record it (tests/unit/test_report_versions.py).
+COST_MODEL_VERSION = "2026-12-07"
+
 
 # ====================================================================== evaluation (eq. 3, 4)
 def _gather_if_grows(gather, ks, prev_layer, cur_layer):

@@ -64,6 +64,12 @@ from .clusters import load_cluster
 from .collectives import replacements
 from .link_model import LinkEmulator
 
+#: The version of what the link emulation computes (the modelled collective times and their
+#: queueing, the dilation D's rule, the waits): bump it (to the day's date) in the same commit that
+#: changes any of them; benchmark reports record it, and tests/unit/test_report_versions.py names
+#: the committed reports it makes stale.
+EMULATOR_VERSION = "2026-12-07"
+
 
 def shape_of_args(args):
     """The layer shape of Megatron's ``args`` as :mod:`megatron_oases.device_model` counts it,
