@@ -50,9 +50,11 @@ MEASUREMENT_PATCHES = {
 CATALOGUE = {**RUN_PATCHES, **JOB_PATCHES, **MEASUREMENT_PATCHES}
 
 
-def make_runtime(config):
+def make_runtime(config, install=False):
     """One run's :class:`~.runtime.OasesRuntime` for ``config``: what its patches and stages
-    share, and its patches (none installed: :func:`install` does that)."""
+    share, and its patches, each made (and with ``install``, installed) in the catalogue's order:
+    a patch made after another is installed wraps what that one put in place (the tuner's
+    ``train_step`` wraps ``--log-json``'s, which wraps ``--oases-trace``'s)."""
     from ..compat import check_megatron_core
     from ..instrument.golden import make_patch as golden_values
     from ..instrument.golden import make_recorder
@@ -63,31 +65,44 @@ def make_runtime(config):
     from ..platform.fsdp2_checkpoint import make_patch as fsdp2_checkpoint
     from ..platform.norm_recompute import make_patch as norm_recompute_without_te
     from ..platform.torch_norm import make_patch as torch_norm_sp
-    from ..schedule.megatron.patch import joins_stage_ends
+    from ..schedule.megatron.patch import joins_stage_ends, make_selection
     from ..schedule.megatron.patch import make_patch as oases_schedule
-    from ..schedule.megatron.patch import make_selection
     from ..testbed.emulator import make_patch as emulate_link
     from ..tuning.runtime import make_patch as oases_autotune
     from ..tuning.runtime import make_tuner
 
     check_megatron_core()
+    if install:
+        clash = [name for name in RUN_PATCHES if REGISTRY.get(name) is not None]
+        if clash:
+            raise RuntimeError(
+                f"megatron-oases: patches {clash} are installed by another runtime; "
+                "uninstall_all() first (one runtime per job)"
+            )
     tracer = make_tracer(config)
     recorder = make_recorder(config)
     selection = make_selection(config, tracer)
     plans = AttachedPlans() if config.plan is not None else None
     tuner = make_tuner(config, selection, recorder, tracer)
-    made = (
-        torch_norm_sp(config),
-        norm_recompute_without_te(config),
-        distopt_resume(config),
-        fsdp2_checkpoint(config),
-        emulate_link(config),
-        oases_trace(config, tracer),
-        golden_values(config, recorder),
-        oases_schedule(config, plans),
-        oases_autotune(config, tuner),
+    factories = (  # the order of RUN_PATCHES
+        lambda: torch_norm_sp(config),
+        lambda: norm_recompute_without_te(config),
+        lambda: distopt_resume(config),
+        lambda: fsdp2_checkpoint(config),
+        lambda: emulate_link(config),
+        lambda: oases_trace(config, tracer),
+        lambda: golden_values(config, recorder),
+        lambda: oases_schedule(config, plans),
+        lambda: oases_autotune(config, tuner),
     )
-    patches = tuple(p for p in made if p is not None)
+    patches = []
+    for make in factories:
+        patch = make()
+        if patch is None:
+            continue
+        if install:
+            REGISTRY.install(patch)
+        patches.append(patch)
     assert [p.name for p in patches] == [n for n in RUN_PATCHES if n in {p.name for p in patches}]
     return OasesRuntime(
         config=config,
@@ -97,24 +112,15 @@ def make_runtime(config):
         tracer=tracer,
         recorder=recorder,
         tuner=tuner,
-        patches=patches,
+        patches=tuple(patches),
     )
 
 
 def install(config):
-    """Make the run's runtime (:func:`make_runtime`) and install its patches; returns the
+    """Make the run's runtime with its patches installed (:func:`make_runtime`); returns the
     runtime, which ``prepare_model`` takes. One runtime per job: installing a second one while
     the first's patches are in place is refused (a programming error, not a user's)."""
-    runtime = make_runtime(config)
-    clash = [p.name for p in runtime.patches if REGISTRY.get(p.name) is not None]
-    if clash:
-        raise RuntimeError(
-            f"megatron-oases: patches {clash} are installed by another runtime; uninstall_all() "
-            "first (one runtime per job)"
-        )
-    for patch in runtime.patches:
-        REGISTRY.install(patch)
-    return runtime
+    return make_runtime(config, install=True)
 
 
 def install_patch(patch):

@@ -106,3 +106,34 @@ def test_two_runtimes_share_nothing():
     assert not set(map(id, first.patches)) & set(map(id, second.patches))
     first.selection.select(Schedule.OASES)
     assert second.selection.schedule == Schedule.OFF
+
+
+def test_installed_patches_wrap_what_the_ones_before_them_put_in_place(tmp_path):
+    """The run's patches are made and installed one after another: each replacement of a symbol
+    another patch replaced before it wraps that one (the tuner's ``train_step`` wraps
+    ``--log-json``'s, which wraps ``--oases-trace``'s), so none is bypassed. Made all first and
+    installed after, each captured Megatron's own function and the earlier ones never ran."""
+    from megatron.training import training
+
+    flags = f"--oases-schedule auto --oases-tune-steps 8 --log-json {tmp_path / 'g.json'} "
+    flags += f"--oases-trace {tmp_path / 'trace.json'}"
+    config = OasesConfig.from_args(parse(TINY + flags, world_size=2))
+    original = training.train_step
+    runtime = patches.install(config)
+    try:
+        chain = [
+            (p.name, orig, new)
+            for p in runtime.patches
+            for (owner, attr, orig), (_, _, new) in zip(p._originals, p.replacements)
+            if owner is training and attr == "train_step"
+        ]
+        names = [name for name, _, _ in chain]
+        assert names == ["oases-trace", "golden-values", "oases-autotune"], names
+        assert chain[0][1] is original
+        for (_, _, below), (name, wrapped, _) in zip(chain, chain[1:]):
+            assert wrapped is below, f"{name} bypasses the patch installed before it"
+        assert training.train_step is chain[-1][2]
+    finally:
+        for patch in reversed(runtime.patches):
+            patches.uninstall(patch.name)
+    assert training.train_step is original
