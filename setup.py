@@ -15,6 +15,7 @@ setup(
         "megatron-core>=0.18,<0.21",
         "torch>=2.6",
         "psutil",  # megatron-core's torch_dist checkpoints need it, the wheel does not declare it
+        "einops",  # --use-megatron-fsdp's device mesh needs it; megatron-core lists it only in 'dev'
         "pulp>=2.7,<3",  # 2.x bundles the CBC solver the ILP uses; 3+ ships none
         "numpy",
         "pyyaml",

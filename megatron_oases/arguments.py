@@ -36,6 +36,10 @@ CPU_DEFAULTS = (
     ("--no-rope-fusion", None),
     ("--use-cpu-initialization", None),
 )
+#: Added to :data:`CPU_DEFAULTS` under ``--use-megatron-fsdp``: gloo has no ``PREMUL_SUM``, with
+#: which Megatron-FSDP divides gradients inside their reduction; this is its own other path (the
+#: same factor multiplied in before a SUM; platform/megatron_fsdp.py).
+MEGATRON_FSDP_CPU_DEFAULTS = (("--no-gradient-reduce-div-fusion", None),)
 #: Added when absent everywhere: our patches act on Megatron-Core's local linears.
 ALWAYS_DEFAULTS = (("--transformer-impl", "local"),)
 #: ``oases train`` only: a tiny model on mock data, so that a demo needs only the flags it varies.
@@ -236,6 +240,8 @@ def with_defaults(argv, demo=False, cuda=None):
     groups = [ALWAYS_DEFAULTS, LOOP_DEFAULTS]
     if not cuda:
         groups.append(CPU_DEFAULTS)
+        if _has(argv, "--use-megatron-fsdp"):
+            groups.append(MEGATRON_FSDP_CPU_DEFAULTS)
     if demo:
         groups.append(DEMO_DEFAULTS)
         if not _has(argv, "--data-path") and not _has(argv, "--mock-data"):

@@ -665,8 +665,11 @@ RULES = (
         "distributed init",
         _H,
         _R,
-        "Megatron-FSDP's buffers gather a layer's parameters in hooks the split schedules bypass "
-        "(untried); it needs CUDA",
+        "Megatron-FSDP, every --data-parallel-sharding-strategy, on CPU ranks too (the "
+        "megatron-fsdp-cpu patch; parity-tested against DDP: tests/e2e/test_megatron_fsdp_e2e.py); "
+        "the split schedules bypass the hooks in which its buffers gather a layer's parameters "
+        "and take its gradients (each would arrive twice); with PP > 1 this megatron-core's "
+        "Megatron-FSDP fails on any device (refused)",
         flags=("--use-megatron-fsdp",),
         enforced_by="validation.check_sharded_data_parallel",
         example="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
@@ -682,9 +685,24 @@ RULES = (
             "--enable-full-sharding-in-hsdp",
             "--suggested-communication-unit-size",
             "--keep-fp8-transpose-cache",
-            "--fsdp-double-buffer",
-            "--fsdp-manual-registration",
         ),
+    ),
+    Rule(
+        "distributed init",
+        _I,
+        _I,
+        "NCCL user buffers, Megatron-FSDP's double buffer and manual registration (CUDA only): "
+        "refused under --use-megatron-fsdp on CPU ranks (validation.check_megatron_fsdp, with "
+        "CUDA graphs, FP8 and more than one --num-distributed-optimizer-instances)",
+        flags=("--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration"),
+    ),
+    Rule(
+        "distributed init",
+        _I,
+        _I,
+        "Megatron-FSDP divides gradients inside their reduction (NCCL's PREMUL_SUM), or before "
+        "it: CPU runs under --use-megatron-fsdp add the flag (gloo has no PREMUL_SUM)",
+        flags=("--no-gradient-reduce-div-fusion",),
     ),
     Rule(
         "distributed init",

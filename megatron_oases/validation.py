@@ -596,23 +596,116 @@ def check_cuda_graphs(args, schedule, cuda_available):
         )
 
 
+#: Megatron-FSDP's options that cannot run on CPU gloo ranks (what each needs), as
+#: ``(flag, attribute, values that are no use of it, why)``: one refusal line each.
+MEGATRON_FSDP_CUDA_ONLY = (
+    ("--use-nccl-ub", "nccl_ub", (False, None), "registers NCCL user buffers (CUDA and NCCL)"),
+    (
+        "--fsdp-manual-registration",
+        "fsdp_manual_registration",
+        (False, None),
+        "registers NCCL user buffers (CUDA and NCCL)",
+    ),
+    (
+        "--fsdp-double-buffer",
+        "fsdp_double_buffer",
+        (False, None),
+        "is untried on CPU ranks (its allocators wait on CUDA streams)",
+    ),
+    (
+        "--megatron-fsdp-max-pool-double-buffer",
+        "megatron_fsdp_max_pool_double_buffer",
+        (False, None),
+        "is untried on CPU ranks (its allocators wait on CUDA streams)",
+    ),
+    (
+        "--num-distributed-optimizer-instances",
+        "num_distributed_optimizer_instances",
+        (1, None),
+        "(hybrid sharding, HSDP) is untried on CPU ranks",
+    ),
+    ("--cuda-graph-impl", "cuda_graph_impl", ("none", None), "captures CUDA graphs (CUDA only)"),
+    ("--enable-cuda-graph", "enable_cuda_graph", (False, None), "captures CUDA graphs (CUDA only)"),
+    (
+        "--external-cuda-graph",
+        "external_cuda_graph",
+        (False, None),
+        "captures CUDA graphs (CUDA only)",
+    ),
+    ("--fp8-format", "fp8", (None,), "needs Transformer Engine on CUDA"),
+    (
+        "--fp8-param-gather",
+        "fp8_param_gather",
+        (False, None),
+        "needs Transformer Engine on CUDA",
+    ),
+)
+
+
+def check_megatron_fsdp(args, cuda_available):
+    """``--use-megatron-fsdp``: ``einops`` installed (Megatron-FSDP's device mesh needs it, and
+    megatron-core does not install it); without CUDA (the ``megatron-fsdp-cpu`` platform patch),
+    none of the options that cannot run on CPU ranks, its gradient division outside the
+    collective (gloo has no ``PREMUL_SUM``), and no checkpoints: a save hangs there when a rank
+    holds no shard of some parameter (that rank's optimizer state then lacks the entry, and the
+    ranks' per-entry collectives stop pairing up)."""
+    import importlib.util
+
+    if importlib.util.find_spec("einops") is None:
+        raise OasesConfigError(
+            "--use-megatron-fsdp needs einops (Megatron-FSDP builds its device mesh with it); "
+            "pip install einops"
+        )
+    if cuda_available is None or cuda_available:
+        return
+    for flag, attribute, unused, why in MEGATRON_FSDP_CUDA_ONLY:
+        value = getattr(args, attribute, None)
+        if value not in unused:
+            given = flag if value is True else f"{flag} {value}"
+            raise OasesConfigError(
+                f"{given} {why}: it does not run under --use-megatron-fsdp on CPU ranks; drop it"
+            )
+    if getattr(args, "gradient_accumulation_fusion", False):
+        raise OasesConfigError(
+            "gradient-accumulation fusion under --use-megatron-fsdp needs Transformer Engine on "
+            "CUDA; add --no-gradient-accumulation-fusion"
+        )
+    if getattr(args, "gradient_reduce_div_fusion", False):
+        raise OasesConfigError(
+            "--use-megatron-fsdp on CPU ranks divides gradients before their reduction (gloo has "
+            "no PREMUL_SUM to divide inside it); add --no-gradient-reduce-div-fusion"
+        )
+    for flag in ("save", "load"):
+        if getattr(args, flag, None):
+            raise OasesConfigError(
+                f"--{flag} does not run under --use-megatron-fsdp on CPU ranks yet (its "
+                "fsdp_dtensor save hangs where a rank holds no shard of a parameter); drop "
+                "--save/--load, or use --use-distributed-optimizer"
+            )
+
+
 def check_sharded_data_parallel(args, schedule, cuda_available):
     """Megatron's two sharded data-parallel wrappers (``--use-torch-fsdp2``,
     ``--use-megatron-fsdp``): what runs where (docs/megatron-lm.md, sharded data parallelism)."""
     torch_fsdp2 = getattr(args, "use_torch_fsdp2", False)
     megatron_fsdp = getattr(args, "use_megatron_fsdp", False)
-    if megatron_fsdp and not cuda_available:
-        raise OasesConfigError(
-            "--use-megatron-fsdp needs CUDA (Megatron-FSDP's buffers, streams and events are "
-            "CUDA's); without a GPU use --use-torch-fsdp2 (with --untie-embeddings-and-output-"
-            "weights) for sharded data parallelism"
-        )
     if megatron_fsdp and schedule != "off":
+        # Megatron-FSDP hands a parameter's gradient to its bucket from a per-parameter hook that
+        # copies it: under two sub-batches the first one's would be overwritten, in silence.
         raise OasesConfigError(
             f"--oases-schedule {schedule} does not run under --use-megatron-fsdp yet (its buffers "
             "gather a layer's parameters in hooks the split schedules bypass); use "
             "--use-torch-fsdp2, or --oases-schedule off"
         )
+    if megatron_fsdp and (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+        raise OasesConfigError(
+            "--use-megatron-fsdp does not run with --pipeline-model-parallel-size > 1 in this "
+            "megatron-core, on any device (its Megatron-FSDP lays its device mesh out over the "
+            "whole world as DP x TP, and its hooks make a stage's output a view, which "
+            "Megatron's pipeline refuses to free); drop one of them"
+        )
+    if megatron_fsdp:
+        check_megatron_fsdp(args, cuda_available)
     if (torch_fsdp2 or megatron_fsdp) and getattr(args, "oases_plan", None):
         flag = "--use-torch-fsdp2" if torch_fsdp2 else "--use-megatron-fsdp"
         raise OasesConfigError(

@@ -80,6 +80,9 @@ def capture_patch(record, grads):
     def capture_grads(model):
         out = {}
         for chunk in model:
+            if is_megatron_fsdp(chunk):
+                out.update(megatron_fsdp_grads(chunk, grads))
+                continue
             module = chunk.module if hasattr(chunk, "module") else chunk
             for name, p in global_param_names(module):
                 g = getattr(p, "main_grad", None)
@@ -112,6 +115,65 @@ def capture_patch(record, grads):
         return out
 
     return Patch("inprocess-capture", [(training, "train_step", train_step)])
+
+
+def is_megatron_fsdp(chunk):
+    """Whether ``chunk`` is Megatron-FSDP's wrapper (``--use-megatron-fsdp``)."""
+    try:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    except ImportError:
+        return False
+    return isinstance(chunk, FullyShardedDataParallel)
+
+
+def uneven_to_full(dtensor):
+    """The whole tensor of Megatron-FSDP's unevenly sharded ``dtensor``, on every rank of its
+    mesh: each rank's chunk placed at its offset in zeros, then summed over each sharded mesh
+    dimension (disjoint chunks: exact). Megatron-FSDP's own ``uneven_dtensor_to_full_tensor``
+    all-gathers chunks of different sizes, which gloo refuses."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        update_uneven_dtensor_chunk_metadata,
+    )
+    from torch.distributed.tensor import Shard
+
+    if not hasattr(dtensor._local_tensor, "__create_chunk_list__"):
+        update_uneven_dtensor_chunk_metadata(dtensor)
+    (chunk,) = dtensor.__create_chunk_list__()
+    local = dtensor.to_local()
+    full = torch.zeros(dtensor.shape, dtype=dtensor.dtype, device=local.device)
+    full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, local.shape))] = local
+    for mesh_dim, placement in enumerate(dtensor.placements):
+        if isinstance(placement, Shard):
+            dist.all_reduce(full, group=dtensor.device_mesh.get_group(mesh_dim))
+    return full
+
+
+def megatron_fsdp_grads(chunk, grads):
+    """``{global name: gradient}`` of a Megatron-FSDP chunk after ``finish_grad_sync``: each
+    parameter's reduced gradient (its ``dist_main_grad``, an unevenly sharded DTensor over the
+    data-parallel and tensor-parallel ranks, present on every rank even where its local shard is
+    empty) gathered whole (:func:`uneven_to_full`), then this rank's tensor-parallel
+    shard of it, as DDP's ``main_grad`` holds (``grads="full"``: gathered as DDP's are)."""
+    from megatron.core import parallel_state
+
+    from ..layer_degrees.shards import full_tensor, global_param_names
+
+    fsdp = chunk.module
+    model, buffer = fsdp.module, fsdp.param_and_grad_buffer
+    originals = {name: p.orig_param for name, p in buffer.optimizer_named_parameters}
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    out = {}
+    for (local, _), (name, _) in zip(model.named_parameters(), global_param_names(model)):
+        param = originals[local]
+        g = uneven_to_full(buffer.dist_main_grad[local])
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            g = g.chunk(tp, dim=param.partition_dim)[tp_rank]
+        g = g.clone()
+        out[name] = full_tensor(g, param, name, model.config) if grads == "full" else g
+    return out
 
 
 def pretrain_and_capture(argv, grads=False, demo=True):

@@ -35,11 +35,23 @@ def check_output_paths(config):
 
 
 def check_before_training(args, config):
-    """Refuse what would fail (or destroy checkpoints) later; install the safe-save patches and
-    the console's loss fix (:mod:`.console_log`). ``args``: Megatron's; ``config``: the run's
-    :class:`~megatron_oases.config.OasesConfig`."""
+    """Refuse what would fail (or destroy checkpoints) later; install the safe-save patches, the
+    console's loss fix (:mod:`.console_log`) and, on CPU ranks, Megatron-FSDP's platform patch.
+    ``args``: Megatron's; ``config``: the run's :class:`~megatron_oases.config.OasesConfig`."""
     check_output_paths(config)
     check_data_paths(args)
     prepare_checkpointing(args, config.start_over)
     console_log.install(args)
     dataset_helpers.install()
+    install_megatron_fsdp_cpu(args)
+
+
+def install_megatron_fsdp_cpu(args):
+    """``--use-megatron-fsdp`` on CPU ranks: the ``megatron-fsdp-cpu`` platform patch, before
+    Megatron builds the model (:mod:`megatron_oases.platform.megatron_fsdp`)."""
+    from ..patches import install_patch
+    from ..platform.megatron_fsdp import make_patch
+
+    patch = make_patch(args)
+    if patch is not None:
+        install_patch(patch)

@@ -55,11 +55,6 @@ def test_split_schedule_under_torch_fsdp2_runs_under_emulated_link(no_max_connec
     "argv,match",
     [
         (
-            "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
-            "--use-megatron-fsdp needs CUDA (Megatron-FSDP's buffers, streams and events are "
-            "CUDA's); without a GPU use --use-torch-fsdp2",
-        ),
-        (
             FSDP2 + "--oases-plan plan.json --tensor-model-parallel-size 2",
             "--oases-plan does not run under --use-torch-fsdp2",
         ),
