@@ -572,11 +572,11 @@ def prepare_checkpointing(args, start_over):
     """Everything above, before ``pretrain()``: ``--save`` writable, one run's (:mod:`.save_owner`)
     and saved safely (its checkpoints replaced only with ``start_over``), ``--load`` there and
     complete and of this model, its load errors one line."""
-    from ..patches import REGISTRY
+    from ..patches import install_patch
 
     check_save_dir(args)
     check_load(args)
     claim_save_dir(args, start_over)  # after the checks every rank makes: rank 0 locks --save
     if args.load and os.path.isfile(os.path.join(args.load, TRACKER)):
-        REGISTRY.install(make_load_patch(args.load))
+        install_patch(make_load_patch(args.load))
     safe_save.install(args)

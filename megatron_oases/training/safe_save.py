@@ -27,7 +27,7 @@ import os
 import shutil
 
 from ..errors import OasesConfigError, StoppedByAnotherRank, TrainingStopped
-from ..patches import REGISTRY, Patch
+from ..patches import Patch, install_patch
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STAGING = ".saving"
@@ -420,7 +420,7 @@ def make_patch():
 def install(args):
     """Install for a run that saves (idempotent; ``patches.uninstall_all()`` reverts it)."""
     if getattr(args, "save", None):
-        REGISTRY.install(make_patch())
+        install_patch(make_patch())
 
 
 def read_tracker(directory, fix=None):

@@ -94,6 +94,18 @@ def _issue(sub_batch, op, tracer, early):
     return _InFlight(sub_batch, work, result, op)
 
 
+@contextlib.contextmanager
+def holding(owner, attr, value):
+    """``owner.attr`` is ``value`` inside the context, and what it was again after (nested
+    contexts restore in turn)."""
+    outer = getattr(owner, attr)
+    setattr(owner, attr, value)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, outer)
+
+
 class Interleave:
     """Yield points inside a long compute op (main_j). Under sequence parallelism each block has
     two collectives with a short op between them (reduce-scatter → bda + ln → all-gather); at a
@@ -116,13 +128,8 @@ class Interleave:
         if self.execution is not None:
             self.execution.yield_point()
 
-    @contextlib.contextmanager
     def active(self, execution):
-        outer, self.execution = self.execution, execution
-        try:
-            yield
-        finally:
-            self.execution = outer
+        return holding(self, "execution", execution)
 
 
 class _Execution:

@@ -28,6 +28,7 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 
 from ...errors import OasesConfigError
 from ...validation import SUB_BATCHES
+from ..engine.executor import holding
 from ..engine.split import BatchSplit, split_sizes
 
 
@@ -124,13 +125,8 @@ class PrefixAttention:
         self.chunk, self.in_forward = None, True
         self.kv, self.leaves, self.roots, self.grads = {}, {}, {}, {}
 
-    @contextlib.contextmanager
     def running(self, chunk):
-        outer, self.chunk = self.chunk, chunk
-        try:
-            yield
-        finally:
-            self.chunk = outer
+        return holding(self, "chunk", chunk)
 
     @contextlib.contextmanager
     def hooks(self):

@@ -18,11 +18,27 @@ from . import loss
 from .rng import replay, snapshot
 
 
+def _in_place(sb, slot, group, kind, labels, detach=False):
+    """The collective of the stage end's slot ``slot`` of ``sb``: takes it (detached with
+    ``detach``) and puts the result back in the same slot."""
+    take = (lambda: sb.ends.take(slot).detach()) if detach else (lambda: sb.ends.take(slot))
+    return Comm(get=take, done=BlockOps.store(sb.ends, slot), group=group, kind=kind, **labels)
+
+
 def _backward(outputs, grads):
     torch.autograd.backward(outputs, grads)
 
 
-class EmbeddingEnd:
+class _End:
+    """What both stage ends share: the reduction of a tensor-parallel partial (a reduce-scatter
+    along the sequence under SP)."""
+
+    @property
+    def reduction(self):
+        return "reduce_scatter" if self.sequence_parallel else "all_reduce"
+
+
+class EmbeddingEnd(_End):
     """The first stage's embedding as the first ops of each sub-batch's programs."""
 
     LABELS = dict(layer=-1, block="embedding")
@@ -59,13 +75,7 @@ class EmbeddingEnd:
         labels = dict(**{"pass": "forward"}, **self.LABELS)
         return [
             Compute(lambda: self._lookup(sb), **labels),
-            Comm(
-                get=lambda: sb.ends.take("lookup"),
-                done=BlockOps.store(sb.ends, "lookup"),
-                group=self.group,
-                kind="reduce_scatter" if self.sequence_parallel else "all_reduce",
-                **labels,
-            ),
+            _in_place(sb, "lookup", self.group, self.reduction, labels),
             Compute(lambda: deliver(self._finish(sb)), **labels),
         ]
 
@@ -111,13 +121,7 @@ class EmbeddingEnd:
             return [Compute(lambda: self._backward(sb), **labels)]
         return [
             Compute(lambda: self._backward_to_scatter(sb), **labels),
-            Comm(
-                get=lambda: sb.ends.take("scatter_grad"),
-                done=BlockOps.store(sb.ends, "scatter_grad"),
-                group=self.group,
-                kind="all_gather",
-                **labels,
-            ),
+            _in_place(sb, "scatter_grad", self.group, "all_gather", labels),
             Compute(
                 lambda: _backward(sb.ends.take("scatter_input"), sb.ends.take("scatter_grad")),
                 **labels,
@@ -143,7 +147,7 @@ class EmbeddingEnd:
         sb.ends.scatter_input, sb.ends.scatter_grad = full, leaf.grad
 
 
-class OutputEnd:
+class OutputEnd(_End):
     """The last stage's final layernorm, output layer and loss as the last ops of each
     sub-batch's forward program and the first of its backward program."""
 
@@ -190,13 +194,7 @@ class OutputEnd:
         if self.sequence_parallel:
             ops = [
                 Compute(norm, **labels),
-                Comm(
-                    get=lambda: sb.ends.take("head_input").detach(),
-                    done=BlockOps.store(sb.ends, "head_input"),
-                    group=self.group,
-                    kind="all_gather",
-                    **labels,
-                ),
+                _in_place(sb, "head_input", self.group, "all_gather", labels, detach=True),
             ]
         deliver = lambda t: self._delivered(sb, t)  # noqa: E731
         if self.staged_loss:
@@ -243,13 +241,7 @@ class OutputEnd:
         labels = dict(**{"pass": "backward"}, **self.LABELS)
         return [
             Compute(lambda: _backward(sb.ends.take("loss"), sb.ends.take("loss_grad")), **labels),
-            Comm(
-                get=lambda: sb.ends.take("head_input_grad"),
-                done=BlockOps.store(sb.ends, "head_input_grad"),
-                group=self.group,
-                kind="reduce_scatter" if self.sequence_parallel else "all_reduce",
-                **labels,
-            ),
+            _in_place(sb, "head_input_grad", self.group, self.reduction, labels),
             Compute(
                 lambda: _backward(sb.ends.take("norm_output"), sb.ends.take("head_input_grad")),
                 **labels,
