@@ -15,11 +15,13 @@ Differences between the releases, each handled here and nowhere else:
 - 0.18: ``pretrain()`` takes ``model_provider`` before ``model_type`` (0.19: after
   ``forward_step_func``) -- :func:`pretrain_kwargs` passes them by name; the wheel has no GPT model
   builder (0.19: ``megatron.training.models.gpt``) -- :func:`build_gpt_model`.
-- torch FSDP2 checkpoints (0.19.2 with torch 2.14): ``torch_dist``'s save maps optimizer state to
-  parameters by ``id(DTensor.to_local())``, a new tensor each call, so it finds none; ``torch_dcp``'s
-  load calls ``optimizer.state_dict(is_loading=True)``, which ``ChainedOptimizer`` does not take --
-  :func:`fsdp2_checkpoint_gap` says so, so that ``--save``/``--load`` with ``--use-torch-fsdp2`` is
-  one line up front instead of a traceback per rank at the first save or at the load.
+- torch FSDP2 checkpoints (0.19.2 with torch >= 2.14): ``torch_dist``'s save maps optimizer state
+  to parameters by ``id(DTensor.to_local())``, a new tensor each call, so it finds none; its
+  in-place load skips ``optimizer.load_state_dict``, which restores the optimizer's step;
+  ``torch_dcp``'s load calls ``optimizer.state_dict(is_loading=True)``, which ``ChainedOptimizer``
+  does not take -- the ``fsdp2-checkpoint`` patch closes the three, each where it is still open
+  (:mod:`megatron_oases.platform.fsdp2_checkpoint`; a release that moved what it replaces stops
+  that run at install time with one line, :func:`require_symbol`).
 - 0.17 is not handled: its ``pretrain()`` has no ``cfg_container`` and parses the command line
   itself (``initialize_megatron`` -> ``parse_args``/``validate_args``/``set_global_variables``),
   so the parse-then-``pretrain()`` order of :mod:`megatron_oases.training.pretrain` does not fit it.
@@ -311,17 +313,3 @@ def finalize_model_grads_replacements():
 
     finalize_model_grads.__wrapped__ = original
     return [(training, "finalize_model_grads", finalize_model_grads)]
-
-
-def fsdp2_checkpoint_gap():
-    """Why this Megatron cannot save and resume a ``--use-torch-fsdp2`` run (None: it can): its
-    ``torch_dcp`` load needs ``ChainedOptimizer.state_dict(is_loading=...)``."""
-    from megatron.core.optimizer.optimizer import ChainedOptimizer
-
-    if "is_loading" in inspect.signature(ChainedOptimizer.state_dict).parameters:
-        return None
-    return (
-        f"megatron-core {megatron_core_version()} cannot save and resume --use-torch-fsdp2 runs "
-        "(its torch_dist save finds no optimizer state for FSDP2's sharded parameters; its "
-        "torch_dcp load calls ChainedOptimizer.state_dict(is_loading=...), which it does not take)"
-    )

@@ -79,7 +79,8 @@ class OasesConfig:
     its :class:`~.tuning.candidates.AutoTune` (candidates, trial budget), else None. Megatron's: ``tensor_model_parallel_size`` (the
     TMP domain a plan's degrees divide), ``attention_backend``, ``half_precision``,
     ``reset_attention_mask``, ``sequence_parallel``, ``recompute_granularity``,
-    ``recompute_modules`` and ``distributed_optimizer`` (``--use-distributed-optimizer``)."""
+    ``recompute_modules``, ``distributed_optimizer`` (``--use-distributed-optimizer``) and
+    ``fsdp2_checkpoints`` (``--use-torch-fsdp2`` with ``--save`` or ``--load``)."""
 
     schedule: Schedule = Schedule.OFF
     sub_batches: int = SUB_BATCHES
@@ -99,6 +100,7 @@ class OasesConfig:
     recompute_granularity: Optional[str] = None
     recompute_modules: tuple = ()
     distributed_optimizer: bool = False
+    fsdp2_checkpoints: bool = False
     autotune: Optional[object] = None
 
     @property
@@ -179,6 +181,10 @@ class OasesConfig:
             recompute_granularity=getattr(args, "recompute_granularity", None),
             recompute_modules=tuple(getattr(args, "recompute_modules", None) or ()),
             distributed_optimizer=bool(getattr(args, "use_distributed_optimizer", False)),
+            fsdp2_checkpoints=bool(
+                getattr(args, "use_torch_fsdp2", False)
+                and (getattr(args, "save", None) or getattr(args, "load", None))
+            ),
             autotune=autotune,
         )
 

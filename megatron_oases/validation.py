@@ -718,16 +718,6 @@ def check_sharded_data_parallel(args, schedule, cuda_available):
             "--oases-cuda-graphs does not run under --use-torch-fsdp2 (FSDP2 re-allocates the "
             "gathered parameters at every all-gather, under the captured graphs); drop one of them"
         )
-    checkpoints = getattr(args, "save", None) or getattr(args, "load", None)
-    if torch_fsdp2 and checkpoints:
-        from .compat import fsdp2_checkpoint_gap
-
-        gap = fsdp2_checkpoint_gap()
-        if gap:
-            raise OasesConfigError(
-                f"{gap}; drop --save/--load, or train without --use-torch-fsdp2 (DDP, or the "
-                "distributed optimizer: --use-distributed-optimizer)"
-            )
 
 
 def check_before_megatron(args, schedule, te_installed=None):

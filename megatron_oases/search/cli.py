@@ -76,15 +76,14 @@ def run_with_line(plan, out=None):
 
 def fsdp2_notes(result):
     """Where the winner or the best stock layout runs torch FSDP2 and this Megatron cannot save
-    and resume such a run: one line saying so (:func:`~megatron_oases.compat.fsdp2_checkpoint_gap`).
-    """
+    and resume such a run: one line saying so (:func:`.platform.fsdp2_checkpoint.gap`)."""
     rows = [result["candidates"][0], result.get("best_stock")]
     if not any(r and r.get("data_parallel_sharding") == "torch_fsdp2" for r in rows):
         return []
-    from ..compat import fsdp2_checkpoint_gap
+    from ..platform.fsdp2_checkpoint import gap
 
-    gap = fsdp2_checkpoint_gap()
-    return [f"torch FSDP2 trains here, but {gap}"] if gap else []
+    why = gap()
+    return [f"torch FSDP2 trains here, but {why}"] if why else []
 
 
 def search_main(args):

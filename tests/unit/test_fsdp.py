@@ -64,10 +64,6 @@ def test_split_schedule_under_torch_fsdp2_runs_under_emulated_link(no_max_connec
         ),
         ("--use-torch-fsdp2", "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"),
         (
-            FSDP2 + "--save /tmp/oases-test-never-written",
-            "cannot save and resume --use-torch-fsdp2 runs",
-        ),
-        (
             FSDP2 + "--pipeline-model-parallel-size 2 --num-layers 2",
             "Megatron rejects the arguments",
         ),
@@ -77,6 +73,15 @@ def test_bad_fsdp_combinations_are_one_line(no_max_connections, argv, match):
     with pytest.raises(OasesConfigError) as err:
         parse_config(argv, world_size=4)
     assert match in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("flag", ["--save", "--load"])
+def test_torch_fsdp2_checkpoints_are_not_refused(no_max_connections, flag):
+    """Issue 61.2: no longer one refusal line; the ``fsdp2-checkpoint`` patch closes megatron-core
+    0.19.2's gaps (``tests/unit/test_fsdp2_checkpoint.py``; save and resume bit for bit in
+    ``tests/e2e/test_fsdp2_checkpoint_e2e.py``)."""
+    config = parse_config(FSDP2 + f"{flag} /tmp/oases-test-never-written", world_size=4)
+    assert config.fsdp2_checkpoints
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "cross-pass", "oases"])
