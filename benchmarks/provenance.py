@@ -180,11 +180,11 @@ PENDING = {
     "planner/solve_time.json": "solver wall times: regenerate on a quiet host (issue 62.4)",
     "planner/verify_search.md": _QUIET + " (emulated training, long)",
     "planner/verify_search.json": _QUIET + " (emulated training, long)",
-    **{
-        f"planner/{n}.{ext}": "regenerated in the next commit"
-        for n in ("search", "fsdp", "table4", "roofline_check")
-        for ext in ("md", "json")
-    },
+    **dict.fromkeys(
+        ("planner/roofline_check.md", "planner/roofline_check.json"),
+        "timing-sensitive: its CPU rows divide by a host calibration taken at run time (on a "
+        "loaded host 101 against the report's 21 GFLOP/s), and its text quotes the old one",
+    ),
 }
 
 
