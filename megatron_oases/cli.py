@@ -3,7 +3,8 @@
 :data:`COMMANDS` names the subcommands and their help; :func:`command` imports the one that runs
 (explicit imports, inside the function so that ``oases --help`` imports none of them and, for
 :data:`QUIET_COMMANDS`, Megatron-Core comes after :mod:`.training.quiet`). Each entry function
-takes the remaining argv.
+takes the remaining argv. Every subcommand ends on Ctrl-C or SIGTERM with one line and exit
+status 130 or 143 (:mod:`.interrupts`), never a traceback.
 
 Layering: this module is the top of the package; nothing in ``megatron_oases`` imports it except
 ``__main__``. ``oases compare`` starts ``python -m megatron_oases train`` as a subprocess, not
@@ -99,19 +100,24 @@ def main(argv=None):
         return 0
     if argv[0] not in COMMANDS:
         parser.parse_args(argv[:1])  # prints argparse's "invalid choice" and exits 2
-    if argv[0] in QUIET_COMMANDS:
-        from .training import quiet
-
-        # before Megatron is imported: its fallback warnings, by their text
-        quiet.install(cuda=False if argv[0] in NO_KERNEL_COMMANDS else None)
+    from . import interrupts
     from .errors import TrainingStopped
 
-    try:
-        if argv[0] == "calibrate":
-            _check_calibrate(argv[1:])
-        rc = command(argv[0])(argv[1:])
-    except Exception as exc:  # ours: one line once per job; anything else: raised again
-        return exit_status(exc, f"oases {argv[0]}", stopped=(TrainingStopped,))
+    prog = f"oases {argv[0]}"
+    with interrupts.handled():  # SIGTERM raises, as Ctrl-C does (not in a torchrun rank)
+        try:
+            if argv[0] in QUIET_COMMANDS:
+                from .training import quiet
+
+                # before Megatron is imported: its fallback warnings, by their text
+                quiet.install(cuda=False if argv[0] in NO_KERNEL_COMMANDS else None)
+            if argv[0] == "calibrate":
+                _check_calibrate(argv[1:])
+            rc = command(argv[0])(argv[1:])
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line, exit 130 or 143
+            return interrupts.exit_status(exc, prog)
+        except Exception as exc:  # ours: one line once per job; anything else: raised again
+            return exit_status(exc, prog, stopped=(TrainingStopped,))
     return rc or 0
 
 

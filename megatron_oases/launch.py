@@ -185,6 +185,7 @@ def run_distributed(fn, world_size, *args, timeout=300, one_rank=False):
     for p in procs:
         p.start()
     results, errors = {}, []
+    interrupted = False
     import queue as queue_mod
 
     try:
@@ -213,12 +214,17 @@ def run_distributed(fn, world_size, *args, timeout=300, one_rank=False):
             else:
                 errors.append((rank, payload))
                 break  # one rank failed: the others may hang on a collective
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the ranks are killed at once, not awaited
+        interrupted = True
+        raise
     finally:
         signalled = []  # ranks a signal ended before we killed anything (segfault, OOM killer)
         for r, p in enumerate(procs):
-            p.join(timeout=1 if errors else 10)
+            p.join(timeout=0 if interrupted else 1 if errors else 10)
             if p.is_alive():
                 p.kill()
+                if interrupted:
+                    p.join(timeout=5)
             elif (p.exitcode or 0) < 0:
                 signalled.append(r)
     if errors:

@@ -11,7 +11,8 @@ writes ``--out DIR``: ``results.json``, ``results.md``, ``throughput.png`` and
 (:mod:`.memory`), and the report adds, per budget, the fastest stock setting that fits against the
 fastest Oases setting that fits (a table and ``memory.png``). Every path in results.json is relative
 to DIR, so the directory can move to another machine as a whole. Exit code 1 when a variant failed
-or the variants' losses disagree.
+or the variants' losses disagree. Ctrl-C (SIGTERM) stops the run in progress and writes the report
+of the variants that finished, the others marked interrupted; exit code 130 (143).
 
 ``--out DIR`` is one comparison's: a DIR in use by a live run is refused, and so is one that holds
 another comparison's results unless ``--force``. This module is the command line only (parser and
@@ -124,8 +125,9 @@ def build_parser():
         "--reanalyze",
         default=None,
         metavar="DIR",
-        help="recompute metrics, tables and charts of a finished run in DIR; runs nothing (with "
-        "--memory-budget: compare at these budgets instead, from the peaks measured in DIR)",
+        help="recompute metrics, tables and charts of a finished (or interrupted) run in DIR; "
+        "runs nothing (with --memory-budget: compare at these budgets instead, from the peaks "
+        "measured in DIR)",
     )
     return p
 
@@ -145,8 +147,8 @@ def main(argv):
 
 
 def _reanalyze(own):
-    """``--reanalyze DIR``: the report of a finished run anew; budgets may be chosen anew, as the
-    measured peaks do not depend on them."""
+    """``--reanalyze DIR``: the report of a finished (or interrupted) run anew; budgets may be
+    chosen anew, as the measured peaks do not depend on them."""
     budgets = None
     if own.memory_budget is not None:
         from .memory import parse_budgets

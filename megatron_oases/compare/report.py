@@ -126,6 +126,16 @@ def markdown_table(results):
     return "\n".join(out)
 
 
+def interrupted_line(cut):
+    """What results.json's ``interrupted`` says, in one line (results.md and stderr)."""
+    missing = cut.get("not_finished") or []
+    return (
+        f"the comparison was interrupted by {cut.get('by')} during {cut.get('during')}"
+        + (f"; not finished: {', '.join(missing)}" if missing else "")
+        + "; run its command again for a complete one"
+    )
+
+
 def write_json(report, path):
     with open(path, "w") as f:
         json.dump(report, f, indent=1, default=str)
@@ -196,6 +206,8 @@ def write_markdown(report, path):
             "time but reduce nothing: losses and gradients are not those of training and are not "
             "checked. Rank 0's timeline stands for the group's (its ranks do the same work)."
         )
+    if report.get("interrupted"):
+        lines.append(f"- **interrupted**: {interrupted_line(report['interrupted'])}")
     lines += [
         f"- losses: {report['loss_check']['summary']}",
         "",

@@ -9,13 +9,20 @@ import sys
 
 from ..errors import OasesConfigError
 
+#: The status of a variant an interrupted comparison did not finish (results.json's
+#: ``interrupted`` says by what and during which stage).
+INTERRUPTED = "interrupted"
 
-def finalize(report, out):
+
+def finalize(report, out, announce=True):
     """Trace metrics, speedups, loss check, memory budgets, timelines and charts; writes
     results.{json,md}.
 
-    Also used by ``--reanalyze DIR`` on a finished run. Paths in results.json are relative to DIR.
-    Returns the exit code (1 when a variant failed or the losses disagree).
+    Also used by ``--reanalyze DIR`` on a finished run, or on an interrupted one (the variants that
+    finished; the rest stay ``interrupted``). Paths in results.json are relative to DIR. Returns
+    the exit code (1 when a variant failed, the losses disagree or the comparison was
+    interrupted); the stderr lines that say why only where ``announce`` (an interrupted
+    command prints one line of its own).
     """
     from ..viz.analysis import emulated_comm_model, load_traces, run_metrics
     from ..viz.timeline import plot_timeline
@@ -23,6 +30,7 @@ def finalize(report, out):
         add_derived,
         check_losses,
         format_table,
+        interrupted_line,
         plot_summary,
         write_json,
         write_markdown,
@@ -99,13 +107,16 @@ def finalize(report, out):
     wrote += ["memory.png"] if report.get("memory_chart") else []
     wrote += [os.path.basename(r["timeline"]) for r in results if r.get("timeline")]
     print(f"wrote {os.path.join(out, 'results.md')}, {', '.join(wrote)}", flush=True)
-    if failed:
+    cut = report.get("interrupted")
+    if announce and failed:
         print(f"oases compare: variant(s) failed: {', '.join(failed)}", file=sys.stderr, flush=True)
-    if bad:
+    if announce and bad:
         print(
             "oases compare: the variants' losses disagree (see above)", file=sys.stderr, flush=True
         )
-    return 1 if failed or bad else 0
+    if announce and cut:
+        print(f"oases compare: {interrupted_line(cut)}", file=sys.stderr, flush=True)
+    return 1 if failed or bad or cut else 0
 
 
 def _project_host(results, emulation):

@@ -227,9 +227,9 @@ def _run_logged(cmd, env, vdir, out_dir, name, on_line, timeout):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         rc = None
-    except BaseException:  # Ctrl-C: do not leave the torchrun process group behind
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    except BaseException:  # Ctrl-C, SIGTERM: do not leave the run's processes behind
+        _end_run(proc)
+        reader.join(timeout=1)
         raise
     reader.join(timeout=10)
     if log_failed:
@@ -240,6 +240,30 @@ def _run_logged(cmd, env, vdir, out_dir, name, on_line, timeout):
             "or choose another --out"
         )
     return rc, time.time() - t0
+
+
+#: Seconds an interrupted run's launcher gets to stop its ranks before it is killed.
+END_GRACE_S = 5.0
+
+
+def _end_run(proc, grace=END_GRACE_S):
+    """Stop an interrupted run: SIGTERM to its process group (torchrun stops its ranks, which
+    torchrun puts in sessions of their own, and waits for them; a one-rank run ends on it), then
+    SIGKILL after ``grace`` seconds, at once on a second interrupt (a rank whose launcher was
+    killed dies with it: :func:`megatron_oases.launch.die_with_launcher`)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=grace)
+    except ProcessLookupError:
+        pass
+    except BaseException:  # noqa: BLE001 - the grace is over, or a second Ctrl-C: kill
+        pass
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def _timings(golden, warmup, tokens=None):

@@ -19,9 +19,11 @@ import os
 import shutil
 import time
 
-from ..errors import OasesConfigError
+from ..errors import OasesConfigError, last_line
+from ..interrupts import describe
 from ..outputs import LOCK_FILE, lock_dir
-from .results import finalize
+from .report import write_json
+from .results import INTERRUPTED, finalize
 from .settings import CompareSettings
 from .variants import VARIANTS, estimate_memory_gb
 
@@ -29,6 +31,8 @@ __all__ = ["CompareSettings", "run_comparison", "claim_out_dir", "recount_host"]
 
 #: ``--oases-plan``, kept beside results.json: the report is self-contained.
 PLAN_COPY = "oases-plan.json"
+#: results.json's date.
+DATE_FORMAT = "%Y-%m-%d %H:%M:%S %Z"
 
 
 def run_comparison(settings, progress=None):
@@ -36,8 +40,10 @@ def run_comparison(settings, progress=None):
 
     Returns the exit code: 0, or 1 when a variant failed or the variants' losses disagree. Bad
     input (flags Megatron refuses, an unknown profile, an ``out`` in use or holding results)
-    raises :class:`OasesConfigError` before any run. ``progress``: called with each progress line
-    (default: printed)."""
+    raises :class:`OasesConfigError` before any run. Ctrl-C (SIGTERM under :mod:`..interrupts`)
+    during the runs or passes stops the run in progress, writes the report of the variants that
+    finished (the others ``interrupted``) and is raised again, with a note saying where the
+    report is. ``progress``: called with each progress line (default: printed)."""
     progress = progress or _progress
     s = settings
     profile = _profile(s.emulate_link)
@@ -60,15 +66,6 @@ def run_comparison(settings, progress=None):
         model = _model_line(base, s.nproc, s.one_rank)
         _announce(progress, model, variants, s, out, profile, emulation, threads)
 
-        skipped = _skip_unfit(variants, parsed, profile, progress)
-        to_run = [v for v in variants if v.name not in skipped]
-        runs = _run_all(to_run, train_argv, out, s, env, tokens, comm_model, progress)
-        results = _best_runs(variants, skipped, runs, s.repeats)
-        if s.host_pass:
-            _host_pass(
-                variants, results, train_argv, parsed, s.nproc, s.timeout, out, base, progress
-            )
-        _memory_pass(variants, results, train_argv, parsed, s, out, progress)
         config = {
             "model": model,
             "train_argv": train_argv,
@@ -82,7 +79,30 @@ def run_comparison(settings, progress=None):
             "oases_plan": plan,
             "memory_budget_gb": list(s.memory_budget) if s.memory_budget else None,
         }
-        return finalize(_report(s.command_line(), config, emulation, rtol, results), out)
+        report = _report(s.command_line(), config, emulation, rtol)  # before the runs: no wait
+        skipped = _skip_unfit(variants, parsed, profile, progress)
+        to_run = [v for v in variants if v.name not in skipped]
+        runs = {v.name: [] for v in to_run}
+        results, stage = None, "the timed runs"
+        try:
+            _run_all(to_run, train_argv, out, s, env, tokens, comm_model, progress, runs)
+            results = _best_runs(variants, skipped, runs, s.repeats)
+            if s.host_pass:
+                stage = "the host pass"
+                _host_pass(
+                    variants, results, train_argv, parsed, s.nproc, s.timeout, out, base, progress
+                )
+            stage = "the memory pass"
+            _memory_pass(variants, results, train_argv, parsed, s, out, progress)
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM: the report of what finished
+            results = results or _best_runs(variants, skipped, runs, s.repeats)
+            report.update(variants=results, date=time.strftime(DATE_FORMAT))
+            report["interrupted"] = _interrupted(exc, stage, results, bool(s.memory_budget))
+            _report_interrupted(report, out, progress, exc)
+            raise
+        report.update(variants=results, date=time.strftime(DATE_FORMAT))
+        write_json(report, os.path.join(out, "results.json"))  # kept if the report is cut short
+        return finalize(report, out)
 
 
 # ------------------------------------------------------------------ --out: one comparison's
@@ -293,12 +313,12 @@ def _run_order(to_run, repeats):
     return order
 
 
-def _run_all(to_run, train_argv, out, s, env, tokens, comm_model, progress):
-    """The timed runs, in :func:`_run_order`: ``{name: [result per run]}``."""
+def _run_all(to_run, train_argv, out, s, env, tokens, comm_model, progress, runs):
+    """The timed runs, in :func:`_run_order`, each result appended to ``runs[name]`` as it
+    finishes (an interrupted comparison reports those)."""
     from .runner import run_variant
 
     order = _run_order(to_run, s.repeats)
-    runs = {v.name: [] for v in to_run}
     for i, (k, v) in enumerate(order, 1):
         tag = f"[{i}/{len(order)}] {v.name}" + (
             f" (run {k + 1}/{s.repeats})" if s.repeats > 1 else ""
@@ -330,16 +350,28 @@ def _run_all(to_run, train_argv, out, s, env, tokens, comm_model, progress):
         else:
             progress(f"{tag}: FAILED: {r.get('error')}")
         runs[v.name].append(r)
-    return runs
 
 
 def _best_runs(variants, skipped, runs, repeats):
     """One result per variant, in ``variants``' order: its fastest run, or its first failed run
-    where any failed (with ``repeats`` > 1 also every run's time, status and directory)."""
+    where any failed (with ``repeats`` > 1 also every run's time, status and directory); a
+    variant without a finished run (the comparison was interrupted) is ``interrupted``."""
     results = []
     for v in variants:
         if v.name in skipped:
             results.append(skipped[v.name])
+            continue
+        if not runs[v.name]:
+            results.append(
+                {
+                    "name": v.name,
+                    "label": v.label,
+                    "paper": v.paper,
+                    "flags": list(v.flags),
+                    "status": INTERRUPTED,
+                    "reason": "did not finish",
+                }
+            )
             continue
         ok = [r for r in runs[v.name] if r["status"] == "ok"]
         if len(ok) < len(runs[v.name]) or not ok:
@@ -397,21 +429,66 @@ def _memory_pass(variants, results, train_argv, parsed, s, out, progress):
             r["memory"] = memory[r["name"]]
 
 
-def _report(command, config, emulation, rtol, results):
-    """results.json's content before :func:`.results.finalize` adds the metrics: the command, when,
-    where and with which code it ran, and the runs."""
+def _report(command, config, emulation, rtol):
+    """results.json's content before :func:`.results.finalize` adds the metrics: the command,
+    where and with which code it ran (asked before the runs, so that an interrupted comparison
+    writes its report at once); the caller adds the date and the runs."""
     from ..testbed.calibrate import host_fingerprint
 
     return {
         "command": command,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "date": None,
         "host": host_fingerprint(),
         "code": code_version(),
         "config": config,
         "emulation": emulation,
         "loss_check": {"rtol": rtol},
-        "variants": results,
+        "variants": [],
     }
+
+
+def _interrupted(exc, stage, results, metered):
+    """results.json's ``interrupted``: by which signal, during which stage, and the variants
+    that did not finish (reported as :data:`INTERRUPTED`); a pass that was cut short is an error
+    of each variant that ran (``host``, ``memory`` where ``metered``), not a missing count."""
+    passes = {"the host pass": ["host", "memory"], "the memory pass": ["memory"]}.get(stage, [])
+    for r in results:
+        for key in passes:
+            if r["status"] == "ok" and key not in r and (key == "host" or metered):
+                r[key] = {"error": f"{stage} was interrupted"}
+    return {
+        "by": describe(exc),
+        "during": stage,
+        "not_finished": [r["name"] for r in results if r["status"] == INTERRUPTED],
+    }
+
+
+def _report_interrupted(report, out, progress, exc):
+    """An interrupted comparison's report, of the variants that finished (results.json first,
+    as it is, so that a second Ctrl-C in the charts still leaves one ``--reanalyze`` reads); what
+    it left is added to ``exc``'s notes, for the command's one line."""
+    progress(f"interrupted by {describe(exc)} during {report['interrupted']['during']}")
+    write_json(report, os.path.join(out, "results.json"))
+    try:
+        finalize(report, out, announce=False)
+    except Exception as error:  # noqa: BLE001 - the interrupt is what the command reports
+        exc.add_note(
+            f"the report's charts failed ({last_line(error)}); results.json is in {out}: "
+            f"oases compare --reanalyze {out} completes it"
+        )
+        return
+    names = {
+        status: [r["name"] for r in report["variants"] if r["status"] == status]
+        for status in ("ok", "failed")
+    }
+    missing = report["interrupted"]["not_finished"]
+    exc.add_note(
+        f"report of the variants that finished ({', '.join(names['ok']) or 'none'}) in "
+        f"{os.path.join(out, 'results.md')}"
+        + (f", failed: {', '.join(names['failed'])}" if names["failed"] else "")
+        + (", their losses disagree" if report["loss_check"]["failures"] else "")
+        + (f", not finished: {', '.join(missing)}" if missing else "")
+    )
 
 
 def recount_host(report, out):

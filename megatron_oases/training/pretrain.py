@@ -159,15 +159,21 @@ def train_main(argv=None):
 
 def console_main(argv=None):
     """Entry of the ``oases-pretrain-gpt`` console script: a user error is one line once per job
-    (exit 2), a stopped run one line (exit 1); Megatron's CPU fallback warnings are filtered."""
+    (exit 2), a stopped run one line (exit 1), Ctrl-C or SIGTERM one line (exit 130, 143; SIGTERM
+    as torchrun's ranks keep it: :mod:`megatron_oases.interrupts`); Megatron's CPU fallback
+    warnings are filtered."""
+    from .. import interrupts
     from ..errors import exit_status
     from . import quiet
 
     quiet.install()  # before Megatron is imported
-    try:
-        return main(argv) or 0
-    except Exception as exc:  # ours: one line once per job; anything else: raised again
-        return exit_status(exc, PROG, stopped=(TrainingStopped,))
+    with interrupts.handled():
+        try:
+            return main(argv) or 0
+        except KeyboardInterrupt as exc:
+            return interrupts.exit_status(exc, PROG)
+        except Exception as exc:  # ours: one line once per job; anything else: raised again
+            return exit_status(exc, PROG, stopped=(TrainingStopped,))
 
 
 HYBRID_PROG = "oases-pretrain-hybrid"
@@ -176,21 +182,25 @@ HYBRID_PROG = "oases-pretrain-hybrid"
 def hybrid_console_main(argv=None):
     """Entry of ``oases-pretrain-hybrid`` (Megatron-LM's ``pretrain_hybrid.py``): the same loop on
     a ``HybridModel``, which ``--hybrid-layer-pattern`` describes."""
+    from .. import interrupts
     from ..errors import OasesConfigError, exit_status
     from . import quiet
 
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet.install()
-    try:
-        if not any(a.split("=")[0] in ("--hybrid-layer-pattern", "--hybrid-override-pattern")
-                   for a in argv):  # fmt: skip
-            raise OasesConfigError(
-                f"{HYBRID_PROG} builds a HybridModel: add --hybrid-layer-pattern (e.g. '*-*-' for "
-                "a GPT-like stack of attention and MLP layers)"
-            )
-        return run(argv, prog=HYBRID_PROG) or 0
-    except Exception as exc:  # ours: one line once per job; anything else: raised again
-        return exit_status(exc, HYBRID_PROG, stopped=(TrainingStopped,))
+    with interrupts.handled():
+        try:
+            if not any(a.split("=")[0] in ("--hybrid-layer-pattern", "--hybrid-override-pattern")
+                       for a in argv):  # fmt: skip
+                raise OasesConfigError(
+                    f"{HYBRID_PROG} builds a HybridModel: add --hybrid-layer-pattern (e.g. '*-*-' "
+                    "for a GPT-like stack of attention and MLP layers)"
+                )
+            return run(argv, prog=HYBRID_PROG) or 0
+        except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: one line, exit 130 or 143
+            return interrupts.exit_status(exc, HYBRID_PROG)
+        except Exception as exc:  # ours: one line once per job; anything else: raised again
+            return exit_status(exc, HYBRID_PROG, stopped=(TrainingStopped,))
 
 
 if __name__ == "__main__":
