@@ -123,3 +123,54 @@ def test_dropout_at_tp2_matches_stock_megatron_fsdp(tp2_dp2_runs):
         got, ref = res["ogp-drop"], res["optim-drop"]
         assert got["losses"] != res["ogp"]["losses"]  # the dropout is on
         assert_matches(got, ref, f"ogp-drop rank {rank}", FP32)
+
+
+def _emulated_ops(argv):
+    """One Megatron-FSDP job under ``--emulate-link``: the emulator's records of its first
+    step."""
+    from megatron.training import training
+
+    from megatron_oases.patching import REGISTRY, Patch
+    from megatron_oases.training.inprocess import prepared
+    from megatron_oases.training.pretrain import run_in_process
+
+    original, seen = training.train_step, []
+
+    def train_step(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if not seen:
+            seen.extend(dict(r) for r in REGISTRY.get("emulate-link").emulator.records)
+        return out
+
+    run_in_process(
+        prepared(argv),
+        extra_patches=[Patch("test-records", [(training, "train_step", train_step)])],
+    )
+    return seen
+
+
+@pytest.mark.timeout(600)
+def test_emulated_link_dilates_megatron_fsdp_collectives(monkeypatch):
+    """Issue 61.4: Megatron-FSDP's parameter all-gathers (async, ``all_gather_into_tensor``) and
+    gradient reduce-scatters (``reduce_scatter_tensor``, inside its coalescing manager) on the
+    data-parallel group go through the emulated link (ranks 0 and 1: the intra-node link of the
+    cluster profile), as FSDP2's do, and complete no earlier than D x their modelled time."""
+    monkeypatch.setenv("OASES_EMULATE_DILATION", "50")
+    argv = DP2 + NO_DROP + MFSDP + "optim_grads_params --emulate-link rtx3090-pcie "
+    argv = argv.replace("--train-iters 2", "--train-iters 1")
+    for records in run_distributed(_emulated_ops, 2, argv, timeout=560):
+        by_op = {}
+        for r in records:
+            by_op.setdefault(r["op"], []).append(r)
+        gathers = by_op.get("all_gather_into_tensor", [])
+        scatters = by_op.get("reduce_scatter_tensor", [])
+        # the parameters gathered before forward and again before backward, the gradients
+        # reduce-scattered after it
+        assert len(gathers) >= 4 and len(scatters) >= 2, sorted(by_op)
+        assert all(r["async"] for r in gathers)
+        for r in gathers + scatters:
+            assert r["ranks"] == [0, 1] and r["bytes"] > 0
+            assert r["emulated_s"] == pytest.approx(50 * r["model_s"])
+            assert r["done_at"] - r["start"] == pytest.approx(r["emulated_s"], rel=1e-6)
+            if r["returned"] is not None:  # a synchronous op: blocked until its emulated end
+                assert r["returned"] >= r["done_at"]
