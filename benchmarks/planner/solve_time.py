@@ -8,15 +8,26 @@ and the ILP's knapsack row both matter) and 1.5 (the unconstrained optimum fits)
 this 2-core machine): 24 layers < 0.3 s, 96 < 2 s, 192 < 5 s for the default solver, i.e. the time
 ``oases plan`` spends building the instance and solving it.
 
+The cluster search end to end (issue 62.4): ``oases plan --gpus 8`` and ``--gpus 64`` for
+llama-7b on rtx4090-pcie (global batch 64 and 512), each a fresh process as a user runs it (imports,
+the model's validation by Megatron's parser, profiles, search, the plan written), timed wall and CPU
+(user + system of the child) with the host's load average at its start. Targets: 8 GPUs < 10 s wall,
+64 GPUs < 60 s. ``--baseline-tree DIR`` times the same commands on another checkout too (e.g. a
+``git worktree`` of the commit before), labelled with its commit.
+
     python benchmarks/planner/solve_time.py [--ilp-time-limit 60] [--out benchmarks/results/planner]
+        [--baseline-tree DIR] [--cli-repeats 3]
 """
 
 import argparse
 import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -33,8 +44,13 @@ from megatron_oases.profiler.analytic import analytic_profile  # noqa: E402
 from megatron_oases.profiler.model_config import model_args, read_model_file  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 TARGETS = {24: 0.3, 96: 2.0, 192: 5.0}
 FRACTIONS = (0.25, 0.5, 0.75, 1.5)
+#: ``oases plan --gpus N`` end to end: (GPUs, global batch, target wall s) for CLI_MODEL on
+#: CLI_CLUSTER.
+CLI_CASES = ((8, 64, 10.0), (64, 512, 60.0))
+CLI_MODEL, CLI_CLUSTER = "llama-7b", "rtx4090-pcie"
 
 
 def profile_for(layers):
@@ -59,17 +75,115 @@ def timed_plan(prof, mem_gb, solver, time_limit):
     return time.perf_counter() - t0, sol, p
 
 
+def _commit(tree):
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=tree, text=True, capture_output=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def time_cli(tree, gpus, gbs):
+    """One ``oases plan --gpus`` process on checkout ``tree``: ``{wall_s, cpu_s, user_s, sys_s,
+    load_average, search_s}`` (``search_s``: what the command says its search took)."""
+    with tempfile.TemporaryDirectory(prefix="solve-time-") as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_oases",
+            "plan",
+            "--gpus",
+            str(gpus),
+            "--cluster",
+            CLI_CLUSTER,
+            "--model",
+            CLI_MODEL,
+            "--global-batch-size",
+            str(gbs),
+            "--out",
+            os.path.join(tmp, "plan.json"),
+        ]
+        env = dict(os.environ, PYTHONPATH=tree)
+        load = os.getloadavg()[0]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, cwd=tmp, env=env, text=True, capture_output=True)
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    user, sys_ = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
+    searched = [w for w in done.stdout.split("\n") if " searched in " in w]
+    search_s = float(searched[0].split(" searched in ")[1].split(" s")[0]) if searched else None
+    return {
+        "wall_s": wall,
+        "cpu_s": user + sys_,
+        "user_s": user,
+        "sys_s": sys_,
+        "load_average": load,
+        "search_s": search_s,
+    }
+
+
+def cli_rows(trees, repeats):
+    """``oases plan --gpus N`` timed ``repeats`` times per case on each ``(label, tree)``, the
+    trees taking turns (so that a change in the host's load falls on both)."""
+    runs = {(label, gpus): [] for label, _ in trees for gpus, _, _ in CLI_CASES}
+    for _ in range(repeats):
+        for gpus, gbs, _ in CLI_CASES:
+            for label, tree in trees:
+                one = time_cli(tree, gpus, gbs)
+                runs[(label, gpus)].append(one)
+                print(
+                    f"oases plan --gpus {gpus} ({label}): {one['wall_s']:.2f} s wall, "
+                    f"{one['cpu_s']:.2f} s CPU, load {one['load_average']:.1f}",
+                    flush=True,
+                )
+    rows = []
+    for label, tree in trees:
+        for gpus, gbs, target in CLI_CASES:
+            got = runs[(label, gpus)]
+            med = {k: statistics.median(r[k] for r in got) for k in ("wall_s", "cpu_s", "user_s")}
+            rows.append(
+                {
+                    "code": label,
+                    "commit": _commit(tree),
+                    "command": f"oases plan --gpus {gpus} --cluster {CLI_CLUSTER} "
+                    f"--model {CLI_MODEL} --global-batch-size {gbs}",
+                    "gpus": gpus,
+                    "wall_s_median": med["wall_s"],
+                    "wall_s_max": max(r["wall_s"] for r in got),
+                    "cpu_s_median": med["cpu_s"],
+                    "user_s_median": med["user_s"],
+                    "search_s_median": statistics.median(r["search_s"] or 0.0 for r in got),
+                    "load_average_median": statistics.median(r["load_average"] for r in got),
+                    "target_wall_s": target,
+                    "meets_target": med["wall_s"] < target,
+                    "runs": got,
+                }
+            )
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ilp-time-limit", type=float, default=60.0)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--layers", default="24,96,192")
+    ap.add_argument("--layers", default="24,96,192", help="'' for none (the CLI part only)")
+    ap.add_argument("--cli-repeats", type=int, default=3)
+    ap.add_argument(
+        "--baseline-tree",
+        default=None,
+        metavar="DIR",
+        help="also time `oases plan --gpus` on this checkout (the code before)",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "..", "results", "planner"))
     args = ap.parse_args(argv)
     prov = provenance.record(provenance.PLANNER, provenance.command_line(__file__, argv))
     rows = []
     load0 = os.getloadavg()
-    for L in [int(x) for x in args.layers.split(",")]:
+    for L in [int(x) for x in args.layers.split(",") if x.strip()]:
         prof = profile_for(L)
         for frac in FRACTIONS:
             mem = instance(prof, L, frac)
@@ -114,6 +228,8 @@ def main(argv=None):
                 f"{row['dp_path']})  ilp {ilp.solve_time_s:6.2f} s {ilp.status:9s} {cmp}",
                 flush=True,
             )
+    trees = [("before", os.path.abspath(args.baseline_tree))] if args.baseline_tree else []
+    cli = cli_rows(trees + [("today", ROOT)], args.cli_repeats)
     result = {
         "benchmark": "planner solve time",
         "machine": {
@@ -126,7 +242,10 @@ def main(argv=None):
         "ilp_time_limit_s": args.ilp_time_limit,
         "targets_s": TARGETS,
         "rows": rows,
-        "all_targets_met": all(r["meets_target"] for r in rows),
+        "cli_rows": cli,
+        "all_targets_met": all(
+            r["meets_target"] for r in rows + [c for c in cli if c["code"] == "today"]
+        ),
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "solve_time.json"), "w") as f:
@@ -140,6 +259,27 @@ def main(argv=None):
 
 def markdown(result):
     lines = [
+        "## `oases plan --gpus N`, end to end",
+        "",
+        "A fresh process each run (imports, the model's validation by Megatron's parser, profiles, "
+        "search, the plan written); medians of the runs. CPU: user + system seconds of the "
+        "process, what the wall time approaches on an idle core.",
+        "",
+        "| code | commit | command | wall s median / max | CPU s (user) | search s | "
+        "target wall s | load average |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result.get("cli_rows", ()):
+        lines.append(
+            f"| {r['code']} | {(r['commit'] or '?')[:12]} | `{r['command']}` | "
+            f"{r['wall_s_median']:.2f} / {r['wall_s_max']:.2f} | {r['cpu_s_median']:.2f} "
+            f"({r['user_s_median']:.2f}) | {r['search_s_median']:.2f} | {r['target_wall_s']:g} | "
+            f"{r['load_average_median']:.1f} |"
+        )
+    lines += [
+        "",
+        "## The solver: one chain instance",
+        "",
         "| layers | memory (GB) | plan (`oases plan`, DP) median / max s | target s | DP path | "
         "ILP (CBC) s | ILP status | ILP vs DP |",
         "|---:|---:|---:|---:|---|---:|---|---|",

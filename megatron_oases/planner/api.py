@@ -113,13 +113,14 @@ def solve(problem, solver="dp", verify=False, time_limit_s=DEFAULT_TIME_LIMIT_S)
     return sol, check
 
 
-def uniform_costs(problem):
-    """{degree: evaluate(...) + fits} for every candidate degree usable on all layers."""
+def uniform_costs(problem, known=None):
+    """{degree: evaluate(...) + fits} for every candidate degree usable on all layers; ``known``:
+    ``(ks, evaluate(problem, ks))`` already at hand (the plan's own: not evaluated twice)."""
     out = {}
+    A, R, fixed, budget = problem.quantized()
     for k, d in enumerate(problem.degrees):
         ks = [k] * problem.num_layers
-        res = evaluate(problem, ks)
-        A, R, fixed, budget = problem.quantized()
+        res = known[1] if known and list(known[0]) == ks else evaluate(problem, ks)
         fits = budget is None or problem.peak_memory_granules(ks) <= budget
         out[d] = {
             "iteration_time_s": res["iteration_time_s"],
@@ -154,7 +155,7 @@ def make_plan(
     build_s = time.perf_counter() - t_build
     sol, check = solve(problem, solver=solver, verify=verify, time_limit_s=time_limit_s)
     res = evaluate(problem, sol.ks)
-    uniform = uniform_costs(problem)
+    uniform = uniform_costs(problem, known=(sol.ks, res))
     host = host_term(profile, problem, settings.host_us_per_call)
     plan = plan_document(
         settings,

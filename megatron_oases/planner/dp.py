@@ -66,7 +66,7 @@ def _chain_dp(U, P, allowed, S, A=None, cap=None):
             cand = V + P[l - 1, :, kp][:, None, None]
             if S is None:
                 arg = cand.argmin(axis=0)
-                best = np.take_along_axis(cand, arg[None], axis=0)[0]
+                best = cand.min(axis=0)  # the value at arg (take_along_axis, slower)
             else:
                 best = cand[kp].copy()
                 arg = np.full((S1, Q1), kp, dtype=np.int64)
@@ -74,7 +74,7 @@ def _chain_dp(U, P, allowed, S, A=None, cap=None):
                     other = cand.copy()
                     other[kp] = inf
                     oarg = other.argmin(axis=0)
-                    obest = np.take_along_axis(other, oarg[None], axis=0)[0]
+                    obest = other.min(axis=0)
                     better = obest[:-1] < best[1:]
                     best[1:] = np.where(better, obest[:-1], best[1:])
                     arg[1:] = np.where(better, oarg[:-1], arg[1:])
@@ -103,6 +103,12 @@ def _chain_dp(U, P, allowed, S, A=None, cap=None):
     return float(cost), ks
 
 
+def _one_plan(problem):
+    """Whether the instance has one plan only: one candidate degree, allowed on every layer (the
+    search costs thousands of these; the DP's answer is that plan, if it fits)."""
+    return len(problem.degrees) == 1 and bool(problem.allowed.all())
+
+
 def solve_dp(problem, decomposition=None):
     t0 = time.perf_counter()
     U, P = decomposition or decompose(problem)
@@ -120,6 +126,13 @@ def solve_dp(problem, decomposition=None):
             return Solution("dp", status, solve_time_s=dt, info=info)
         return Solution("dp", status, ks, objective(U, P, ks), dt, info)
 
+    if _one_plan(problem):  # (the search's uniform plans)
+        ks = [0] * L
+        if budget is None or problem.feasible(ks):
+            info["path"] = "viterbi"
+            return done("optimal", ks)
+        info["path"] = "memory-dp"  # (the DP below finds no plan either: the same sum)
+        return done("infeasible")
     # fast path: the memory-free optimum, if it fits
     cost, ks = _chain_dp(U, P, allowed, S)
     if ks is None:
@@ -147,6 +160,11 @@ def min_memory(problem):
     pins and the switch limit: the answer to "what memory would fit?" when a plan is infeasible."""
     A, R, fixed, _ = problem.quantized()
     L, K = A.shape
+    if _one_plan(problem):  # what the DP below sums, exactly
+        total = 0.0
+        for a in A[:, 0]:
+            total += float(a)
+        return (fixed + total + int(R[:, 0].max())) * problem.granule
     S = problem.max_switches
     if S is not None and S >= L - 1:
         S = None

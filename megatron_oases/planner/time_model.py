@@ -189,7 +189,10 @@ def decompose(problem):
 
 
 def _add_gather(P, gather, lp, lc, K):
-    """Blocking gather (no overlap lost) between layers lp → lc when the degree grows."""
+    """Blocking gather (no overlap lost) between layers lp → lc when the degree grows (never
+    with one candidate degree: nothing to add)."""
+    if K == 1:
+        return
     b = min(lp, lc)
     kk = np.arange(K)
     if lp < lc:

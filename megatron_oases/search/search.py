@@ -121,6 +121,9 @@ def layouts(args, gpus, global_batch_size, gpus_per_node):
 
 
 def _profile(args, layout, cluster):
+    """The layout's analytic profile. It depends on TP, PP and DP, not on the micro-batch (the
+    planner reads that from its settings): :func:`search` builds one per (TP, PP, DP) and shares
+    it among that layout's micro-batch sizes (a profile is read, never written, by the plans)."""
     from ..formats.profile import Profile
     from ..profiler.analytic import analytic_profile
 
@@ -377,9 +380,12 @@ def search(
         schedule=AUTO,
     )
     options = layouts(args, gpus, global_batch_size, spec.gpus_per_node)
-    quick, stock, oases_quick, full, profiles = [], [], [], [], {}
+    quick, stock, oases_quick, full, profiles, built = [], [], [], [], {}, {}
     for i, layout in enumerate(options):
-        profiles[layout] = _profile(args, layout, cluster)
+        degree = (layout.tp, layout.pp, layout.dp)
+        if degree not in built:
+            built[degree] = _profile(args, layout, cluster)
+        profiles[layout] = built[degree]
         oases_row, stock_row, full_row = _quick(profiles[layout], layout, common, sharding)
         rows = [r for r in (oases_row, stock_row) if r]
         if rows:

@@ -104,21 +104,44 @@ KEYS = (
 REQUIRED = ("name", "gpu", "peak_tflops", "memory_gb", "gpus_per_node", "intra_node", "inter_node")
 
 
+#: Parsed profiles by the file's text (a profile depends on nothing else): the planner's search
+#: asks for its cluster once per candidate plan (hundreds of YAML parses were a third of its time);
+#: reading the small file is cheap, parsing it is not, and an edited file is parsed anew whatever
+#: its timestamps say.
+#: Safe to share: a :class:`ClusterProfile` is frozen all the way down (links, tuples).
+_CACHE = {}
+#: Packaged profile name -> its path.
+_PACKAGED = {}
+
+
 def load_cluster(name_or_path):
     """Load a profile by path (a user's own YAML wins) or by packaged name (``rtx3090-pcie``);
-    read through the bounded reader and checked by :func:`cluster_from_dict`."""
-    from ..formats import read_yaml
+    read through the bounded reader and checked by :func:`cluster_from_dict`, parsed once per
+    file content (:data:`_CACHE`)."""
+    from ..formats import read_text, read_yaml
 
     path = name_or_path
     if not os.path.exists(path):
-        path = resources.cluster_profile(name_or_path)
+        path = _PACKAGED.get(name_or_path)  # (listing the package's folder: once per name)
+        if path is None:
+            path = resources.cluster_profile(name_or_path)
+            if path is not None:
+                _PACKAGED[name_or_path] = path
     if path is None:
         raise OasesConfigError(
             f"unknown cluster profile {name_or_path!r}; choose one of {', '.join(available())} "
             "or pass a YAML path"
         )
+    text = read_text(path, "cluster profile", _READ_FIX, kind="YAML")
+    if text in _CACHE:
+        return _CACHE[text]
     raw = read_yaml(path, "cluster profile", _READ_FIX)
-    return cluster_from_dict(raw, f"cluster profile {path}")
+    profile = cluster_from_dict(raw, f"cluster profile {path}")
+    if read_text(path, "cluster profile", _READ_FIX, kind="YAML") == text:  # not edited meanwhile
+        if len(_CACHE) >= 64:  # a long process reading many edited files: start over
+            _CACHE.clear()
+        _CACHE[text] = profile
+    return profile
 
 
 def cluster_from_dict(raw, source="cluster profile"):
