@@ -1,10 +1,11 @@
 """The ``oases`` command: one subcommand per concern, each implemented in its own module.
 
-:data:`COMMANDS` names the subcommands and their help; :func:`command` imports the one that runs
-(explicit imports, inside the function so that ``oases --help`` imports none of them and, for
-:data:`QUIET_COMMANDS`, Megatron-Core comes after :mod:`.training.quiet`). Each entry function
-takes the remaining argv. Every subcommand ends on Ctrl-C or SIGTERM with one line and exit
-status 130 or 143 (:mod:`.interrupts`), never a traceback.
+:data:`COMMANDS` names the subcommands and their help, :data:`ENTRIES` their entry functions
+(each takes the remaining argv); :func:`command` imports the one that runs, by its name, only
+then: ``oases --help`` imports none of them and, for :data:`QUIET_COMMANDS`, Megatron-Core comes
+after :mod:`.training.quiet`. A moved module or function is Python's error naming it
+(``tests/unit/test_cli_dispatch.py`` imports every entry). Every subcommand ends on Ctrl-C or
+SIGTERM with one line and exit status 130 or 143 (:mod:`.interrupts`), never a traceback.
 
 Layering: this module is the top of the package; nothing in ``megatron_oases`` imports it except
 ``__main__``. ``oases compare`` starts ``python -m megatron_oases train`` as a subprocess, not
@@ -12,6 +13,7 @@ through an import.
 """
 
 import argparse
+import importlib
 import sys
 
 from .errors import exit_status
@@ -26,6 +28,16 @@ COMMANDS = {
     "plan": "choose a TMP degree per layer (Oases planner: ILP/DP, memory-aware)",
 }
 
+#: Each subcommand's entry function, ``module:function`` in this package.
+ENTRIES = {
+    "train": "training.pretrain:train_main",
+    "run": "training.pretrain:main",
+    "compare": "compare.cli:main",
+    "calibrate": "testbed.calibrate:main",
+    "profile": "profiler.cli:main",
+    "plan": "search.plan_cli:main",
+}
+
 #: Commands that import Megatron-Core (and would print its fallback warnings).
 QUIET_COMMANDS = ("train", "run", "profile", "plan", "compare")
 #: Of those, the ones that run no Megatron kernel in this process (``compare`` starts its runs as
@@ -36,31 +48,8 @@ NO_KERNEL_COMMANDS = ("plan", "compare")
 
 def command(name):
     """The entry function of subcommand ``name`` (a key of :data:`COMMANDS`), imported now."""
-    if name == "train":
-        from .training import pretrain
-
-        return pretrain.train_main
-    if name == "run":
-        from .training import pretrain
-
-        return pretrain.main
-    if name == "compare":
-        from .compare import cli as compare_cli
-
-        return compare_cli.main
-    if name == "calibrate":
-        from .testbed import calibrate
-
-        return calibrate.main
-    if name == "profile":
-        from .profiler import cli as profiler_cli
-
-        return profiler_cli.main
-    if name == "plan":
-        from .search import plan_cli as planner_cli
-
-        return planner_cli.main
-    raise KeyError(name)
+    module, function = ENTRIES[name].split(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
 
 #: ``oases calibrate``'s counts: 0 or less was accepted (``--threads 0``) or ended in a traceback.

@@ -91,6 +91,19 @@ NOT_INSTALLED = " (and Transformer Engine is not installed here)"
 _OR_OFF = "drop it or use --oases-schedule off"
 
 
+def _irrelevant(group, why, **kw):
+    """Irrelevant under every schedule: no schedule touches what its flags control."""
+    return Rule(group, _I, _I, why, **kw)
+
+
+def _refused(group, off, split, why, *, flag, unused, message, example, attribute=None, plan=False):
+    """The rule of one flag that a :class:`Refusal` enforces: any value of ``attribute``
+    (argparse's: the flag's name in snake case, unless given) but those in ``unused``."""
+    attribute = attribute or flag.lstrip("-").replace("-", "_")
+    refusal = Refusal(((flag, attribute, unused),), message, plan=plan)
+    return Rule(group, off, split, why, flags=(flag,), refusal=refusal, example=example)
+
+
 def _split_only(flags, why, uses, reason, example, group="transformer configuration", **kw):
     """Honoured by stock Megatron, refused under the split schedules (which bypass it)."""
     fix = "drop one of them" if kw.get("plan") else _OR_OFF
@@ -144,19 +157,17 @@ RULES = (
         enforced_by="validation.check_megatron_features",
         example="--tensor-model-parallel-size 2 --tensor-parallel-num-weight-shards 4",
     ),
-    Rule(
+    _refused(
         _TC,
         _H,
         _R,
         "the schedules' blocks run the whole sequence on every rank",
-        flags=("--context-parallel-size",),
-        refusal=Refusal(
-            (("--context-parallel-size", "context_parallel_size", (1,)),),
-            "{what} does not support --context-parallel-size > 1 (the schedules' blocks run "
-            "the whole sequence); drop one of them",
-            plan=True,
-        ),
+        flag="--context-parallel-size",
+        unused=(1,),
+        message="{what} does not support --context-parallel-size > 1 (the schedules' blocks run "
+        "the whole sequence); drop one of them",
         example="--context-parallel-size 2",
+        plan=True,
     ),
     Rule(
         _TC,
@@ -195,25 +206,21 @@ RULES = (
         "tests/e2e/test_parity_dp_bf16.py)",
         flags=("--fp16", "--bf16"),
     ),
-    Rule(
+    _refused(
         _TC,
         _R,
         _R,
         "Transformer Engine's userbuffer overlap of TE linears; this package runs Megatron's "
         "local linears (Megatron would raise per rank without TE, do nothing with it)",
-        flags=("--tp-comm-overlap",),
-        refusal=Refusal(
-            (("--tp-comm-overlap", "tp_comm_overlap", (False,)),),
-            "--tp-comm-overlap overlaps Transformer Engine's linears (userbuffers), which this "
-            "package does not build{te}: drop it (--oases-schedule overlap, cross-pass or oases "
-            "overlap the TP communication of Megatron's local linears)",
-        ),
+        flag="--tp-comm-overlap",
+        unused=(False,),
+        message="--tp-comm-overlap overlaps Transformer Engine's linears (userbuffers), which this "
+        "package does not build{te}: drop it (--oases-schedule overlap, cross-pass or oases "
+        "overlap the TP communication of Megatron's local linears)",
         example="--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap",
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "only with --tp-comm-overlap (refused)",
         flags=("--tp-comm-overlap-rs-dgrad", "--tp-comm-bootstrap-backend"),
         prefixes=("--no-tp-comm-", "--disable-tp-comm-"),
@@ -243,10 +250,8 @@ RULES = (
         enforced_by="Megatron's validate_args",
         example="--fine-grained-activation-offloading --offload-modules core_attn",
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "only with --fine-grained-activation-offloading (refused)",
         flags=(
             "--offload-modules",
@@ -257,10 +262,8 @@ RULES = (
             "--fine-grained-offloading-max-inflight-offloads",
         ),
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "Megatron's pipeline schedule and its p2p communication, which the schedules do not "
         "replace (the interleaved ones only with virtual stages)",
         flags=(
@@ -278,8 +281,8 @@ RULES = (
         "weight-gradient GEMMs are not wired",
         "--defer-embedding-wgrad-compute",
     ),
-    Rule(
-        _TC, _I, _I, "only with --defer-embedding-wgrad-compute", flags=("--wgrad-deferral-limit",)
+    _irrelevant(
+        _TC, "only with --defer-embedding-wgrad-compute", flags=("--wgrad-deferral-limit",)
     ),
     _split_only(
         ("--mtp-num-layers",),
@@ -304,17 +307,13 @@ RULES = (
         "parity-tested); --oases-split sequence takes unfused attention only (one line)",
         flags=("--attention-backend",),
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "Megatron-Core 0.19 reads it nowhere (a legacy flag)",
         flags=("--apply-residual-connection-post-layernorm",),
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "weight initialisation: the same weights under every schedule",
         flags=(
             "--no-initialization",
@@ -385,39 +384,35 @@ RULES = (
         "--recompute-num-layers 1 --distribute-saved-activations",
         plan=True,
     ),
-    Rule(
+    _refused(
         _TC,
         _R,
         _R,
         "FP8 needs Transformer Engine's linears; Megatron's local linears would train in "
         "bf16/fp32 and ignore it (without TE and with full recomputation, Megatron raises per "
         "rank)",
-        flags=("--fp8-format",),
-        refusal=Refusal(
-            (("--fp8-format", "fp8", ()),),
-            "{given}: FP8 needs Transformer Engine's linears, which this package does not "
-            "build{te}: Megatron's local linears would ignore it and train in bf16/fp32; drop "
-            "--fp8-format",
-        ),
+        flag="--fp8-format",
+        attribute="fp8",
+        unused=(),
+        message="{given}: FP8 needs Transformer Engine's linears, which this package does not "
+        "build{te}: Megatron's local linears would ignore it and train in bf16/fp32; drop "
+        "--fp8-format",
         example="--bf16 --fp8-format hybrid",
     ),
-    Rule(
+    _refused(
         _TC,
         _R,
         _R,
         "FP4 needs Transformer Engine's linears, as FP8 does",
-        flags=("--fp4-format",),
-        refusal=Refusal(
-            (("--fp4-format", "fp4", ()),),
-            "{given}: FP4 needs Transformer Engine's linears, which this package does not "
-            "build{te}: Megatron's local linears would ignore it; drop --fp4-format",
-        ),
+        flag="--fp4-format",
+        attribute="fp4",
+        unused=(),
+        message="{given}: FP4 needs Transformer Engine's linears, which this package does not "
+        "build{te}: Megatron's local linears would ignore it; drop --fp4-format",
         example="--bf16 --fp4-format e2m1",
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "only with --fp8-format / --fp4-format (refused)",
         flags=(
             "--no-fp8-wgrad",
@@ -428,21 +423,19 @@ RULES = (
         ),
         prefixes=("--fp8-", "--fp4-"),
     ),
-    Rule(
+    _refused(
         _TC,
         _R,
         _R,
         "needs NVIDIA's kitchen extension (not installed: Megatron has no --kitchen-* flags "
         "here), without which the local spec ignores it",
-        flags=("--use-kitchen-attention",),
-        refusal=Refusal(
-            (("--use-kitchen-attention", "use_kitchen_attention", (False,)),),
-            "--use-kitchen-attention needs NVIDIA's kitchen extension, which is not installed "
-            "(Megatron's local spec would ignore it); drop it",
-        ),
+        flag="--use-kitchen-attention",
+        unused=(False,),
+        message="--use-kitchen-attention needs NVIDIA's kitchen extension, which is not installed "
+        "(Megatron's local spec would ignore it); drop it",
         example="--use-kitchen-attention",
     ),
-    Rule(_TC, _I, _I, "only with --use-kitchen-attention", flags=("--kitchen-attention-backend",)),
+    _irrelevant(_TC, "only with --use-kitchen-attention", flags=("--kitchen-attention-backend",)),
     _split_only(
         ("--enable-cuda-graph", "--external-cuda-graph", "--cuda-graph-impl"),
         "Megatron's CUDA graphs of whole layers (CUDA only)",
@@ -455,24 +448,18 @@ RULES = (
         "(--oases-cuda-graphs graphs the schedules' blocks)",
         "--cuda-graph-impl local",
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "only with Megatron's CUDA graphs, or inference",
         flags=("--cuda-graph-warmup-steps", "--inference-cuda-graph-scope"),
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "debug dump of module inputs and outputs (the stage's ends run stock with it)",
         flags=("--config-logger-dir",),
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "inference only (the schedules run in training only)",
         flags=(
             "--flash-decode",
@@ -507,26 +494,22 @@ RULES = (
         enforced_by="validation.check_transformer_impl",
         example="--transformer-impl transformer_engine",
     ),
-    Rule(
+    _refused(
         _TC,
         NO_TE,
         _R,
         "Transformer Engine's offload context around the layer loop (without TE Megatron "
         "asserts per rank); the split schedules replace that loop",
-        flags=("--cpu-offloading-num-layers",),
-        refusal=Refusal(
-            (("--cpu-offloading-num-layers", "cpu_offloading_num_layers", (0,)),),
-            "{given} needs Transformer Engine's offload context around Megatron's layer "
-            "loop{te}, which the split schedules and per-layer plans replace; drop it (or run "
-            "--oases-schedule off, without --oases-plan, with Transformer Engine)",
-            plan=True,
-        ),
+        flag="--cpu-offloading-num-layers",
+        unused=(0,),
+        message="{given} needs Transformer Engine's offload context around Megatron's layer "
+        "loop{te}, which the split schedules and per-layer plans replace; drop it (or run "
+        "--oases-schedule off, without --oases-plan, with Transformer Engine)",
         example="--cpu-offloading-num-layers 1",
+        plan=True,
     ),
-    Rule(
+    _irrelevant(
         _TC,
-        _I,
-        _I,
         "only with --cpu-offloading-num-layers",
         flags=("--cpu-offloading-retain-pinned-cpu-buffers",),
     ),
@@ -538,10 +521,8 @@ RULES = (
         "model shape, position embeddings, activations: inside the embedding and the layers' "
         "submodules",
     ),
-    Rule(
+    _irrelevant(
         "network size",
-        _I,
-        _I,
         "other models (T5, BERT) or ONNX export",
         flags=(
             "--encoder-num-layers",
@@ -553,13 +534,10 @@ RULES = (
         ),
     ),
     # --- the loop around the model ------------------------------------------------------------
-    Rule("regularization", _I, _I, "Megatron's optimizer, the same under every schedule"),
-    Rule("profiling", _I, _I, "profilers around Megatron's loop"),
-    Rule(
-        "training",
-        _I,
-        _I,
-        "Megatron's loop: batch schedule, exits, GC, optimizer choice and offload",
+    _irrelevant("regularization", "Megatron's optimizer, the same under every schedule"),
+    _irrelevant("profiling", "profilers around Megatron's loop"),
+    _irrelevant(
+        "training", "Megatron's loop: batch schedule, exits, GC, optimizer choice and offload"
     ),
     Rule(
         "training",
@@ -593,36 +571,28 @@ RULES = (
             "--no-gradient-accumulation-fusion",
         ),
     ),
-    Rule(
-        "training",
-        _I,
-        _I,
-        "only with --tp-comm-overlap (refused)",
-        flags=("--tp-comm-overlap-cfg",),
+    _irrelevant(
+        "training", "only with --tp-comm-overlap (refused)", flags=("--tp-comm-overlap-cfg",)
     ),
-    Rule("rl", _I, _I, "Megatron-LM's reinforcement-learning scripts"),
-    Rule("RNG and initialization", _I, _I, "seeds and initialisation, as stock"),
-    Rule(
+    _irrelevant("rl", "Megatron-LM's reinforcement-learning scripts"),
+    _irrelevant("RNG and initialization", "seeds and initialisation, as stock"),
+    _refused(
         "RNG and initialization",
         NO_TE,
         NO_TE,
         "Transformer Engine's RNG tracker: without TE Megatron quietly keeps its own",
-        flags=("--te-rng-tracker",),
-        refusal=Refusal(
-            (("--te-rng-tracker", "te_rng_tracker", (False,)),),
-            "--te-rng-tracker needs Transformer Engine, which is not installed here (Megatron "
-            "would quietly keep its own RNG tracker); drop it",
-        ),
+        flag="--te-rng-tracker",
+        unused=(False,),
+        message="--te-rng-tracker needs Transformer Engine, which is not installed here (Megatron "
+        "would quietly keep its own RNG tracker); drop it",
         example="--te-rng-tracker",
     ),
-    Rule("learning rate and weight decay", _I, _I, "Megatron's learning-rate schedule"),
-    Rule(
+    _irrelevant("learning rate and weight decay", "Megatron's learning-rate schedule"),
+    _irrelevant(
         "checkpointing",
-        _I,
-        _I,
         "checkpoints hold the same model under every schedule (a plan's in the stock layout)",
     ),
-    Rule("mixed precision", _I, _I, "loss scaling and gradient reduction: Megatron's optimizer"),
+    _irrelevant("mixed precision", "loss scaling and gradient reduction: Megatron's optimizer"),
     Rule(
         "mixed precision",
         _H,
@@ -630,24 +600,18 @@ RULES = (
         "inside attention",
         flags=("--attention-softmax-in-fp32",),
     ),
-    Rule(
+    _irrelevant(
         "mixed precision",
-        _I,
-        _I,
         "GPTModel stores it and never reads it (Megatron-Core 0.19)",
         flags=("--fp16-lm-cross-entropy",),
     ),
-    Rule(
+    _irrelevant(
         "mixed precision",
-        _I,
-        _I,
         "only with --fp8-format (refused)",
         flags=("--reuse-grad-buf-for-mxfp8-param-ag",),
     ),
-    Rule(
+    _irrelevant(
         "distributed init",
-        _I,
-        _I,
         "process groups, DDP and the distributed optimizer around the model (parity-tested: "
         "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather)",
     ),
@@ -675,10 +639,8 @@ RULES = (
         enforced_by="validation.check_sharded_data_parallel",
         example="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
     ),
-    Rule(
+    _irrelevant(
         "distributed init",
-        _I,
-        _I,
         "only with FSDP",
         flags=(
             "--data-parallel-sharding-strategy",
@@ -688,19 +650,15 @@ RULES = (
             "--keep-fp8-transpose-cache",
         ),
     ),
-    Rule(
+    _irrelevant(
         "distributed init",
-        _I,
-        _I,
         "NCCL user buffers, Megatron-FSDP's double buffer and manual registration (CUDA only): "
         "refused under --use-megatron-fsdp on CPU ranks (validation.check_megatron_fsdp, with "
         "CUDA graphs, FP8 and more than one --num-distributed-optimizer-instances)",
         flags=("--use-nccl-ub", "--fsdp-double-buffer", "--fsdp-manual-registration"),
     ),
-    Rule(
+    _irrelevant(
         "distributed init",
-        _I,
-        _I,
         "Megatron-FSDP divides gradients inside their reduction (NCCL's PREMUL_SUM), or before "
         "it: CPU runs under --use-megatron-fsdp add the flag (gloo has no PREMUL_SUM)",
         flags=("--no-gradient-reduce-div-fusion",),
@@ -727,8 +685,8 @@ RULES = (
         flags=("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"),
     ),
     Rule("distributed init", _H, _I, "context parallelism only", flags=("--cp-comm-type",)),
-    Rule("validation", _I, _I, "evaluation runs stock code (the schedules run in training only)"),
-    Rule("data and dataloader", _I, _I, "the same batches under every schedule"),
+    _irrelevant("validation", "evaluation runs stock code (the schedules run in training only)"),
+    _irrelevant("data and dataloader", "the same batches under every schedule"),
     Rule(
         "data and dataloader",
         _H,
@@ -752,22 +710,20 @@ RULES = (
         "--dataloader-inter-document-masking",
         group="data and dataloader",
     ),
-    Rule("tokenizer", _I, _I, "the same tokens under every schedule"),
-    Rule("autoresume", _I, _I, "job control around Megatron's loop"),
-    Rule("biencoder", _I, _I, "other models (ICT, REALM)"),
-    Rule("vision", _I, _I, "other models (ViT, DINO)"),
-    Rule(
+    _irrelevant("tokenizer", "the same tokens under every schedule"),
+    _irrelevant("autoresume", "job control around Megatron's loop"),
+    _irrelevant("biencoder", "other models (ICT, REALM)"),
+    _irrelevant("vision", "other models (ViT, DINO)"),
+    _refused(
         "moe",
         _H,
         _R,
         "the schedules' blocks are dense attention and MLP halves",
-        flags=("--num-experts",),
-        refusal=Refusal(
-            (("--num-experts", "num_experts", (0,)),),
-            "{what} does not support MoE layers; drop --num-experts",
-            plan=True,
-        ),
+        flag="--num-experts",
+        unused=(0,),
+        message="{what} does not support MoE layers; drop --num-experts",
         example="--num-experts 4",
+        plan=True,
     ),
     Rule("mla", _H, _I, "MLA only (--multi-latent-attention, refused under the split schedules)"),
     _local_spec_ignores(
@@ -776,7 +732,7 @@ RULES = (
         "--mla-down-proj-fusion",
         group="mla",
     ),
-    Rule("mla", _I, _I, "inference only", flags=("--cache-mla-latents",)),
+    _irrelevant("mla", "inference only", flags=("--cache-mla-latents",)),
     _split_only(
         ("--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json"),
         "a configuration per layer",
@@ -792,8 +748,8 @@ RULES = (
         "--heterogeneous-layers-config-path layers.json",
         group="heterogeneous architecture",
     ),
-    Rule("logging", _I, _I, "logs and metrics of Megatron's loop"),
-    Rule("Logits Distillation", _I, _I, "only with --logits-save-dir / --logits-load-dir"),
+    _irrelevant("logging", "logs and metrics of Megatron's loop"),
+    _irrelevant("Logits Distillation", "only with --logits-save-dir / --logits-load-dir"),
     _split_only(
         ("--logits-save-dir", "--logits-load-dir"),
         "hooks on the output layer that save or compare logits per micro-batch",
@@ -806,20 +762,16 @@ RULES = (
         "--logits-save-dir logits",
         group="Logits Distillation",
     ),
-    Rule("straggler", _I, _I, "monitoring around Megatron's loop"),
-    Rule("workload inspector", _I, _I, "monitoring around Megatron's loop"),
-    Rule("inference", _I, _I, "inference only (the schedules run in training only)"),
-    Rule(
+    _irrelevant("straggler", "monitoring around Megatron's loop"),
+    _irrelevant("workload inspector", "monitoring around Megatron's loop"),
+    _irrelevant("inference", "inference only (the schedules run in training only)"),
+    _irrelevant(
         "inference",
-        _I,
-        _I,
         "only with Megatron's CUDA graphs (refused under the split schedules)",
         flags=("--cuda-graph-scope", "--cuda-graph-modules"),
     ),
-    Rule(
+    _irrelevant(
         "Transformer-Engine",
-        _I,
-        _I,
         "only with --fp8-format / --fp4-format (refused)",
         flags=("--fp8-param-gather", "--fp4-param-gather"),
     ),
@@ -829,10 +781,8 @@ RULES = (
         "--te-precision-config-file precision.yaml",
         group="Transformer-Engine",
     ),
-    Rule(
+    _irrelevant(
         "experimental",
-        _I,
-        _I,
         "a YAML config, the precision-aware optimizer (optimizer state dtypes), Megatron-FSDP "
         "buffers (FSDP only)",
     ),
@@ -844,12 +794,12 @@ RULES = (
         "TransformerLayer structure (one line for other hybrid symbols)",
         flags=("--spec", "--hybrid-layer-pattern", "--hybrid-override-pattern"),
     ),
-    Rule("one logger", _I, _I, "monitoring around Megatron's loop"),
-    Rule("In-process restart", _I, _I, "job control around Megatron's loop"),
-    Rule("ft_package", _I, _I, "job control around Megatron's loop"),
-    Rule("rerun engine", _I, _I, "result checks in Megatron's loop, the same under every schedule"),
-    Rule("msc", _I, _I, "storage client for data and checkpoints"),
-    Rule("sft", _I, _I, "only with --sft"),
+    _irrelevant("one logger", "monitoring around Megatron's loop"),
+    _irrelevant("In-process restart", "job control around Megatron's loop"),
+    _irrelevant("ft_package", "job control around Megatron's loop"),
+    _irrelevant("rerun engine", "result checks in Megatron's loop, the same under every schedule"),
+    _irrelevant("msc", "storage client for data and checkpoints"),
+    _irrelevant("sft", "only with --sft"),
     _split_only(
         ("--sft",),
         "Megatron's SFT data (packed sequences)",
@@ -858,8 +808,8 @@ RULES = (
         "--sft",
         group="sft",
     ),
-    Rule("fault injector", _I, _I, "testing aid around Megatron's loop"),
-    Rule("options", _I, _I, "help", flags=("-h", "--help")),
+    _irrelevant("fault injector", "testing aid around Megatron's loop"),
+    _irrelevant("options", "help", flags=("-h", "--help")),
 )
 
 

@@ -63,19 +63,22 @@ _COUNTS = (
     "num_microbatches",
 )
 _WRITE_ONE = "write one with `oases plan --out PLAN_JSON`"
-#: ``model_shape``'s keys (Megatron's names), each with its flag for messages.
-MODEL_SHAPE = {
+#: The part of ``model_shape`` that makes a layer what the plan chose its degree for (the
+#: degrees' validity, each layer's memory and times): a run of another is refused. Sequence length
+#: and vocabulary change the activations' length and the model's ends; the degrees stay valid: a
+#: warning.
+LAYER_SHAPE = {
     "num_layers": "--num-layers",
     "hidden_size": "--hidden-size",
     "num_attention_heads": "--num-attention-heads",
     "ffn_hidden_size": "--ffn-hidden-size",
+}
+#: ``model_shape``'s keys (Megatron's names), each with its flag for messages.
+MODEL_SHAPE = {
+    **LAYER_SHAPE,
     "seq_length": "--seq-length",
     "padded_vocab_size": "padded vocabulary",
 }
-#: The shape that makes a layer what the plan chose its degree for (the degrees' validity, each
-#: layer's memory and times): a run of another is refused. Sequence length and vocabulary change
-#: the activations' length and the model's ends; the degrees stay valid: a warning.
-LAYER_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size")
 #: Every key a plan file may have: what the runtime and ``--evaluate`` read, then what documents
 #: how the plan was made (``oases plan``, the cluster search, :func:`uniform_plan`).
 PLAN_FILE_KEYS = (

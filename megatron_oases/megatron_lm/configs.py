@@ -201,18 +201,9 @@ def _isnan(v):
 
 
 def summarize_run(name, tp, pp, schedule, status, json_path):
-    row = dict(
-        name=name,
-        tp=int(tp),
-        pp=int(pp),
-        schedule=schedule,
-        status=status,
-        iters=0,
-        loss=None,
-        iter_ms=None,
-        tflops=None,
-        json=json_path,
-    )
+    """One row of :func:`summary_table`: a run as the compare script recorded it, with what its
+    golden values file says (iterations, last loss, mean iteration time and throughput, the
+    warm-up iteration left out); a run recorded ``ok`` without a readable file is ``no-json``."""
     golden = None
     if json_path and os.path.isfile(json_path):
         try:
@@ -220,16 +211,23 @@ def summarize_run(name, tp, pp, schedule, status, json_path):
         except (OSError, ValueError):
             golden = None
     if status == "ok" and golden is None:
-        row["status"] = "no-json"
-    if golden:
-        losses = _values(golden, "lm loss")
-        times = _values(golden, "iteration-time", skip_first=True)
-        row["iters"] = len((golden.get("lm loss") or {}).get("values") or [])
-        row["loss"] = losses[-1] if losses else None
-        row["iter_ms"] = 1000 * sum(times) / len(times) if times else None
-        tflops = _values(golden, "throughput", skip_first=True)
-        row["tflops"] = sum(tflops) / len(tflops) if tflops else None
-    return row
+        status = "no-json"
+    golden = golden or {}
+    losses = _values(golden, "lm loss")
+    times = _values(golden, "iteration-time", skip_first=True)
+    tflops = _values(golden, "throughput", skip_first=True)
+    return {
+        "name": name,
+        "tp": int(tp),
+        "pp": int(pp),
+        "schedule": schedule,
+        "status": status,
+        "iters": len((golden.get("lm loss") or {}).get("values") or []),
+        "loss": losses[-1] if losses else None,
+        "iter_ms": 1000 * sum(times) / len(times) if times else None,
+        "tflops": sum(tflops) / len(tflops) if tflops else None,
+        "json": json_path,
+    }
 
 
 def summary_table(rows, baseline=None):

@@ -222,8 +222,7 @@ class PlanSettings:
         if args.global_batch_size is None:
             raise OasesConfigError("--global-batch-size is required")
         recompute = recompute_flag(args)
-        schedule = args.schedule or "oases"
-        if schedule == AUTO and args.no_recompute:
+        if args.schedule == AUTO and args.no_recompute:
             raise OasesConfigError(
                 "--schedule auto chooses the recompute setting; drop "
                 + ("--recompute-num-layers" if args.recompute_num_layers else "--no-recompute")
@@ -232,7 +231,7 @@ class PlanSettings:
             global_batch_size=args.global_batch_size,
             micro_batch_size=args.micro_batch_size,
             memory_gb=args.memory,
-            schedule=schedule,
+            schedule=args.schedule or "oases",
             recompute=recompute,
             recompute_layers=args.recompute_num_layers,
             split=args.split,

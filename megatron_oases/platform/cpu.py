@@ -139,11 +139,19 @@ def _make_tensor_methods(orig_to, orig_type):
     return {"cuda": cuda, "to": to, "type": type_}
 
 
-class _InertStream:
-    """Stand-in for ``torch.cuda.Stream``: CPU work is already ordered on one thread."""
+class _Inert:
+    """What CUDA's streams and events do on CPU ranks: nothing to wait for or synchronize (CPU
+    work is already ordered on one thread)."""
 
     def __init__(self, *args, **kwargs):
         pass
+
+    def synchronize(self):
+        pass
+
+
+class _InertStream(_Inert):
+    """Stand-in for ``torch.cuda.Stream``."""
 
     def wait_stream(self, other):
         pass
@@ -151,26 +159,17 @@ class _InertStream:
     def wait_event(self, event):
         pass
 
-    def synchronize(self):
-        pass
-
     def record_event(self, event=None):
         return event or _InertEvent()
 
 
-class _InertEvent:
+class _InertEvent(_Inert):
     """Stand-in for ``torch.cuda.Event``."""
-
-    def __init__(self, *args, **kwargs):
-        pass
 
     def record(self, stream=None):
         pass
 
     def wait(self, stream=None):
-        pass
-
-    def synchronize(self):
         pass
 
     def query(self):

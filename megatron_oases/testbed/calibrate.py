@@ -259,10 +259,7 @@ def main(argv):
         "profile's dtype, fused attention).",
     )
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads per rank (torchrun ranks use 1; default 1)",
+        "--threads", type=int, default=1, help="torch threads per rank (default 1, torchrun's)"
     )
     parser.add_argument("--refresh", action="store_true", help="measure again, ignore the cache")
     parser.add_argument(

@@ -48,6 +48,16 @@ except ImportError:  # a torch built without distributed: nothing to emulate, no
     _Work = object
 
 
+def _forwarded(name):
+    """A method of the wrapped ``Work``'s that calls the real work's ``name``."""
+
+    def method(self):
+        return self._real(name)()
+
+    method.__name__ = name
+    return method
+
+
 class WrappedWork(_Work):
     """A ``torch.distributed.Work`` wrapping the real one (``work``, or None for an op that ran
     synchronously): a subclass, not a duck type, so callers that wait only on what
@@ -64,26 +74,14 @@ class WrappedWork(_Work):
             raise AttributeError(name)
         return getattr(work, name)
 
-    def get_future(self):
-        return self._real("get_future")()
-
-    def get_future_result(self):
-        return self._real("get_future_result")()
-
-    def source_rank(self):
-        return self._real("source_rank")()
-
-    def _source_rank(self):
-        return self._real("_source_rank")()
-
-    def _get_duration(self):
-        return self._real("_get_duration")()
-
-    def _get_op_type(self):
-        return self._real("_get_op_type")()
-
-    def _get_sequence_number(self):
-        return self._real("_get_sequence_number")()
+    # the base class's own methods, unimplemented on a Python subclass: the real work's
+    get_future = _forwarded("get_future")
+    get_future_result = _forwarded("get_future_result")
+    source_rank = _forwarded("source_rank")
+    _source_rank = _forwarded("_source_rank")
+    _get_duration = _forwarded("_get_duration")
+    _get_op_type = _forwarded("_get_op_type")
+    _get_sequence_number = _forwarded("_get_sequence_number")
 
     @property
     def timeout(self):
