@@ -176,8 +176,6 @@ PENDING = {
         ("validation/results.md", "validation/results.json"),
         _QUIET + " (delete validation/profile.json first: the script reuses a measured profile)",
     ),
-    "planner/solve_time.md": "solver wall times: regenerate on a quiet host (issue 62.4)",
-    "planner/solve_time.json": "solver wall times: regenerate on a quiet host (issue 62.4)",
     "planner/verify_search.md": _QUIET + " (emulated training, long)",
     "planner/verify_search.json": _QUIET + " (emulated training, long)",
     **dict.fromkeys(
