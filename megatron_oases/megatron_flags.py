@@ -629,15 +629,16 @@ RULES = (
     Rule(
         "distributed init",
         _H,
-        _R,
+        _H,
         "Megatron-FSDP, every --data-parallel-sharding-strategy, on CPU ranks too (the "
         "megatron-fsdp-cpu patch; parity-tested against DDP: tests/e2e/test_megatron_fsdp_e2e.py); "
-        "the split schedules bypass the hooks in which its buffers gather a layer's parameters "
-        "and take its gradients (each would arrive twice); with PP > 1 this megatron-core's "
-        "Megatron-FSDP fails on any device (refused)",
+        "the split schedules gather each layer themselves, one ahead, and hand each parameter's "
+        "gradient over once per layer through its delayed weight-gradient entry "
+        "(schedule/megatron/fsdp_params.py; parity-tested against stock Megatron-FSDP: "
+        "tests/e2e/test_megatron_fsdp_split_e2e.py); with PP > 1 this megatron-core's "
+        "Megatron-FSDP fails on any device (refused), with --oases-plan or --oases-cuda-graphs "
+        "refused",
         flags=("--use-megatron-fsdp",),
-        enforced_by="validation.check_sharded_data_parallel",
-        example="--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params",
     ),
     _irrelevant(
         "distributed init",

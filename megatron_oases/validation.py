@@ -689,14 +689,8 @@ def check_sharded_data_parallel(args, schedule, cuda_available):
     ``--use-megatron-fsdp``): what runs where (docs/megatron-lm.md, sharded data parallelism)."""
     torch_fsdp2 = getattr(args, "use_torch_fsdp2", False)
     megatron_fsdp = getattr(args, "use_megatron_fsdp", False)
-    if megatron_fsdp and schedule != "off":
-        # Megatron-FSDP hands a parameter's gradient to its bucket from a per-parameter hook that
-        # copies it: under two sub-batches the first one's would be overwritten, in silence.
-        raise OasesConfigError(
-            f"--oases-schedule {schedule} does not run under --use-megatron-fsdp yet (its buffers "
-            "gather a layer's parameters in hooks the split schedules bypass); use "
-            "--use-torch-fsdp2, or --oases-schedule off"
-        )
+    # Megatron-FSDP under the split schedules: each layer gathered and its gradients handed over
+    # once by the engine (schedule/megatron/fsdp_params.py; parity: test_megatron_fsdp_split_e2e)
     if megatron_fsdp and (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
         raise OasesConfigError(
             "--use-megatron-fsdp does not run with --pipeline-model-parallel-size > 1 in this "
@@ -713,10 +707,15 @@ def check_sharded_data_parallel(args, schedule, cuda_available):
             "checkpoints work on whole tensor-parallel shards, which FSDP holds sharded over data "
             "parallelism); drop one of them"
         )
-    if torch_fsdp2 and getattr(args, "oases_cuda_graphs", None):
+    if (torch_fsdp2 or megatron_fsdp) and getattr(args, "oases_cuda_graphs", None):
+        flag, who = (
+            ("--use-torch-fsdp2", "FSDP2")
+            if torch_fsdp2
+            else ("--use-megatron-fsdp", "Megatron-FSDP")
+        )
         raise OasesConfigError(
-            "--oases-cuda-graphs does not run under --use-torch-fsdp2 (FSDP2 re-allocates the "
-            "gathered parameters at every all-gather, under the captured graphs); drop one of them"
+            f"--oases-cuda-graphs does not run under {flag} ({who} re-allocates the gathered "
+            "parameters at every all-gather, under the captured graphs); drop one of them"
         )
 
 

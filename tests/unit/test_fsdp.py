@@ -93,19 +93,16 @@ def test_split_schedules_parse_under_torch_fsdp2(no_max_connections, schedule):
     assert config.schedule == schedule
 
 
-def test_split_schedules_stay_refused_under_megatron_fsdp():
-    """Megatron-FSDP under a split schedule (untried): one line, on a GPU host as well."""
+def test_split_schedules_run_under_megatron_fsdp_on_a_gpu_host_too():
+    """Issue 61.3: Megatron-FSDP under a split schedule is no longer refused (it was one line);
+    the CPU side: ``tests/unit/test_megatron_fsdp.py``."""
     from types import SimpleNamespace
 
-    from megatron_oases.validation import check_sharded_data_parallel
+    from megatron_oases.validation import SPLIT_SCHEDULES, check_sharded_data_parallel
 
     args = SimpleNamespace(use_megatron_fsdp=True, use_torch_fsdp2=False)
-    check_sharded_data_parallel(args, "off", cuda_available=True)
-    with pytest.raises(OasesConfigError) as err:
-        check_sharded_data_parallel(args, "oases", cuda_available=True)
-    message = str(err.value)
-    assert "--oases-schedule oases does not run under --use-megatron-fsdp" in message
-    assert "\n" not in message and "--use-torch-fsdp2" in message
+    for schedule in ("off",) + SPLIT_SCHEDULES:
+        check_sharded_data_parallel(args, schedule, cuda_available=True)
 
 
 def test_user_max_connections_one_under_fsdp_is_one_line(monkeypatch):

@@ -71,16 +71,27 @@ def test_each_option_that_cannot_run_on_cpu_is_one_line(flag, attribute, unused,
         ("--bf16 --fp8-format hybrid", "--fp8-format hybrid needs Transformer Engine"),
         ("--save /tmp/oases-test-never-written", "--save does not run under --use-megatron-fsdp"),
         ("--load /tmp/oases-test-never-read", "--load does not run under --use-megatron-fsdp"),
-        ("--oases-schedule overlap", "--oases-schedule overlap does not run under"),
-        ("--oases-schedule cross-pass", "--oases-schedule cross-pass does not run under"),
-        ("--oases-schedule oases", "--oases-schedule oases does not run under"),
+        (
+            "--oases-schedule overlap --oases-cuda-graphs eager",
+            "--oases-cuda-graphs does not run under --use-megatron-fsdp",
+        ),
     ],
 )
 def test_what_megatron_fsdp_cannot_run_here_is_one_line_up_front(argv, match):
-    """Through Megatron's parse, as a user's command line; the split schedules stay refused (their
-    sub-batches would hand Megatron-FSDP each gradient twice, and its hook copies: issue 61.3)."""
+    """Through Megatron's parse, as a user's command line."""
     message = _one_line(parse_config, MFSDP + argv, world_size=2)
     assert match in message, message
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "cross-pass", "oases"])
+def test_split_schedules_run_under_megatron_fsdp(schedule):
+    """Issue 61.3: no longer refused; the engine gathers each layer and hands its gradients over
+    once (``schedule/megatron/fsdp_params.py``; parity against stock Megatron-FSDP in
+    ``tests/e2e/test_megatron_fsdp_split_e2e.py``)."""
+    recompute = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+    argv = MFSDP + recompute + f"--tensor-model-parallel-size 2 --oases-schedule {schedule}"
+    config = parse_config(argv, world_size=4)
+    assert config.schedule == schedule
 
 
 def test_pipeline_parallelism_is_one_line_on_every_device():

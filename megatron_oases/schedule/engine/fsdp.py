@@ -1,34 +1,49 @@
-"""The schedule under torch FSDP2 (``--use-torch-fsdp2``): the stage's sharded parameters gathered
-around the engine's forward and backward.
+"""A stage's sharded parameters around the engine's passes: the work of the sharded data-parallel
+wrappers' hooks, which the engine bypasses (it runs a layer's attention and MLP halves and the
+embedding's submodules itself, and its own backward programs), done by the engine.
 
-Megatron's FSDP2 wrapper calls ``fully_shard`` on each ``TransformerLayer`` and on the embedding;
-FSDP2 then gathers a module's parameters in hooks around its ``forward`` and registers their
-gradients' reduce-scatter on its outputs. The engine never calls those forwards (it runs a
-layer's attention and MLP halves and the embedding's submodules itself, and its own backward
-programs), so the hooks do not fire. :class:`ShardedParams` does their work with FSDP2's public
-``unshard()`` / ``reshard()`` on every wrapped module the engine runs:
+Two ways, chosen by what the caller passes as ``ScheduledLayers(sharded=...)``:
 
-- forward: all of them gathered before the first sub-batch's first op (all-gathers issued
-  together, then waited on), resharded after the last one's (unless Megatron built them with
-  ``--torch-fsdp2-no-reshard-after-forward``);
-- backward: all gathered again before the first backward round, and left gathered: FSDP2's root
-  post-backward callback (queued by the root module's own pre-backward hook on the model's output,
-  which runs before the engine's backward) runs ``post_backward`` for every parameter group that
-  its hooks did not finish, which reduce-scatters the gradients the engine accumulated into the
-  gathered parameters and reshards them.
+- :class:`ShardedParams` (the default; torch FSDP2, ``--use-torch-fsdp2``): Megatron's FSDP2
+  wrapper calls ``fully_shard`` on each ``TransformerLayer`` and on the embedding; FSDP2 gathers a
+  module's parameters in hooks around its ``forward`` and registers their gradients'
+  reduce-scatter on its outputs. Here, with FSDP2's public ``unshard()`` / ``reshard()`` on every
+  wrapped module the engine runs: all gathered before the forward pass (all-gathers issued
+  together, then waited on), resharded after it (unless Megatron built them with
+  ``--torch-fsdp2-no-reshard-after-forward``); all gathered again before backward and left
+  gathered: FSDP2's root post-backward callback (queued by the root module's own pre-backward hook
+  on the model's output, which runs before the engine's backward) runs ``post_backward`` for every
+  parameter group its hooks did not finish, which reduce-scatters the gradients the engine
+  accumulated into the gathered parameters and reshards them. So a stage holds all its layers'
+  gathered parameters during each pass (stock FSDP2: one or two layers').
+- :class:`PerLayer` over a :class:`ShardedLayers` (the adapter's, e.g. Megatron-FSDP's,
+  ``schedule/megatron/fsdp_params.py``): one layer at a time. Each pass (forward; backward with
+  its recomputation, all its rounds) gathers a layer before the first op that reads its
+  parameters and starts the next layer's gather then (one layer ahead), and once every sub-batch
+  has run its last op of that layer (its forward; its recomputation and backward) hands the
+  layer's gradients over, once, and releases it. A stage then holds two or three layers' gathered
+  parameters at a time (the one running, the one prefetched, and at a layer boundary the one
+  before), as stock does, whatever its depth.
 
-So during the engine's forward and during its backward a stage holds all its layers' gathered
-parameters at once (stock FSDP2: one or two layers'; docs/megatron-lm.md, sharded data
-parallelism), and the all-gathers are not hidden behind compute. The output layer and the final
-norm are the root module's, gathered by its own hooks as stock.
+Which layers an op reads is known when the programs are built (:class:`TaggedOps`): an op of
+block j reads block j's layer, and in forward the first op of a layer's first block also runs
+the previous block's bias-dropout-add (its bias is that layer's). The embedding and the output
+layer are the wrapper's own modules, gathered by their own hooks.
 """
+
+import collections
+import contextlib
 
 from torch.distributed.fsdp import FSDPModule
 
+from .ops import BlockOps
+
 
 class ShardedParams:
-    """The FSDP2-wrapped ones among ``modules`` (a stage's layers, the embedding); empty, and
-    every call a no-op, without ``--use-torch-fsdp2``."""
+    """The FSDP2-wrapped ones among ``modules`` (a stage's layers, the embedding), gathered
+    around each whole pass; empty, and every call a no-op, without ``--use-torch-fsdp2``."""
+
+    tags = False  # the ops need no layer tags
 
     def __init__(self, modules):
         self.modules = [m for m in modules if isinstance(m, FSDPModule)]
@@ -45,6 +60,14 @@ class ShardedParams:
             if _reshards_after_forward(m):
                 m.reshard()
 
+    @contextlib.contextmanager
+    def running(self, rounds, ops, backward):
+        """Around one pass (``rounds`` of programs; see :class:`PerLayer.running`)."""
+        self.gather()  # backward: FSDP2's root post-backward callback reduce-scatters, reshards
+        yield
+        if not backward:
+            self.reshard_after_forward()
+
 
 def _reshards_after_forward(module):
     """FSDP2's ``reshard_after_forward`` of ``module`` (Megatron: True unless
@@ -52,3 +75,158 @@ def _reshards_after_forward(module):
     groups hold it (``_reshard_after_forward``); True where they do not say."""
     groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None) or []
     return not groups or any(getattr(g, "_reshard_after_forward", True) for g in groups)
+
+
+class ShardedLayers:
+    """What :class:`PerLayer` drives, by the stage position ``i`` of a layer: the adapter's
+    (Megatron-FSDP: ``schedule/megatron/fsdp_params.py``). Called in this order per pass and
+    layer: ``gather`` (start the all-gather; may return at once), ``wait`` (the parameters are
+    there), ``release`` (free them); in backward ``hand_over`` (the layer's accumulated gradients
+    to the wrapper, once) right before ``release``; ``finish`` once after each pass. Nothing here:
+    parameters that are always whole."""
+
+    def gather(self, i, backward):
+        pass
+
+    def wait(self, i, backward):
+        pass
+
+    def release(self, i, backward):
+        pass
+
+    def hand_over(self, i):
+        pass
+
+    def finish(self, backward):
+        pass
+
+
+class TaggedOps(BlockOps):
+    """:class:`.ops.BlockOps` that records, for each compute op it makes, the stage positions of
+    the layers whose parameters it reads (``touches``: op -> tuple)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.touches = {}
+
+    def compute(self, fn, j, pass_, early=False, light=False):
+        op = super().compute(fn, j, pass_, early, light)
+        blocks, layer = self.blocks, self.blocks.layer_index(j)
+        if pass_ == "forward" and j > 0 and blocks.starts_layer(j):
+            # the layer's first op runs bda_{j-1} (its bias: the previous layer's) before ln_j;
+            # the block's other forward ops are tagged the same (a little longer, never shorter)
+            self.touches[op] = (blocks.layer_index(j - 1), layer)
+        else:
+            self.touches[op] = (layer,)
+        return op
+
+
+class PerLayer:
+    """``layers`` (a :class:`ShardedLayers`) one layer at a time around each pass of the engine
+    (the module docstring). ``peak``: the most layers gathered at once so far."""
+
+    tags = True
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.peak = 0
+        self._held = set()
+
+    @contextlib.contextmanager
+    def running(self, rounds, ops, backward):
+        """Around one pass: ``rounds``, each a list of sub-batch programs, run in that order;
+        ``ops``: the :class:`TaggedOps` that made them. Wraps every op that reads a layer's
+        parameters; after the pass, every layer has been released (and in backward handed over)
+        exactly once, else this raises."""
+        pass_ = _Pass(self, backward)
+        wrapped = set()
+        for programs in rounds:
+            for program in programs:
+                for op in program:
+                    touched = ops.touches.get(op)
+                    if touched is None:
+                        continue
+                    for i in touched:
+                        pass_.count(i)
+                    if op not in wrapped:
+                        wrapped.add(op)
+                        op.fn = pass_.wrap(op.fn, touched)
+        yield
+        pass_.check()
+        self.layers.finish(backward)
+
+    def _gather(self, i, backward):
+        self.layers.gather(i, backward)
+        self._held.add(i)
+        self.peak = max(self.peak, len(self._held))
+
+    def _release(self, i, backward):
+        if backward:
+            self.layers.hand_over(i)
+        self.layers.release(i, backward)
+        self._held.discard(i)
+
+
+class _Pass:
+    """One pass's bookkeeping for :class:`PerLayer`: how many ops of each layer are still to
+    run, which layers are gathered (issued) and waited on (ready), the order of first use."""
+
+    def __init__(self, owner, backward):
+        self.owner, self.backward = owner, backward
+        self.remaining = collections.Counter()
+        self.order = []  # layers by first use, the prefetch order
+        self.next = None
+        self.issued, self.ready, self.done = set(), set(), set()
+
+    def count(self, i):
+        if i not in self.remaining:
+            self.order.append(i)
+        self.remaining[i] += 1
+
+    def wrap(self, fn, touched):
+        def run():
+            for i in touched:
+                if i not in self.ready:
+                    self.need(i)
+            fn()
+            for i in touched:
+                self.used(i)
+
+        return run
+
+    def need(self, i):
+        """Layer ``i`` gathered and waited on; the next layer's gather started."""
+        if i in self.done:
+            raise RuntimeError(
+                f"oases: layer {i} of the stage ran an op after its parameters were released "
+                "in this pass (an engine bug); run with --oases-schedule off and report it"
+            )
+        owner, backward = self.owner, self.backward
+        if i not in self.issued:
+            self.issued.add(i)
+            owner._gather(i, backward)
+        owner.layers.wait(i, backward)
+        self.ready.add(i)
+        if self.next is None:
+            self.next = dict(zip(self.order, self.order[1:]))
+        after = self.next.get(i)
+        if after is not None and after not in self.issued:
+            self.issued.add(after)
+            owner._gather(after, backward)
+
+    def used(self, i):
+        self.remaining[i] -= 1
+        if self.remaining[i] == 0:
+            self.ready.discard(i)
+            self.done.add(i)
+            self.owner._release(i, self.backward)
+
+    def check(self):
+        """Every layer's ops ran, and each layer was released once."""
+        left = sorted(i for i, n in self.remaining.items() if n)
+        if left or self.issued != self.done:
+            raise RuntimeError(
+                f"oases: after a pass the stage's layers {left or sorted(self.issued - self.done)}"
+                " still hold gathered parameters (an engine bug); run with --oases-schedule off "
+                "and report it"
+            )

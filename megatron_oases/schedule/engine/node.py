@@ -20,7 +20,7 @@ from .comm import EarlyReductions
 from .deferral import Deferral
 from .executor import Interleave, run_programs
 from .forward import forward_program
-from .fsdp import ShardedParams
+from .fsdp import ShardedParams, TaggedOps
 from .ops import BlockOps
 from .state import SubBatch
 
@@ -100,7 +100,11 @@ class ScheduledLayers:
     leading layers Megatron's full recompute checkpoints (0: every block keeps its graph).
     ``embedding`` / ``output``: the stage's ends run in the programs, or None. ``tracer``:
     records each op (optional). ``deferral``: the stage's :class:`.deferral.Deferral`, which its
-    linears defer to (a fresh one for blocks without Megatron linears)."""
+    linears defer to (a fresh one for blocks without Megatron linears). ``sharded``: what gathers
+    the stage's sharded parameters around the passes and hands their gradients over
+    (:mod:`.fsdp`: a :class:`.fsdp.PerLayer`, the adapter's for Megatron-FSDP); default the FSDP2
+    modules among the layers and the embedding (:class:`.fsdp.ShardedParams`, no-op without
+    them)."""
 
     def __init__(
         self,
@@ -115,6 +119,7 @@ class ScheduledLayers:
         embedding=None,
         output=None,
         deferral=None,
+        sharded=None,
     ):
         self.deferral = Deferral() if deferral is None else deferral
         self.blocks, self.schedule, self.microbatch, self.tracer = (
@@ -137,9 +142,12 @@ class ScheduledLayers:
         self.sbs = []
         # the column linears' input-gradient reductions started inside backward ops (.comm)
         self.early = EarlyReductions()
-        # --use-torch-fsdp2: the parameters FSDP2's bypassed hooks would gather (.fsdp)
-        ends = [embedding.module] if embedding is not None else []
-        self.sharded = ShardedParams(blocks.layers + ends)
+        # sharded data parallelism: the parameters the wrapper's bypassed hooks would gather
+        # (.fsdp); by default FSDP2's (--use-torch-fsdp2), if any
+        if sharded is None:
+            ends = [embedding.module] if embedding is not None else []
+            sharded = ShardedParams(blocks.layers + ends)
+        self.sharded = sharded
 
     def _execute(self, programs_, order=None):
         """Run the sub-batches' programs interleaved, the first of ``order`` (sub-batch
@@ -159,14 +167,14 @@ class ScheduledLayers:
             )
 
     def forward(self, hidden):
-        self.sharded.gather()
         split = self.split = self.make_split(hidden)
         masks = split.masks(self.blocks.attention_mask)
         rotary = split.rotary(self.blocks.rotary_pos_emb)
         self.prefix = split.prefix_attention(self.blocks)
         anchor = torch.zeros((), device=hidden.device, requires_grad=True)
         first_kept = self.blocks.first_block(self.recomputed_layers)
-        ops = self.ops = BlockOps(
+        make_ops = TaggedOps if self.sharded.tags else BlockOps
+        ops = self.ops = make_ops(
             self.blocks, self.microbatch, self.tracer, first_kept, anchor, self.prefix, self.rng
         )
         for end in (self.embedding, self.output):
@@ -186,15 +194,14 @@ class ScheduledLayers:
             ]
             layer_checkpoint = self.saved == "layers"
             last = len(self.sbs) - 1
-            self._execute(
-                [
-                    forward_program(
-                        ops, sb, sb.index == last, layer_checkpoint, self.embedding, self.output
-                    )
-                    for sb in self.sbs
-                ]
-            )
-        self.sharded.reshard_after_forward()
+            programs = [
+                forward_program(
+                    ops, sb, sb.index == last, layer_checkpoint, self.embedding, self.output
+                )
+                for sb in self.sbs
+            ]
+            with self.sharded.running([programs], ops, backward=False):
+                self._execute(programs)
         if self.output is not None:  # per-token loss [b, s]
             return split.join_tokens([sb.loss.detach() for sb in self.sbs])
         return split.join_hidden([sb.output.detach() for sb in self.sbs])
@@ -216,9 +223,9 @@ class ScheduledLayers:
         if self.prefix is not None:
             self.prefix.start_backward()
         build = BACKWARD[(self.schedule, self.saved)]
-        self.sharded.gather()  # FSDP2's root post-backward callback reduce-scatters, reshards
-        with torch.enable_grad():
-            for round_programs in build(self.ops, self.sbs, self._ends, self.recomputed_layers):
+        rounds = build(self.ops, self.sbs, self._ends, self.recomputed_layers)
+        with self.sharded.running(rounds, self.ops, backward=True), torch.enable_grad():
+            for round_programs in rounds:
                 # sequence chunks: the last chunk leads (see .split)
                 self._execute(round_programs, order=split.backward_order())
         self.early.check_empty()

@@ -9,7 +9,10 @@ For that instance only it
   :class:`.deferral.Deferral` (:mod:`.linears`);
 - gives the decoder (``TransformerBlock`` or ``HybridStack``) and, with the stage's ends, the
   ``GPTModel`` itself a forward bound to the stage's :class:`StageSchedule`
-  (:mod:`.transformer_block`, :mod:`.hybrid_stack`, :mod:`.gpt_model`).
+  (:mod:`.transformer_block`, :mod:`.hybrid_stack`, :mod:`.gpt_model`);
+- under ``--use-megatron-fsdp``, marks the parameters the programs run for the engine's
+  once-per-layer gradient hand-over (:func:`.fsdp_params.mark`), which Megatron-FSDP reads when
+  it wraps the stage.
 
 ``model.forward`` on the instance then names the code that runs; another model in the process
 (an evaluation copy, inference) stays Megatron's.
@@ -43,6 +46,7 @@ def bind_schedule(model, layer_schedule, degrees=None, ends=False):
     Returns the stage's :class:`StageSchedule`."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
+    from .fsdp_params import mark, megatron_fsdp_requested
     from .gpt_model import model_forward, postprocess
     from .hybrid_stack import stack_forward
     from .linears import defer_linears
@@ -68,11 +72,24 @@ def bind_schedule(model, layer_schedule, degrees=None, ends=False):
         if getattr(model, "post_process", False) and getattr(model, "output_layer", None):
             deferred.append(model.output_layer)
     defer_linears(deferred, stage.deferral)
+    if megatron_fsdp_requested():
+        mark(_run_by_programs(model, decoder, ends))
     decoder.forward = functools.partial(forward, decoder, stage)
     if ends:
         model.forward = functools.partial(model_forward, model, stage)
         model._postprocess = functools.partial(postprocess, model, stage)
     return stage
+
+
+def _run_by_programs(model, decoder, ends):
+    """The modules whose parameters the programs run: the decoder's layers and, where the stage's
+    ends join the programs, the embedding, the final norm and the output layer."""
+    modules = list(decoder.layers)
+    if ends and getattr(model, "pre_process", False):
+        modules.append(getattr(model, "embedding", None))
+    if ends and getattr(model, "post_process", False):
+        modules += [getattr(decoder, "final_layernorm", None), getattr(model, "output_layer", None)]
+    return [m for m in modules if m is not None]
 
 
 def check_megatron():

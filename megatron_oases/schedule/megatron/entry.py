@@ -1,6 +1,7 @@
 """The entry the bound forwards (:mod:`.binding`) call: a stage's layers under the process's
 :class:`LayerSchedule`, run by the engine (``schedule/engine/``) on Megatron's blocks
-(:mod:`.blocks`), split (:mod:`.split`) and RNG states (:mod:`.rng`)."""
+(:mod:`.blocks`), split (:mod:`.split`), RNG states (:mod:`.rng`) and, under Megatron-FSDP, its
+per-layer gathers and gradient hand-over (:mod:`.fsdp_params`)."""
 
 import dataclasses
 
@@ -8,6 +9,7 @@ from ...validation import SUB_BATCHES, Schedule
 from ..engine.node import ScheduledLayers, run_scheduled
 from . import rng
 from .blocks import LayerBlocks
+from .fsdp_params import stage_params
 from .split import make_split
 
 
@@ -85,5 +87,6 @@ def schedule_layers(
         embedding=embedding,
         output=output,
         deferral=deferral,
+        sharded=stage_params(layers, embedding, output),
     )
     return run_scheduled(scheduled, hidden)
