@@ -87,8 +87,37 @@ def _naive(argv):
     return None
 
 
+def _released_buckets(statuses):
+    """A patch of the adapter's release recording, after each, the state of the released layer's
+    buckets under ``optim_grads_params`` (EMPTY: the memory is given back, not left to a lazy
+    release)."""
+    from megatron_oases.patching import Patch
+    from megatron_oases.schedule.megatron.fsdp_params import MegatronFsdpLayers
+
+    release = MegatronFsdpLayers.release
+
+    def recording(self, i, backward):
+        release(self, i, backward)
+        if self.sharded:
+            pipeline = self.fsdp.all_gather_pipeline
+            group_of = self.fsdp.param_and_grad_buffer.param_to_param_group
+            for bucket in {group_of[p] for p in self.layers[i].parameters()}:
+                for bwd in (False, True):
+                    key = pipeline.get_bucket_key(bucket, bwd)
+                    statuses.append(pipeline.bucket_status[key].name)
+
+    return Patch("test-released-buckets", [(MegatronFsdpLayers, "release", recording)])
+
+
 def _worker(base, variants):
-    results = variants_worker(base, variants)
+    statuses = []
+    patch = _released_buckets(statuses)
+    patch.install()
+    try:
+        results = variants_worker(base, variants)
+    finally:
+        patch.uninstall()
+    results["released"] = statuses
     results["naive"] = _naive(f"{base} {NAIVE}")
     return results
 
@@ -115,6 +144,20 @@ def test_split_schedules_match_stock_megatron_fsdp(runs):
                 worst.get(name, 0.0), assert_matches(got, stock, f"{name} rank {rank}", FP32)
             )
     print("split schedules vs stock Megatron-FSDP, TP2 x DP2, fp32, worst difference:", worst)
+    losses = max(
+        max_rel_diff(res[n]["losses"], res["stock"]["losses"])
+        for res in runs
+        for n in SPLIT_SCHEDULES + STRATEGY_VARIANTS
+    )
+    print(f"  of which the losses: {losses:.2e}")
+
+
+def test_each_layer_is_released_after_use(runs):
+    """Under ``optim_grads_params`` every release the engine makes (after a layer's forward, and
+    after its backward) leaves the layer's buckets empty: the ZeRO-3 saving is kept."""
+    for res in runs:
+        released = res["released"]
+        assert released and set(released) == {"EMPTY"}, released
 
 
 @pytest.mark.timeout(600)
