@@ -49,8 +49,8 @@ def load_table(path=TABLE_PATH):
 def sharding_calls(sharding, schedule, table=None):
     """(calls per layer per micro-batch, rest per micro-batch) that sharding strategy
     ``sharding`` adds to ``schedule``'s: torch FSDP2's, counted stock and under a split schedule
-    (the table's ``sharding`` rows); Megatron-FSDP runs on CUDA only and is not counted, so its
-    strategies are charged FSDP2's stock count (an estimate of that order)."""
+    (the table's ``sharding`` rows); Megatron-FSDP's are not counted, so its strategies are
+    charged FSDP2's count, stock and split (an estimate of that order)."""
     if not sharding:
         return 0.0, 0.0
     table = _load(TABLE_PATH).get("sharding", {}) if table is None else table

@@ -35,11 +35,14 @@ the one being reduce-scattered): ``4·P·p`` on top of the layer's working set; 
 gradients (``2·P·p``). The embedding and output layer (the root module under FSDP2, gathered for
 the whole pass) with their unsharded gradients: ``2·F·p`` (ZeRO-3), ``F·p`` (ZeRO-2).
 
-**Under the split schedules** (``overlap``, ``cross-pass``, ``oases``) only FSDP2 runs
-(Megatron-FSDP is refused there): the engine gathers the whole stage before its forward and again
-before its backward (``schedule/engine/fsdp.py``), so every layer's gathered parameters and unsharded
-gradients are held at once (``2·P·p`` per layer, additive), and the all-gathers run before the
-first op and the reduce-scatters in FSDP2's end-of-backward callback: nothing hidden.
+**Under the split schedules** (``overlap``, ``cross-pass``, ``oases``; ``schedule/engine/fsdp.py``)
+with FSDP2 the engine gathers the whole stage before its forward and again before its backward,
+so every layer's gathered parameters and unsharded gradients are held at once (``2·P·p`` per
+layer, additive), and the all-gathers run before the first op and the reduce-scatters in FSDP2's
+end-of-backward callback: nothing hidden. With Megatron-FSDP it gathers one layer at a time, one
+layer ahead, hands each layer's gradients over once after the last sub-batch's backward of it and
+releases it: the stock rhythm and hiding, with a third layer's parameters held at a layer
+boundary (``5·P·p`` under ZeRO-3).
 
 **Hiding.** A collective prefetched one layer ahead is hidden behind one layer's pass (its
 compute and exposed TP communication; the contention of DP and TP traffic on a shared PCIe bus is
@@ -50,10 +53,10 @@ before the first layer and their reduce-scatters after the last: exposed. Collec
 profile's data-parallel ring fit (``grad_sync.reduce_scatter``: a ring all-gather moves what a
 reduce-scatter does) on ``R`` ranks. The host's extra calls: :func:`.host_model.sharding_calls`.
 
-What the search tries (:func:`strategies_for`): every strategy where DP > 1; FSDP2 only without
-pipeline parallelism and for a model with untied embedding and output weights (Megatron's rules;
-untying would train another model), and under the split schedules only FSDP2. Megatron-FSDP runs
-on CUDA only (refused on CPU ranks): every cluster profile is a GPU target.
+What the search tries (:func:`strategies_for`): every strategy where DP > 1, stock and under the
+split schedules, without pipeline parallelism (FSDP2: Megatron's rule; Megatron-FSDP: this
+megatron-core's, see :data:`STRATEGIES`); FSDP2 only for a model with untied embedding and output
+weights (Megatron's rule; untying would train another model).
 """
 
 from dataclasses import dataclass
@@ -76,7 +79,8 @@ class Strategy:
     shards: tuple
     flags: str
     split_schedules: bool  # runs under overlap / cross-pass / oases
-    pipeline: bool  # Megatron allows it with PP > 1
+    per_layer: bool  # under them the engine gathers one layer at a time (else the whole stage)
+    pipeline: bool  # runs with PP > 1 (Megatron allows it and this megatron-core runs it)
     untied_only: bool  # needs --untie-embeddings-and-output-weights
     step_grad_copy: bool  # the float16 optimizer's fp32 copy of the gradients at its step
 
@@ -97,8 +101,12 @@ def _megatron_fsdp(strategy, shards):
         shards=shards,
         flags=f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} "
         "--ckpt-format fsdp_dtensor",
-        split_schedules=False,
-        pipeline=True,
+        split_schedules=True,
+        per_layer=True,
+        # megatron-core 0.19's Megatron-FSDP fails with pipeline stages on any device (its mesh
+        # assumes world = DP x TP, and its view outputs fail the pipeline's deallocation): the
+        # runtime refuses it (validation.check_megatron_fsdp), so the search does not offer it
+        pipeline=False,
         untied_only=False,
         step_grad_copy=False,
     )
@@ -115,6 +123,7 @@ STRATEGIES = {
             shards=("optim", "grads", "params"),
             flags="--use-torch-fsdp2 --untie-embeddings-and-output-weights",
             split_schedules=True,
+            per_layer=False,
             pipeline=False,
             untied_only=True,
             step_grad_copy=True,
@@ -172,7 +181,7 @@ def check_sharding(settings):
     if settings.schedule in SPLIT_SCHEDULES and not s.split_schedules:
         raise OasesConfigError(
             f"--schedule {settings.schedule} does not run under {s.label} (the runtime refuses "
-            "it); use --data-parallel-sharding torch_fsdp2, or --schedule off"
+            "it); use another --data-parallel-sharding, or --schedule off"
         )
 
 
@@ -186,8 +195,8 @@ def check_profile(name, profile, pp):
         )
     if pp > 1 and not s.pipeline:
         raise OasesConfigError(
-            f"{s.label} does not run with pipeline parallelism (Megatron refuses it); use a "
-            "Megatron-FSDP strategy or one pipeline stage"
+            f"{s.label} does not run with pipeline parallelism (the runtime refuses it); use one "
+            "pipeline stage, or no sharding"
         )
     if s.untied_only and not profile.shape.get("untie_embeddings_and_output_weights"):
         raise OasesConfigError(
@@ -218,13 +227,16 @@ def bytes_per_param(name, wg, opt, dtype_bytes, replicas):
 
 def gathered_layer_bytes(name, params, dtype_bytes, schedule):
     """``(additive, runtime)`` bytes of one layer's gathered units beyond its shard: under the
-    split schedules every layer's gathered parameters and unsharded gradients (additive over the
-    stage); stock, what the layers being computed and reduced hold (the max over layers)."""
+    split schedules with FSDP2 every layer's gathered parameters and unsharded gradients
+    (additive over the stage); stock, what the layers being computed and reduced hold (the max
+    over layers); under the split schedules with Megatron-FSDP the same, with a third layer's
+    parameters at a layer boundary (the engine releases a layer once every sub-batch is past it)."""
     s, unit = STRATEGIES[name], params * dtype_bytes
-    if schedule in SPLIT_SCHEDULES:
+    split = schedule in SPLIT_SCHEDULES
+    if split and not s.per_layer:
         return 2 * unit, 0.0
     if s.zero3:
-        return 0.0, 4 * unit
+        return 0.0, (5 if split else 4) * unit
     if s.zero2:
         return 0.0, 2 * unit
     return 0.0, 0.0
@@ -257,7 +269,7 @@ def exposed_times(name, profile, degree, schedule, forward, backward):
     ag = rs = collective_time(profile, degree, params * p)  # bf16 parameters, gradients
     ag_fixed = rs_fixed = collective_time(profile, degree, fixed * p)
     micro, once = np.zeros(L), np.zeros(L)
-    if schedule in SPLIT_SCHEDULES:  # FSDP2: the stage gathered at once, before each pass
+    if schedule in SPLIT_SCHEDULES and not s.per_layer:  # FSDP2: the stage at once, per pass
         micro += 2 * ag + rs
         micro[0] += 2 * ag_fixed + rs_fixed
         return micro, once

@@ -169,6 +169,10 @@ def test_collectives_hide_behind_compute_one_layer_ahead(profile):
     # FSDP2 under a split schedule: the stage gathered twice and reduced once, nothing hidden
     split = (L * (2 * ag + rs) + 3 * fixed, 0.0)
     assert exposed("torch_fsdp2", slow, "overlap") == pytest.approx(split)
+    # Megatron-FSDP under a split schedule: one layer at a time, hidden as stock (issue 61.5)
+    for name in ("megatron_fsdp/optim_grads_params", og, o):
+        for compute in (slow, fast):
+            assert exposed(name, compute, "oases") == pytest.approx(exposed(name, compute))
 
 
 def test_a_sharded_plan_costs_its_collectives_in_both_forms_of_the_objective(profile):
@@ -200,9 +204,11 @@ def test_where_each_strategy_runs():
     assert sharding.strategies_for(1, 1, True) == ()
     assert sharding.strategies_for(8, 1, True) == everything
     assert sharding.strategies_for(8, 1, False) == megatron_fsdp  # FSDP2: untied only
-    assert sharding.strategies_for(4, 2, True) == megatron_fsdp  # FSDP2: no PP
-    assert sharding.strategies_for(8, 1, True, "oases") == ("torch_fsdp2",)
-    assert sharding.strategies_for(8, 1, False, "overlap") == ()
+    # FSDP2: no PP (Megatron's rule); Megatron-FSDP: none either (megatron-core 0.19 fails there)
+    assert sharding.strategies_for(4, 2, True) == ()
+    # every strategy runs the split schedules (issue 61.3), FSDP2 for untied models only
+    assert sharding.strategies_for(8, 1, True, "oases") == everything
+    assert sharding.strategies_for(8, 1, False, "overlap") == megatron_fsdp
 
 
 @pytest.mark.parametrize(
@@ -212,10 +218,6 @@ def test_where_each_strategy_runs():
         (
             dict(data_parallel_sharding="torch_fsdp2", distributed_optimizer=True),
             "drop --distributed-optimizer",
-        ),
-        (
-            dict(data_parallel_sharding="megatron_fsdp/optim", schedule="overlap"),
-            "does not run under Megatron-FSDP optim",
         ),
     ],
 )
@@ -238,7 +240,8 @@ def test_sharding_a_layout_megatron_refuses_is_one_line(model, cluster, profile)
     for prof, name, message in cases:
         with pytest.raises(OasesConfigError, match=message):
             build_problem(prof, _settings(data_parallel_sharding=name, global_batch_size=8))
-    build_problem(cases[2][0], _settings(data_parallel_sharding="megatron_fsdp/optim"))
+    with pytest.raises(OasesConfigError, match="pipeline parallelism"):  # megatron-core 0.19
+        build_problem(cases[2][0], _settings(data_parallel_sharding="megatron_fsdp/optim"))
     with pytest.raises(OasesConfigError, match="every layer at T=1"):
         build_problem(profile, _settings(data_parallel_sharding="torch_fsdp2", degrees=[2]))
 
@@ -330,3 +333,17 @@ def test_evaluate_predicts_a_sharded_plan_as_made(profile):
     flags = Namespace(data_parallel_sharding="megatron_fsdp/optim")
     with pytest.raises(OasesConfigError, match="--data-parallel-sharding megatron_fsdp/optim"):
         evaluated_run(plan, profile, flags)
+
+
+def test_megatron_fsdp_under_a_split_schedule_gathers_one_layer_at_a_time():
+    """Issue 61.5: under the split schedules the engine gathers Megatron-FSDP's layers one at a
+    time, one ahead (``schedule/engine/fsdp.py``'s ``PerLayer``): the stock rhythm (runtime
+    bytes, not additive over the stage; the same hiding), a third layer's parameters at a layer
+    boundary; FSDP2's engine gathers the whole stage (additive, nothing hidden)."""
+    params, p = 1000, 2
+    ogp = "megatron_fsdp/optim_grads_params"
+    assert sharding.gathered_layer_bytes(ogp, params, p, "off") == (0.0, 4 * params * p)
+    assert sharding.gathered_layer_bytes(ogp, params, p, "oases") == (0.0, 5 * params * p)
+    assert sharding.gathered_layer_bytes("torch_fsdp2", params, p, "oases") == (2 * params * p, 0)
+    og = "megatron_fsdp/optim_grads"
+    assert sharding.gathered_layer_bytes(og, params, p, "overlap") == (0.0, 2 * params * p)
