@@ -347,3 +347,27 @@ def test_megatron_fsdp_under_a_split_schedule_gathers_one_layer_at_a_time():
     assert sharding.gathered_layer_bytes("torch_fsdp2", params, p, "oases") == (2 * params * p, 0)
     og = "megatron_fsdp/optim_grads"
     assert sharding.gathered_layer_bytes(og, params, p, "overlap") == (0.0, 2 * params * p)
+
+
+def test_oases_under_megatron_fsdp_wins_a_model_that_needs_sharding_and_tp_to_fit():
+    """Issue 61.5: llama-7b's layers at 40 (8.4B parameters) on 8 x 24 GB RTX 4090s, global
+    batch 64: no layout without TP or PP fits (FSDP alone needs ~26 GB), no Megatron-FSDP layout
+    with pipeline stages runs, and the best Oases setting, a split schedule under Megatron-FSDP
+    with TP > 1, beats the best stock one (FSDP included; benchmarks/results/planner/fsdp.md's
+    last row: stock was 2.16x faster when Oases could not run under Megatron-FSDP)."""
+    from megatron_oases.profiler.model_config import read_model_file
+    from megatron_oases.search.search import model_for_search, search
+
+    args = model_for_search(read_model_file("llama-7b"), 64, overrides={"num_layers": 40})
+    result = search(args, "rtx4090-pcie", 8, 64)
+    candidates = result["candidates"]
+    assert candidates and not any(c["layout"]["tp"] == c["layout"]["pp"] == 1 for c in candidates)
+    assert not any(
+        (c.get("data_parallel_sharding") or "").startswith("megatron_fsdp")
+        and c["layout"]["pp"] > 1
+        for c in candidates
+    )
+    best, stock = result["best_oases"], result["best_stock"]
+    assert best["data_parallel_sharding"].startswith("megatron_fsdp/"), best
+    assert best["schedule"] != "off" and best["layout"]["tp"] > 1, best
+    assert best["iteration_time_s"] < stock["iteration_time_s"], (best, stock)
