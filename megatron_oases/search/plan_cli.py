@@ -116,7 +116,7 @@ def _add_run_flags(g):
         help="sharded data parallelism (needs DP > 1 and an analytic profile): torch_fsdp2 "
         "(--use-torch-fsdp2; no PP, untied embeddings; also under the split schedules) or a "
         "Megatron-FSDP strategy (--use-megatron-fsdp --data-parallel-sharding-strategy ...; "
-        "stock only, CUDA only): the state each shards, its gathered units and its all-gathers "
+        "no PP; also under the split schedules): the state each shards, its gathered units and its all-gathers "
         "and reduce-scatters (those once per iteration with --grad-sync, as the DP all-reduce); "
         "every layer at T (the runtime runs FSDP with uniform TMP only)",
     )

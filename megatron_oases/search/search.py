@@ -367,7 +367,7 @@ def search(
     candidates fastest first (the ``top`` planned in full first, ``level`` 2), the winner's plan
     with ``launch_flags`` that include the layout. ``sharding``: True, every sharding strategy
     (FSDP) where it runs; False, none (for comparison); or the names of those to try (e.g.
-    ``("torch_fsdp2",)`` for runs on CPU ranks, where Megatron-FSDP does not run)."""
+    ``("torch_fsdp2",)``)."""
     from ..testbed.clusters import load_cluster
 
     t0 = time.perf_counter()
