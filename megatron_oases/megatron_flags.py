@@ -619,8 +619,9 @@ RULES = (
         "distributed init",
         _H,
         _H,
-        "torch FSDP2: the split schedules gather a stage's sharded parameters around their forward "
-        "and backward (schedule/engine/fsdp.py); parity-tested against stock FSDP2 (tests/e2e/"
+        "torch FSDP2: the split schedules gather each layer's sharded parameters one ahead and "
+        "hand its gradients to FSDP2's post-backward once (schedule/engine/fsdp.py); "
+        "parity-tested against stock FSDP2 (tests/e2e/"
         "test_fsdp_e2e.py), keeping them gathered from forward to backward under "
         "--torch-fsdp2-no-reshard-after-forward; with --oases-plan or --oases-cuda-graphs refused; "
         "--save/--load (torch_dist, torch_dcp) bit-exact through the fsdp2-checkpoint patch",

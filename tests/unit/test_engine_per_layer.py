@@ -161,3 +161,57 @@ def test_an_op_after_release_is_caught(monkeypatch):
     monkeypatch.setattr(fsdp.TaggedOps, "compute", short)
     with pytest.raises(RuntimeError):
         _run("overlap", "graphs")
+
+
+def test_fsdp2_layers_one_at_a_time(monkeypatch):
+    """Without an adapter's, the engine runs FSDP2-wrapped layers the same way (``Fsdp2Layers``):
+    ``unshard()`` one layer ahead, ``reshard()`` after its forward, after its backward FSDP2's own
+    ``post_backward`` (reduce-scatter, reshard), on a one-rank gloo group, under a root FSDP2
+    module as Megatron's; the gradients are plain autograd's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from megatron_oases.schedule.engine import fsdp
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    blocks = make_blocks("gpt", layers=LAYERS)
+    x = torch.randn(8, 6, 8, dtype=torch.float64)
+    g = torch.randn_like(x)
+    reference(blocks, x.clone().requires_grad_()).backward(g)
+    want = [p.grad.clone() for p in parameters(blocks)]
+    handed = []
+    hand_over = fsdp.Fsdp2Layers.hand_over
+    monkeypatch.setattr(
+        fsdp.Fsdp2Layers, "hand_over", lambda self, i: (handed.append(i), hand_over(self, i))
+    )
+
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(blocks.layers)
+            self.run = None
+
+        def forward(self, hidden):
+            split = lambda h: BatchSplit(h.shape, 2)  # noqa: E731
+            self.run = ScheduledLayers(blocks, "overlap", split=split, rng=CPU_RNG)
+            return run_scheduled(self.run, hidden)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        root = Root()
+        for p in parameters(blocks):
+            p.grad = None
+        for layer in blocks.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(root, mesh=mesh)
+        out = root(x.clone().requires_grad_())
+        assert isinstance(root.run.sharded, PerLayer) and root.run.sharded.peak == 3
+        out.backward(g)
+        assert handed == list(reversed(range(LAYERS)))
+        for p, ref in zip(parameters(blocks), want):
+            torch.testing.assert_close(p.grad.full_tensor(), ref, rtol=1e-12, atol=1e-12)
+    finally:
+        dist.destroy_process_group()

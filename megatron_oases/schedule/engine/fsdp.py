@@ -2,28 +2,28 @@
 wrappers' hooks, which the engine bypasses (it runs a layer's attention and MLP halves and the
 embedding's submodules itself, and its own backward programs), done by the engine.
 
-Two ways, chosen by what the caller passes as ``ScheduledLayers(sharded=...)``:
+One layer at a time (:class:`PerLayer` over a :class:`ShardedLayers`): each pass (forward;
+backward with its recomputation, all its rounds) gathers a layer before the first op that reads
+its parameters and starts the next layer's gather then (one layer ahead), and once every
+sub-batch has run its last op of that layer (its forward; its recomputation and backward) hands
+the layer's gradients over, once, and releases it. A stage then holds two or three layers'
+gathered parameters at a time (the one running, the one prefetched, and at a layer boundary the
+one before), as stock does, whatever its depth. The :class:`ShardedLayers` is
 
-- :class:`ShardedParams` (the default; torch FSDP2, ``--use-torch-fsdp2``): Megatron's FSDP2
-  wrapper calls ``fully_shard`` on each ``TransformerLayer`` and on the embedding; FSDP2 gathers a
-  module's parameters in hooks around its ``forward`` and registers their gradients'
-  reduce-scatter on its outputs. Here, with FSDP2's public ``unshard()`` / ``reshard()`` on every
-  wrapped module the engine runs: all gathered before the forward pass (all-gathers issued
-  together, then waited on), resharded after it (unless Megatron built them with
-  ``--torch-fsdp2-no-reshard-after-forward``); all gathered again before backward and left
-  gathered: FSDP2's root post-backward callback (queued by the root module's own pre-backward hook
-  on the model's output, which runs before the engine's backward) runs ``post_backward`` for every
-  parameter group its hooks did not finish, which reduce-scatters the gradients the engine
-  accumulated into the gathered parameters and reshards them. So a stage holds all its layers'
-  gathered parameters during each pass (stock FSDP2: one or two layers').
-- :class:`PerLayer` over a :class:`ShardedLayers` (the adapter's, e.g. Megatron-FSDP's,
-  ``schedule/megatron/fsdp_params.py``): one layer at a time. Each pass (forward; backward with
-  its recomputation, all its rounds) gathers a layer before the first op that reads its
-  parameters and starts the next layer's gather then (one layer ahead), and once every sub-batch
-  has run its last op of that layer (its forward; its recomputation and backward) hands the
-  layer's gradients over, once, and releases it. A stage then holds two or three layers' gathered
-  parameters at a time (the one running, the one prefetched, and at a layer boundary the one
-  before), as stock does, whatever its depth.
+- the adapter's for Megatron-FSDP (``--use-megatron-fsdp``: ``schedule/megatron/fsdp_params.py``,
+  passed as ``ScheduledLayers(sharded=...)``);
+- else, where every layer of the stage is FSDP2-wrapped (``--use-torch-fsdp2``: Megatron's FSDP2
+  wrapper calls ``fully_shard`` on each ``TransformerLayer`` and on the embedding, and FSDP2
+  gathers a module's parameters in hooks around its ``forward`` and reduce-scatters their
+  gradients from a hook on its inputs' gradients), :class:`Fsdp2Layers`: FSDP2's public
+  ``unshard()`` / ``reshard()`` (kept gathered from forward to backward under
+  ``--torch-fsdp2-no-reshard-after-forward``) and, as the layer's hand-over, its parameter groups'
+  ``post_backward`` (what that hook runs: reduce-scatter, reshard). The embedding is gathered for
+  a whole pass; its gradients are reduce-scattered by FSDP2's end-of-backward callback (queued by
+  the root module's own hook on the model's output), as is any group no hand-over finished.
+
+Otherwise :class:`ShardedParams`: the FSDP2 modules among the layers and the embedding (if any)
+gathered around each whole pass, left to that callback after backward.
 
 Which layers an op reads is known when the programs are built (:class:`TaggedOps`): an op of
 block j reads block j's layer, and in forward the first op of a layer's first block also runs
@@ -85,6 +85,9 @@ class ShardedLayers:
     to the wrapper, once) right before ``release``; ``finish`` once after each pass. Nothing here:
     parameters that are always whole."""
 
+    def start(self, backward):
+        """Before each pass (the modules the programs run besides the layers)."""
+
     def gather(self, i, backward):
         pass
 
@@ -99,6 +102,64 @@ class ShardedLayers:
 
     def finish(self, backward):
         pass
+
+
+class Fsdp2Layers(ShardedLayers):
+    """A stage's FSDP2-wrapped ``layers`` one at a time, through FSDP2's ``unshard()`` /
+    ``reshard()`` and, once a layer's backward is done, its parameter groups' ``post_backward``
+    (what FSDP2's own post-backward hook on the layer's inputs runs: the accumulated unsharded
+    gradients reduce-scattered, the layer resharded). ``ends``: FSDP2 modules the programs run
+    besides the layers (the embedding), gathered for a whole pass; FSDP2's end-of-backward
+    callback reduce-scatters their gradients."""
+
+    def __init__(self, layers, ends=()):
+        self.layers, self.ends = list(layers), list(ends)
+        self.handles = {}
+
+    def start(self, backward):
+        for handle in [m.unshard(async_op=True) for m in self.ends]:
+            handle.wait()
+
+    def gather(self, i, backward):
+        self.handles[i] = self.layers[i].unshard(async_op=True)
+
+    def wait(self, i, backward):
+        handle = self.handles.pop(i, None)
+        if handle is not None:
+            handle.wait()
+
+    def release(self, i, backward):
+        if not backward and _reshards_after_forward(self.layers[i]):
+            self.layers[i].reshard()  # after backward: post_backward resharded it
+
+    def hand_over(self, i):
+        for group in _param_groups(self.layers[i]):
+            group.post_backward()
+
+    def finish(self, backward):
+        if not backward:
+            for m in self.ends:
+                if _reshards_after_forward(m):
+                    m.reshard()
+
+
+def _param_groups(module):
+    """FSDP2's parameter groups of ``module`` (a list since torch 2.10, one group before)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return groups
+
+
+def default_sharded(layers, ends):
+    """The engine's own choice without an adapter's: FSDP2 one layer at a time where every layer
+    of the stage is FSDP2-wrapped, else the FSDP2 modules among them gathered around each pass
+    (none: no-op)."""
+    if layers and all(isinstance(m, FSDPModule) for m in layers):
+        return PerLayer(Fsdp2Layers(layers, [m for m in ends if isinstance(m, FSDPModule)]))
+    return ShardedParams(list(layers) + list(ends))
 
 
 class TaggedOps(BlockOps):
@@ -138,6 +199,7 @@ class PerLayer:
         ``ops``: the :class:`TaggedOps` that made them. Wraps every op that reads a layer's
         parameters; after the pass, every layer has been released (and in backward handed over)
         exactly once, else this raises."""
+        self.layers.start(backward)
         pass_ = _Pass(self, backward)
         wrapped = set()
         for programs in rounds:

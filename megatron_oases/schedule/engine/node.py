@@ -20,7 +20,7 @@ from .comm import EarlyReductions
 from .deferral import Deferral
 from .executor import Interleave, run_programs
 from .forward import forward_program
-from .fsdp import ShardedParams, TaggedOps
+from .fsdp import TaggedOps, default_sharded
 from .ops import BlockOps
 from .state import SubBatch
 
@@ -146,7 +146,7 @@ class ScheduledLayers:
         # (.fsdp); by default FSDP2's (--use-torch-fsdp2), if any
         if sharded is None:
             ends = [embedding.module] if embedding is not None else []
-            sharded = ShardedParams(blocks.layers + ends)
+            sharded = default_sharded(blocks.layers, ends)
         self.sharded = sharded
 
     def _execute(self, programs_, order=None):
