@@ -36,13 +36,10 @@ gradients (``2·P·p``). The embedding and output layer (the root module under F
 the whole pass) with their unsharded gradients: ``2·F·p`` (ZeRO-3), ``F·p`` (ZeRO-2).
 
 **Under the split schedules** (``overlap``, ``cross-pass``, ``oases``; ``schedule/engine/fsdp.py``)
-with FSDP2 the engine gathers the whole stage before its forward and again before its backward,
-so every layer's gathered parameters and unsharded gradients are held at once (``2·P·p`` per
-layer, additive), and the all-gathers run before the first op and the reduce-scatters in FSDP2's
-end-of-backward callback: nothing hidden. With Megatron-FSDP it gathers one layer at a time, one
-layer ahead, hands each layer's gradients over once after the last sub-batch's backward of it and
-releases it: the stock rhythm and hiding, with a third layer's parameters held at a layer
-boundary (``5·P·p`` under ZeRO-3).
+the engine gathers one layer at a time, one layer ahead, hands each layer's gradients over once
+after the last sub-batch's backward of it (Megatron-FSDP's delayed weight-gradient entry; FSDP2's
+per-layer post-backward) and releases it: the stock rhythm and hiding, with a third layer's
+parameters held at a layer boundary (``5·P·p`` under ZeRO-3).
 
 **Hiding.** A collective prefetched one layer ahead is hidden behind one layer's pass (its
 compute and exposed TP communication; the contention of DP and TP traffic on a shared PCIe bus is
@@ -79,7 +76,6 @@ class Strategy:
     shards: tuple
     flags: str
     split_schedules: bool  # runs under overlap / cross-pass / oases
-    per_layer: bool  # under them the engine gathers one layer at a time (else the whole stage)
     pipeline: bool  # runs with PP > 1 (Megatron allows it and this megatron-core runs it)
     untied_only: bool  # needs --untie-embeddings-and-output-weights
     step_grad_copy: bool  # the float16 optimizer's fp32 copy of the gradients at its step
@@ -102,7 +98,6 @@ def _megatron_fsdp(strategy, shards):
         flags=f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} "
         "--ckpt-format fsdp_dtensor",
         split_schedules=True,
-        per_layer=True,
         # megatron-core 0.19's Megatron-FSDP fails with pipeline stages on any device (its mesh
         # assumes world = DP x TP, and its view outputs fail the pipeline's deallocation): the
         # runtime refuses it (validation.check_megatron_fsdp), so the search does not offer it
@@ -123,7 +118,6 @@ STRATEGIES = {
             shards=("optim", "grads", "params"),
             flags="--use-torch-fsdp2 --untie-embeddings-and-output-weights",
             split_schedules=True,
-            per_layer=False,
             pipeline=False,
             untied_only=True,
             step_grad_copy=True,
@@ -226,15 +220,12 @@ def bytes_per_param(name, wg, opt, dtype_bytes, replicas):
 
 
 def gathered_layer_bytes(name, params, dtype_bytes, schedule):
-    """``(additive, runtime)`` bytes of one layer's gathered units beyond its shard: under the
-    split schedules with FSDP2 every layer's gathered parameters and unsharded gradients
-    (additive over the stage); stock, what the layers being computed and reduced hold (the max
-    over layers); under the split schedules with Megatron-FSDP the same, with a third layer's
-    parameters at a layer boundary (the engine releases a layer once every sub-batch is past it)."""
+    """``(additive, runtime)`` bytes of one layer's gathered units beyond its shard: what the
+    layers being computed and reduced hold (the max over layers; nothing additive over the
+    stage), under the split schedules with a third layer's parameters at a layer boundary (the
+    engine releases a layer once every sub-batch is past it)."""
     s, unit = STRATEGIES[name], params * dtype_bytes
     split = schedule in SPLIT_SCHEDULES
-    if split and not s.per_layer:
-        return 2 * unit, 0.0
     if s.zero3:
         return 0.0, (5 if split else 4) * unit
     if s.zero2:
@@ -269,10 +260,6 @@ def exposed_times(name, profile, degree, schedule, forward, backward):
     ag = rs = collective_time(profile, degree, params * p)  # bf16 parameters, gradients
     ag_fixed = rs_fixed = collective_time(profile, degree, fixed * p)
     micro, once = np.zeros(L), np.zeros(L)
-    if schedule in SPLIT_SCHEDULES and not s.per_layer:  # FSDP2: the stage at once, per pass
-        micro += 2 * ag + rs
-        micro[0] += 2 * ag_fixed + rs_fixed
-        return micro, once
     if s.zero3:
         # forward, layers 0 → L−1: the first gather waits, each next is prefetched behind
         # the layer before; backward, L−1 → 0: the first gather and the last reduce-scatter

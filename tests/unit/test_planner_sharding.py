@@ -130,14 +130,17 @@ def test_memory_per_strategy_against_hand_counts(profile):
         assert fixed["fixed_activations"] == base_fixed["fixed_activations"]
 
 
-def test_fsdp2_under_a_split_schedule_holds_the_whole_stage(profile):
-    """The engine gathers every layer before each pass and reduce-scatters at backward's end:
-    each layer's gathered parameters and unsharded gradients are held at once."""
+def test_a_sharded_stage_under_a_split_schedule_holds_a_few_layers_at_a_time(profile):
+    """The engine gathers one layer at a time, one ahead, and hands each layer's gradients over
+    after its backward (issues 61.3, 61.5): no gathered parameters or unsharded gradients
+    additive over the stage, five layer units at a time under ZeRO-3 (stock: four)."""
     P = profile.mem("params_per_layer", 1)
     base, _ = _parts(profile, schedule="overlap", recompute="none")
-    parts, _ = _parts(profile, schedule="overlap", recompute="none", sharding="torch_fsdp2")
-    assert parts["state"][:, 0] == pytest.approx(np.full(LAYERS, P * 20 / 8 + 2 * P * 2))
-    assert parts["runtime"][:, 0] == pytest.approx(base["runtime"][:, 0])
+    for name in ZERO3:
+        parts, _ = _parts(profile, schedule="overlap", recompute="none", sharding=name)
+        assert parts["state"][:, 0] == pytest.approx(np.full(LAYERS, P * BYTES_PER_PARAM[name]))
+        extra = parts["runtime"][:, 0] - base["runtime"][:, 0]
+        assert extra == pytest.approx(np.full(LAYERS, 5 * P * 2))
 
 
 def _ring(nbytes):
@@ -166,11 +169,8 @@ def test_collectives_hide_behind_compute_one_layer_ahead(profile):
     assert exposed(og, fast) == pytest.approx((L * rs + fixed, L * ag + fixed))
     o = "megatron_fsdp/optim"
     assert exposed(o, fast) == exposed(o, slow) == pytest.approx((0, L * (rs + ag) + 2 * fixed))
-    # FSDP2 under a split schedule: the stage gathered twice and reduced once, nothing hidden
-    split = (L * (2 * ag + rs) + 3 * fixed, 0.0)
-    assert exposed("torch_fsdp2", slow, "overlap") == pytest.approx(split)
-    # Megatron-FSDP under a split schedule: one layer at a time, hidden as stock (issue 61.5)
-    for name in ("megatron_fsdp/optim_grads_params", og, o):
+    # under a split schedule: one layer at a time, one ahead, hidden as stock (issues 61.3, 61.5)
+    for name in tuple(ZERO3) + (og, o):
         for compute in (slow, fast):
             assert exposed(name, compute, "oases") == pytest.approx(exposed(name, compute))
 
@@ -335,16 +335,15 @@ def test_evaluate_predicts_a_sharded_plan_as_made(profile):
         evaluated_run(plan, profile, flags)
 
 
-def test_megatron_fsdp_under_a_split_schedule_gathers_one_layer_at_a_time():
-    """Issue 61.5: under the split schedules the engine gathers Megatron-FSDP's layers one at a
-    time, one ahead (``schedule/engine/fsdp.py``'s ``PerLayer``): the stock rhythm (runtime
-    bytes, not additive over the stage; the same hiding), a third layer's parameters at a layer
-    boundary; FSDP2's engine gathers the whole stage (additive, nothing hidden)."""
+def test_a_split_schedule_gathers_one_layer_at_a_time():
+    """Issue 61.5: under the split schedules the engine gathers a sharded stage's layers one at a
+    time, one ahead (``schedule/engine/fsdp.py``: Megatron-FSDP and FSDP2 alike): the stock
+    rhythm (runtime bytes, not additive over the stage; the same hiding), a third layer's
+    parameters at a layer boundary."""
     params, p = 1000, 2
-    ogp = "megatron_fsdp/optim_grads_params"
-    assert sharding.gathered_layer_bytes(ogp, params, p, "off") == (0.0, 4 * params * p)
-    assert sharding.gathered_layer_bytes(ogp, params, p, "oases") == (0.0, 5 * params * p)
-    assert sharding.gathered_layer_bytes("torch_fsdp2", params, p, "oases") == (2 * params * p, 0)
+    for zero3 in ("megatron_fsdp/optim_grads_params", "torch_fsdp2"):
+        assert sharding.gathered_layer_bytes(zero3, params, p, "off") == (0.0, 4 * params * p)
+        assert sharding.gathered_layer_bytes(zero3, params, p, "oases") == (0.0, 5 * params * p)
     og = "megatron_fsdp/optim_grads"
     assert sharding.gathered_layer_bytes(og, params, p, "overlap") == (0.0, 2 * params * p)
 
