@@ -10,7 +10,11 @@ flags is simply not tried.
 
 :class:`Trial` runs them interleaved (A B C A B C ...), each first for one warm-up step, then
 timed; a candidate clearly slower than the best after two timed rounds is dropped, the others get
-a third, and the lowest median wins (stock unless beaten by more than :data:`STOCK_MARGIN`).
+a third, and the lowest median wins (stock unless beaten by more than :data:`STOCK_MARGIN`). Where
+the best two are then within noise of each other (:func:`within_noise`: their medians closer than
+their measured spread allows telling apart), the trial times those two again, one step each per
+round, while its budget has steps left (at most :data:`EXTRA_ROUNDS` rounds; the default budget
+keeps :data:`NOISE_STEPS` for them), and its table says when the choice is still within noise.
 
 ``--oases-retune-interval N`` re-times the last timing's best two (:func:`runner_up`) every N
 iterations after the choice (:func:`next_retune`): the same :class:`Trial` with the current choice
@@ -21,6 +25,7 @@ Pure Python: no torch, no process group (``tests/unit/test_autotune.py``).
 """
 
 import copy
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Optional
@@ -51,6 +56,13 @@ DROP_AFTER = 2
 DROP_MARGIN = 0.10
 #: Stock stays unless a schedule's median beats it by more than this (noise is not a gain).
 STOCK_MARGIN = 0.02
+#: Two candidates are within noise when their medians differ by less than this many standard
+#: errors of the difference (each candidate's timed steps: standard deviation ÷ √n).
+NOISE_Z = 2.0
+#: Where the best two are within noise after the timed rounds, at most this many more rounds of
+#: those two (one step each), within the budget; the default budget keeps room for them.
+EXTRA_ROUNDS = TIMED_STEPS
+NOISE_STEPS = 2 * EXTRA_ROUNDS
 #: The default trial takes at most this share of ``--train-iters``.
 TUNE_SHARE = 0.05
 #: The shortest trial: stock and one schedule.
@@ -180,9 +192,10 @@ def split_candidates(args, cuda_available=False):
 
 
 def default_budget(candidates, train_iters):
-    """The trial's steps when ``--oases-tune-steps`` is not given: enough for every candidate,
-    at most :data:`TUNE_SHARE` of the run."""
-    full = STEPS_PER_CANDIDATE * len(candidates)
+    """The trial's steps when ``--oases-tune-steps`` is not given: enough for every candidate
+    and for timing the best two again where they are within noise (:data:`NOISE_STEPS`), at most
+    :data:`TUNE_SHARE` of the run."""
+    full = STEPS_PER_CANDIDATE * len(candidates) + NOISE_STEPS
     if train_iters is None:
         return full
     return min(full, int(TUNE_SHARE * train_iters))
@@ -369,6 +382,25 @@ def clearly_slower(times, best_times):
     return min(times) > max(best_times) * (1 + DROP_MARGIN)
 
 
+def noise(times_a, times_b):
+    """``(apart, spread)`` of two candidates' timed steps: the difference of their medians and
+    :data:`NOISE_Z` standard errors of it (``sqrt(var_a/n_a + var_b/n_b)``), in seconds; None
+    with fewer than two steps on a side."""
+    if len(times_a) < 2 or len(times_b) < 2:
+        return None
+    var = statistics.variance(times_a) / len(times_a) + statistics.variance(times_b) / len(times_b)
+    apart = abs(statistics.median(times_a) - statistics.median(times_b))
+    return apart, NOISE_Z * math.sqrt(var)
+
+
+def within_noise(times_a, times_b):
+    """Whether two candidates' timed steps cannot be told apart: their medians differ by less
+    than their measured spread (:func:`noise`). More steps narrow the spread, so timing the two
+    again can settle it; identical steps never are."""
+    measured = noise(times_a, times_b)
+    return measured is not None and measured[0] < measured[1]
+
+
 def next_retune(chosen_at, interval, after, train_iters=None):
     """The first iteration of the next re-timing, on the grid ``chosen_at + k * interval + 1``
     (``k >= 1``; ``chosen_at``: the trial's last iteration) after iteration ``after``; None where
@@ -415,9 +447,17 @@ class Trial:
 
     ``incumbent`` (a re-timing, :meth:`retiming`): the candidate running until now. It is warm, so
     its steps are all timed and the first round is the others' warm-up; it stays the choice
-    unless :func:`clearly_slower` than another (the drop rule), not merely slower in median."""
+    unless :func:`clearly_slower` than another (the drop rule), not merely slower in median.
+
+    Without an incumbent, where the best two are :func:`within_noise` after the timed rounds,
+    those two run more rounds (:data:`EXTRA_ROUNDS` at most, while ``budget`` has two steps
+    left); :attr:`noise` then says whether the choice is still within noise of the runner-up."""
 
     def __init__(self, candidates, budget, incumbent=None):
+        self.budget = budget
+        self.racing = ()  # the best two, timed again while within noise
+        self.extra = 0  # rounds they ran
+        self.noise = None  # the choice within noise: {"runner_up", "apart", "spread"}
         fit, used = 0, 0
         for c in candidates:
             used += STEPS_PER_CANDIDATE - (WARMUP_STEPS if c == incumbent else 0)
@@ -453,7 +493,7 @@ class Trial:
             if self._round:
                 return self._round[0]
             self._end_round()
-            self._round = self.alive()
+            self._round = [c for c in self.racing if c not in self.out] or self.alive()
         return None
 
     def record(self, candidate, seconds):
@@ -483,17 +523,47 @@ class Trial:
         if len(alive) <= 1:
             self.choice = alive[0] if alive else STOCK
             return
-        timed = min(len(self.times[c]) for c in alive)
-        if timed == 0:
-            return  # the warm-up round
-        if timed == DROP_AFTER:
-            best = min(alive, key=lambda c: statistics.median(self.times[c]))
-            for c in alive:
-                if c is not best and clearly_slower(self.times[c], self.times[best]):
-                    self.out[c] = ("dropped", "slower")
-        alive = self.alive()
-        if len(alive) == 1 or timed >= TIMED_STEPS:
-            self.choice = self._best(alive)
+        if not self.racing:
+            timed = min(len(self.times[c]) for c in alive)
+            if timed == 0:
+                return  # the warm-up round
+            if timed == DROP_AFTER:
+                best = min(alive, key=lambda c: statistics.median(self.times[c]))
+                for c in alive:
+                    if c is not best and clearly_slower(self.times[c], self.times[best]):
+                        self.out[c] = ("dropped", "slower")
+            alive = self.alive()
+            if len(alive) > 1 and timed < TIMED_STEPS:
+                return
+        pair = self._best_two(alive)
+        room = self.budget - self.steps >= len(pair) and self.extra < EXTRA_ROUNDS
+        if self.incumbent is None and len(pair) == 2 and within_noise(*map(self.times.get, pair)):
+            if room:  # time the two again: more steps narrow the spread
+                self.racing, self.extra = pair, self.extra + 1
+                return
+        self.racing = ()
+        self.choice = self._best(alive)
+        self.noise = self._noise(alive)
+
+    def _best_two(self, alive):
+        """The two alive candidates of lowest median (fewer where fewer were timed)."""
+        timed = sorted((c for c in alive if self.times[c]), key=self.median)
+        return tuple(timed[:2])
+
+    def _noise(self, alive):
+        """:attr:`noise` of the choice against the fastest other alive candidate by median."""
+        if self.incumbent is not None:
+            return None
+        others = [c for c in alive if c != self.choice and self.times[c]]
+        if not others or not self.times[self.choice]:
+            return None
+        other = min(others, key=self.median)
+        mine, theirs = self.times[self.choice], self.times[other]
+        if not within_noise(mine, theirs):
+            return None
+        apart, spread = noise(mine, theirs)
+        best = min(self.median(self.choice), self.median(other))
+        return {"runner_up": other.name, "apart": apart / best, "spread": spread / best}
 
     def median(self, candidate):
         times = self.times.get(candidate) or []
@@ -534,6 +604,7 @@ class Trial:
                     "vs_stock": median / stock if median is not None and stock else None,
                     "timed": len(self.times.get(c, [])),
                     "status": status,
+                    "within_noise": self.noise if c == self.choice else None,
                 }
             )
         return rows
@@ -545,8 +616,16 @@ def format_table(rows):
     for r in rows:
         median = "-" if r["median_s"] is None else f"{1000 * r['median_s']:.1f} ms"
         ratio = "-" if r["vs_stock"] is None else f"{r['vs_stock']:.3f}"
+        status = r["status"] + (" (within noise)" if r.get("within_noise") else "")
+        lines.append(f"  {r['candidate']:<22} {median:>10} {ratio:>9}  {r['timed']:>5}  {status}")
+    close = [r for r in rows if r.get("within_noise")]
+    if close:
+        r, n = close[0], close[0]["within_noise"]
         lines.append(
-            f"  {r['candidate']:<22} {median:>10} {ratio:>9}  {r['timed']:>5}  {r['status']}"
+            f"  the choice is within noise: {r['candidate']} and {n['runner_up']} differ by "
+            f"{100 * n['apart']:.1f} %, less than their measured spread ({100 * n['spread']:.1f} "
+            f"%, {NOISE_Z:g} standard errors) after {r['timed']} timed steps; either is as good "
+            "on this evidence (pin one, or time longer with --oases-tune-steps)"
         )
     return lines
 

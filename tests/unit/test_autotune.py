@@ -17,7 +17,9 @@ from helpers.runs import parse, parse_config
 from megatron_oases.errors import OasesConfigError
 from megatron_oases.tuning import runtime
 from megatron_oases.tuning.candidates import (
+    EXTRA_ROUNDS,
     MIN_TRIAL,
+    NOISE_STEPS,
     RETUNE_STEPS,
     STEPS_PER_CANDIDATE,
     STOCK,
@@ -27,9 +29,11 @@ from megatron_oases.tuning.candidates import (
     format_retune,
     format_table,
     next_retune,
+    noise,
     plan_autotune,
     retune_entry,
     runner_up,
+    within_noise,
 )
 
 TP2 = GPT.format(layers=2) + "--tensor-model-parallel-size 2 --global-batch-size 4 "
@@ -123,7 +127,7 @@ def test_auto_under_train_samples_is_decided_on_megatrons_iteration_count():
     config = parse_config(base + "--train-samples 4002", 2)
     update_train_iters(args)  # what Megatron's loop will run
     assert args.train_iters == 1000 == config.autotune.train_iters
-    assert config.autotune.budget == 2 * STEPS_PER_CANDIDATE
+    assert config.autotune.budget == 2 * STEPS_PER_CANDIDATE + NOISE_STEPS
     # a run too short for the default trial: one line naming the samples and their iterations
     with pytest.raises(OasesConfigError) as err:
         parse(base + "--train-samples 64", 2)
@@ -185,7 +189,8 @@ def test_the_retune_interval_reaches_the_settings():
 
 def test_the_default_trial_is_a_few_per_cent_of_the_run():
     config = parse_config(TP2 + "--micro-batch-size 2 --oases-schedule auto --train-iters 1000", 2)
-    assert config.autotune.budget == 2 * STEPS_PER_CANDIDATE  # everything: 8 of 1000
+    # everything, and room to time the best two again: 14 of 1000
+    assert config.autotune.budget == 2 * STEPS_PER_CANDIDATE + NOISE_STEPS
     config = parse_config(
         TP2 + RECOMPUTE + "--micro-batch-size 4 --oases-schedule auto --train-iters 200", 2
     )
@@ -274,6 +279,75 @@ def test_the_budget_decides_how_many_are_tried():
     assert [r["status"] for r in trial.rows()] == ["chosen", "dropped: slower", "not tried: budget"]
 
 
+def test_within_noise_is_the_medians_closer_than_their_spread():
+    # 8 % apart, each 5-10 % spread over 3 steps (issue 62.3's quiet host): not told apart
+    assert within_noise([1.00, 1.05, 1.10], [1.08, 1.13, 1.03])
+    apart, spread = noise([1.00, 1.05, 1.10], [1.08, 1.13, 1.03])
+    assert apart == pytest.approx(0.03) and spread == pytest.approx(2 * (2 * 0.05**2 / 3) ** 0.5)
+    assert not within_noise([1.00, 1.01, 0.99], [1.20, 1.21, 1.19])  # 20 % apart, 1 % spread
+    assert not within_noise([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])  # no spread: nothing to settle
+    assert not within_noise([1.0], [1.1])  # one step: no spread measured
+    # more steps at the same spread narrow it: the same medians are told apart
+    assert within_noise([1.0, 1.1, 0.9], [1.06, 1.16, 0.96])
+    assert not within_noise([1.0, 1.1, 0.9] * 6, [1.06, 1.16, 0.96] * 6)
+
+
+def test_the_best_two_within_noise_are_timed_again_within_the_budget():
+    """The medians of B and C are 1 % apart with ~5 % spread: the trial times those two again
+    (A, slower, not), up to :data:`EXTRA_ROUNDS` rounds, and its table says the choice is still
+    within noise when the extra steps did not settle it."""
+    close = {
+        A: [1, 1.10, 1.11, 1.09],
+        B: [1] + [1.00, 1.05, 0.95] * 2,
+        C: [1] + [0.99, 1.04, 0.94] * 2,
+    }
+    trial = Trial([A, B, C], 3 * STEPS_PER_CANDIDATE + NOISE_STEPS)
+    seen = run(trial, {k: list(v) for k, v in close.items()})
+    assert seen == [A, B, C] * 4 + [C, B] * EXTRA_ROUNDS  # the two, fastest median first
+    assert trial.steps == 3 * STEPS_PER_CANDIDATE + NOISE_STEPS and trial.extra == EXTRA_ROUNDS
+    assert trial.choice == C and trial.noise["runner_up"] == "overlap"  # C: oases
+    assert trial.noise["apart"] == pytest.approx(0.01 / 0.99)
+    row = next(r for r in trial.rows() if r["status"] == "chosen")
+    assert row["timed"] == 3 + EXTRA_ROUNDS and row["within_noise"] == trial.noise
+    lines = format_table(trial.rows())
+    assert "chosen (within noise)" in lines[3] and lines[-1].startswith(
+        "  the choice is within noise: oases and overlap differ by 1.0 %"
+    )
+    # the budget caps the extra rounds: one left, one round
+    short = Trial([A, B, C], 3 * STEPS_PER_CANDIDATE + 2)
+    assert run(short, {k: list(v) for k, v in close.items()})[12:] == [C, B]
+    assert short.steps == 3 * STEPS_PER_CANDIDATE + 2 and short.noise is not None
+    # no room at all: chosen as before, said to be within noise
+    exact = Trial([A, B, C], 3 * STEPS_PER_CANDIDATE)
+    assert len(run(exact, {k: list(v) for k, v in close.items()})) == 12 and exact.choice == C
+    assert exact.noise["runner_up"] == "overlap"
+
+
+def test_timing_again_can_settle_the_choice():
+    """After the third round B and C are within noise; the extra rounds show C steadily faster,
+    its spread narrows, the trial stops timing as soon as they are told apart and chooses C,
+    not within noise."""
+    trial = Trial([A, B, C], 3 * STEPS_PER_CANDIDATE + NOISE_STEPS)
+    times = {
+        A: [1, 1.05, 1.05, 1.05],
+        B: [1, 1.0, 1.1, 0.9, 1.0, 1.0],
+        C: [1, 0.9, 1.0, 0.85, 0.9, 0.9],
+    }
+    seen = run(trial, times)
+    assert seen[12:] == [C, B, C, B] and trial.extra == 2  # told apart after two more rounds
+    assert trial.choice == C and trial.noise is None
+    assert all(r["within_noise"] is None for r in trial.rows())
+    assert "within noise" not in "\n".join(format_table(trial.rows()))
+
+
+def test_a_retiming_does_not_time_again():
+    """A re-timing keeps its incumbent unless clearly slower: it neither races on nor reports
+    noise."""
+    trial = Trial.retiming(B, C)
+    run(trial, {B: [1.0, 1.05, 0.95, 1.0], C: [1, 0.99, 1.04, 0.94]})
+    assert trial.choice == B and trial.noise is None and trial.extra == 0
+
+
 # ------------------------------------------------------------------- the tuner's step loop
 
 
@@ -337,14 +411,16 @@ def test_a_failed_candidate_retries_the_step_on_its_micro_batches(megatron_args,
     selection = Selection()
     step = FakeStep(selection, fail=["overlap"])
     tuner = runtime.Tuner(settings, selection)
-    drive(tuner, step, 10, iter(range(1000)))
+    # the budget's 12 steps at most: the steps overlap's failure left may time the best two
+    # again where they are within noise (the fake steps' times are real)
+    drive(tuner, step, 12, iter(range(1000)))
     schedules = [s for s, _, _ in step.calls]
     assert schedules[:4] == ["off", "overlap", "oases", "off"]  # overlap failed, oases retried
     failed, retry = step.calls[1], step.calls[2]
     assert retry[1] == failed[1] == [2, 3]  # the same micro-batches, none skipped
     assert retry[2] == failed[2]  # the same random draws (dropout masks)
     consumed = [b for _, batches, _ in step.calls[:1] + step.calls[2:] for b in batches]
-    assert consumed == list(range(20))  # in order, each once
+    assert consumed == list(range(24))  # in order, each once
     assert tuner.fixed is not None and tuner.trial.out[B][0] == "failed"
     record = megatron_args.oases_autotune  # saved with every checkpoint from here on
     assert record["choice"] == tuner.fixed.as_dict() and record["how"] == "timed"
