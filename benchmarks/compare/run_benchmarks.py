@@ -332,6 +332,25 @@ def summary_table(reports):
     return out
 
 
+def best_lines(reports):
+    """Per row its best-against-best line and, where its variants met uneven host load, its
+    contention line, both as ``oases compare`` wrote them into the row's results.json; a row
+    made before the line existed says so and names the command that regenerates it."""
+    lines = []
+    for cfg, rep in reports.items():
+        best = (rep.get("best_against_best") or {}).get("line")
+        if best is None:
+            best = (
+                "not in this row's results.json (made before oases compare wrote it); "
+                f"regenerate it: `python benchmarks/compare/run_benchmarks.py --only {cfg}`"
+            )
+        lines.append(f"- {cfg}: {best}")
+        contended = rep.get("contention") or {}
+        if contended.get("contended"):
+            lines.append(f"  - **{contended['line']}**")
+    return lines
+
+
 def write_report(args):
     reports = {}
     for profile, shape in MATRIX:
@@ -382,6 +401,14 @@ def write_report(args):
         "",
         *summary_table(reports),
         "",
+        "## Best against best",
+        "",
+        "Per row, the fastest stock variant against the fastest Oases variant it ran, and at each "
+        "lower peak-memory level its memory pass measured (host seconds per iteration; "
+        "[docs/compare.md](../../../docs/compare.md#best-against-best-and-contention)).",
+        "",
+        *best_lines(reports),
+        "",
         "## Targets (issue 13)",
         "",
         *(acceptance(reports) or ["- (configurations missing)"]),
@@ -415,6 +442,8 @@ def write_report(args):
             _table_from_md(os.path.join(OUT, cfg, "results.md")),
             "",
             f"losses: {rep['loss_check']['summary']}",
+            "",
+            *best_lines({cfg: rep}),
             "",
             f"![throughput]({cfg}/throughput.png)",
             "",

@@ -61,6 +61,7 @@ def table_rows(results):
                 r["paper"],
                 f"{r['tokens_per_sec']:.1f}",
                 _num(r.get("speedup"), "{:.2f}x"),
+                _num(r.get("speedup_less_contention"), "{:.2f}x"),
                 f"{1e3 * r['mean_iteration_s']:.1f} ± {1e3 * r['stdev_iteration_s']:.1f}",
                 _pct(t.get("exposed_share")),
                 _pct(t.get("schedule_exposed_share")),
@@ -92,6 +93,7 @@ HEADER = [
     "paper (Table 3)",
     "tokens/s",
     "speedup",
+    "speedup less contention",
     "iteration ms (mean ± sd)",
     "exposed comm",
     "schedule exposed",
@@ -208,6 +210,12 @@ def write_markdown(report, path):
         )
     if report.get("interrupted"):
         lines.append(f"- **interrupted**: {interrupted_line(report['interrupted'])}")
+    best = report.get("best_against_best")
+    if best:
+        lines.append(f"- best against best: {best['line']}")
+    contended = report.get("contention") or {}
+    if contended.get("contended"):
+        lines.append(f"- **{contended['line']}**")
     lines += [
         f"- losses: {report['loss_check']['summary']}",
         "",
@@ -220,7 +228,10 @@ def write_markdown(report, path):
         "ranks' compute drifting apart on a shared host), summed, ÷ iteration time. compute ms = iteration time not blocked on "
         "communication; compute CPU ms = the compute thread's CPU time in it (no contention); "
         "run-queue ms = time the compute thread waited for a CPU (host contention, counted in "
-        "compute ms and in the iteration time). aten calls/layer = aten calls per layer per "
+        "compute ms and in the iteration time); speedup less contention = the same ratio of the "
+        "traced iterations replayed without their waits for a CPU (the compute thread's "
+        "run-queue wait where it cost time, collectives completing at their modelled time: "
+        "see docs/compare.md). aten calls/layer = aten calls per layer per "
         "micro-batch, counted (not timed) in an untimed pass; host floor ms = those calls per "
         "iteration x the target profile's host_us_per_call, in this table's dilated units (x D); "
         "host-bound = that floor exceeds the emulated iteration, i.e. on the target GPU the host, "

@@ -26,6 +26,7 @@ def finalize(report, out, announce=True):
     """
     from ..viz.analysis import emulated_comm_model, load_traces, run_metrics
     from ..viz.timeline import plot_timeline
+    from .contention import contention_free_us
     from .report import (
         add_derived,
         check_losses,
@@ -35,6 +36,7 @@ def finalize(report, out, announce=True):
         write_json,
         write_markdown,
     )
+    from .summary import add_less_contention, best_against_best, contention
 
     def here(p):
         return p if os.path.isabs(p) else os.path.join(out, p)
@@ -50,6 +52,8 @@ def finalize(report, out, announce=True):
         if r["status"] == "ok" and r.get("trace_files"):
             traces = load_traces([here(f) for f in r["trace_files"]])
             r["trace"] = run_metrics(traces, comm_model) if traces else None
+            if r["trace"]:
+                r["trace"]["contention_free_us"] = contention_free_us(traces, comm_model)
             path = os.path.join(out, f"timeline-{r['name']}.png")
             plot_timeline(
                 traces,
@@ -60,6 +64,7 @@ def finalize(report, out, announce=True):
             r["timeline"] = rel(path)
     rtol = report["loss_check"]["rtol"]
     ref = add_derived(results)
+    add_less_contention(results, ref)
     _project_host(results, emulation)
     one_rank = report["config"].get("one_rank")
     bad = [] if one_rank else check_losses(results, ref, rtol)
@@ -78,6 +83,10 @@ def finalize(report, out, announce=True):
         if any(memory.is_measured(r) for r in results):
             path = os.path.join(out, "memory.png")
             report["memory_chart"] = rel(memory.plot_memory(report, path, title=model + suffix))
+    contended = report["contention"] = contention(results)
+    best = report["best_against_best"] = best_against_best(
+        results, corrected=bool(contended and contended["contended"])
+    )
     failed = [r["name"] for r in results if r["status"] == "failed"]
     n_ok = sum(r["status"] == "ok" for r in results)
     summary = (
@@ -103,6 +112,10 @@ def finalize(report, out, announce=True):
     print(f"\nlosses: {summary}", flush=True)
     if budgets:
         print("\n" + memory.format_tables(report), flush=True)
+    if best:
+        print(f"\nbest against best: {best['line']}", flush=True)
+    if contended and contended["contended"]:
+        print(f"\n{contended['line']}", flush=True)
     wrote = ["results.json"] + (["throughput.png"] if chart else [])
     wrote += ["memory.png"] if report.get("memory_chart") else []
     wrote += [os.path.basename(r["timeline"]) for r in results if r.get("timeline")]

@@ -221,7 +221,17 @@ VARIANTS = {
         ),
     )
 }
-DEFAULT_VARIANTS = ("megatron", "megatron-norecompute", "overlap", "cross-pass", "oases")
+# Every stock recompute setting with its Oases twin (:func:`twin`): a best-against-best line must
+# set like against like (without overlap-norecompute a run with memory to spare compared the best
+# stock setting, without recompute, against Oases schedules that all recomputed).
+DEFAULT_VARIANTS = (
+    "megatron",
+    "megatron-norecompute",
+    "overlap",
+    "overlap-norecompute",
+    "cross-pass",
+    "oases",
+)
 # With --memory-budget: every stock memory setting against every Oases one (cross-pass is left out:
 # it keeps what oases keeps, and oases is the faster of the two).
 MEMORY_VARIANTS = (
@@ -241,6 +251,35 @@ MEMORY_VARIANTS = (
     "overlap-halfmb-selective-ln",
     "overlap-halfmb-norecompute",
 )
+
+
+def twins(variant):
+    """The Oases variants that keep what the stock ``variant`` keeps: the same recompute setting
+    and micro-batch (none for an Oases variant), in the table's order; those that need a CUDA GPU
+    or a plan file are left out."""
+    if not variant.stock:
+        return []
+    return [
+        v
+        for v in VARIANTS.values()
+        if not v.stock
+        and v.recompute == variant.recompute
+        and v.split_micro_batch == variant.split_micro_batch
+        and not (v.needs_cuda or v.needs_plan)
+    ]
+
+
+def missing_twins(names):
+    """``[(stock name, its first twin)]`` for each stock variant of ``names`` none of whose Oases
+    twins (:func:`twins`) is among ``names``."""
+    out = []
+    for name in names:
+        pair = twins(VARIANTS[name]) if name in VARIANTS else []
+        if pair and not any(v.name in names for v in pair):
+            out.append((name, pair[0].name))
+    return out
+
+
 # Flags compare sets itself, per variant or per run.
 RESERVED = (
     "--oases-schedule",

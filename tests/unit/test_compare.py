@@ -70,6 +70,7 @@ def test_variants_and_flags():
         "megatron",
         "megatron-norecompute",
         "overlap",
+        "overlap-norecompute",
         "cross-pass",
         "oases",
     ]
@@ -430,3 +431,160 @@ def test_a_lock_on_a_file_its_run_removed_is_taken_anew(tmp_path, monkeypatch):
     with pytest.raises(OasesConfigError, match="in use by another run"):
         outputs.lock_dir(str(tmp_path), "--out")
     held.close()
+
+
+def test_every_default_stock_setting_runs_beside_its_oases_twin():
+    """Issue 62.2: the defaults ran stock without recompute but every Oases variant with full
+    recompute, so the best-against-best line set unlike against unlike."""
+    from megatron_oases.compare.variants import (
+        DEFAULT_VARIANTS,
+        MEMORY_VARIANTS,
+        missing_twins,
+        twins,
+    )
+
+    for defaults in (DEFAULT_VARIANTS, MEMORY_VARIANTS):
+        assert missing_twins(list(defaults)) == [], defaults
+    assert [v.name for v in twins(VARIANTS["megatron-norecompute"])] == ["overlap-norecompute"]
+    assert [v.name for v in twins(VARIANTS["megatron-selective"])] == ["overlap-selective"]
+    assert [v.name for v in twins(VARIANTS["megatron-block"])] == ["oases-block"]
+    assert "oases" in [v.name for v in twins(VARIANTS["megatron"])]
+    assert twins(VARIANTS["oases"]) == []
+    assert missing_twins(["megatron", "megatron-selective", "oases"]) == [
+        ("megatron-selective", "overlap-selective")
+    ]
+
+
+def test_best_against_best_at_each_measured_memory_level():
+    from megatron_oases.compare.summary import best_against_best
+
+    results = [
+        _synthetic("megatron", 2000, 1.9),
+        _synthetic("megatron-selective", 1800, 2.4),
+        _synthetic("megatron-norecompute", 1234, 3.1),
+        _synthetic("oases", 1500, 2.0),
+        _synthetic("overlap-selective", 1400, 2.5),
+        _synthetic("overlap-norecompute", 1012, 3.2),
+        dict(_synthetic("cross-pass", 10, 1.0), status="failed"),  # never picked
+    ]
+    best = best_against_best(results)
+    pairs = [
+        (lv["limit_gb"], (lv["stock"] or {}).get("name"), (lv["oases"] or {}).get("name"))
+        for lv in best["levels"]
+    ]
+    assert pairs == [
+        (None, "megatron-norecompute", "overlap-norecompute"),  # everything ran: no limit
+        (3.1, "megatron-norecompute", "overlap-selective"),  # 3.1 GB: stock's fits, not its twin
+        (2.5, "megatron-selective", "overlap-selective"),
+        (2.4, "megatron-selective", "oases"),
+        (2.0, "megatron", "oases"),
+        (1.9, "megatron", None),
+    ]
+    assert best["levels"][0]["speedup"] == pytest.approx(1234 / 1012)
+    assert best["line"] == (
+        "best stock: megatron-norecompute 1.234 s/iter at 3.1 GB; best Oases: overlap-norecompute "
+        "1.012 s/iter (1.22x) at 3.2 GB; at <= 3.1 GB: megatron-norecompute 1.234 s/iter at 3.1 "
+        "GB vs overlap-selective 1.4 s/iter (0.88x) at 2.5 GB; at <= 2.5 GB: megatron-selective "
+        "1.8 s/iter at 2.4 GB vs overlap-selective 1.4 s/iter (1.29x) at 2.5 GB; at <= 2.4 GB: "
+        "megatron-selective 1.8 s/iter at 2.4 GB vs oases 1.5 s/iter (1.20x) at 2 GB; at <= 2 GB: "
+        "megatron 2 s/iter at 1.9 GB vs oases 1.5 s/iter (1.33x) at 2 GB; at <= 1.9 GB: megatron "
+        "2 s/iter at 1.9 GB vs no Oases variant fits"
+    )
+    assert "\n" not in best["line"] and best["missing_twins"] == []
+    # no memory pass, a stock setting without its twin: both said in the line
+    plain = [dict(r, memory=None) for r in results if r["name"] != "overlap-selective"]
+    line = best_against_best(plain)["line"]
+    assert line == (
+        "best stock: megatron-norecompute 1.234 s/iter; best Oases: overlap-norecompute 1.012 "
+        "s/iter (1.22x); peak memory not measured (--memory-budget measures it); no Oases twin of "
+        "megatron-selective ran (add overlap-selective to --variants)"
+    )
+    assert best_against_best([]) is None
+    only_stock = best_against_best([dict(_synthetic("megatron", 1000, 1), memory=None)])
+    assert only_stock["line"].startswith("best stock: megatron 1 s/iter; best Oases: none ran")
+
+
+def _traced(name, ms, free_ms, runq_ms=0.0):
+    r = dict(_synthetic(name, ms, 1), paper="-", stdev_iteration_s=0.0)
+    r["trace"] = {
+        "iteration_us": 1e3 * ms,
+        "runq_us": 1e3 * runq_ms,
+        "contention_free_us": 1e3 * free_ms,
+    }
+    return r
+
+
+def _rank_trace(T, cpu, compute, comms):
+    """A rank's trace: ``compute`` [(start, end)] labelled segments, ``comms`` [(issue, wait,
+    done, modelled µs)]; the compute thread's CPU time is ``cpu`` (the rest of its running time
+    it waited for a CPU), none of it inside a wait."""
+    events = [
+        {"name": "F layer", "cat": "compute", "ph": "X", "tid": 0, "ts": s, "dur": e - s,
+         "args": {"pass": "forward", "layer": 0, "block": "layer", "sub_batch": -1}}
+        for s, e in compute
+    ]  # fmt: skip
+    for issue, wait, done, model in comms:
+        events.append(
+            {"name": "all_reduce", "cat": "comm", "ph": "X", "tid": 1, "ts": issue,
+             "dur": done - issue, "args": {"op": "all_reduce", "bytes": 4, "group_size": 2,
+             "issue_us": issue, "wait_us": wait, "done_us": done, "model_us": model,
+             "issue_cpu_us": 0.0, "wait_cpu_us": cpu, "done_cpu_us": cpu}}
+        )  # fmt: skip
+    md = {"rank": 0, "iteration_time_us": T, "iteration_cpu_us": cpu, "iteration_runq_us": T - cpu}
+    return {"traceEvents": events, "metadata": md}
+
+
+def test_the_iteration_replayed_without_contention():
+    """What waiting for a CPU added to a traced iteration: the compute thread's run-queue wait
+    where the iteration waited for it, a collective's completion past its modelled time; not a
+    run-queue wait while the link was busy anyway."""
+    from megatron_oases.compare.contention import contention_free_us, replay_us
+
+    def model(ev):
+        return ev["args"]["model_us"]
+
+    # stock-like: 40 us of compute (30 on the CPU), then a synchronous all-reduce modelled at
+    # 50 us that returned 10 us late: 100 -> 30 + 50
+    sync = _rank_trace(100.0, 30.0, [(0, 40)], [(40, 40, 100, 50)])
+    assert replay_us(sync, model) == pytest.approx(80.0)
+    assert replay_us(sync) == pytest.approx(90.0)  # no link model: the wait as measured
+    # overlapped: the all-reduce in flight from the start for its modelled 90 us; the compute
+    # thread's 10 us in the run queue were hidden behind it: nothing to take out
+    hidden = _rank_trace(100.0, 30.0, [(0, 40)], [(0, 40, 90, 90), (90, 90, 100, 10)])
+    assert replay_us(hidden, model) == pytest.approx(100.0)
+    # two ops on one group queue behind each other, as the emulator's channel does: the second,
+    # issued at 5, starts when the first ends (60) and ends at 110; the compute thread waits
+    # for both from 40 (its 40 us all on the CPU)
+    queued = _rank_trace(120.0, 40.0, [(0, 40)], [(0, 40, 70, 60), (5, 70, 120, 50)])
+    assert replay_us(queued, model) == pytest.approx(110.0)
+    assert contention_free_us([sync, sync], model) == pytest.approx(80.0)
+    assert contention_free_us([sync, {"traceEvents": [], "metadata": {}}], model) is None
+
+
+def test_speedup_less_contention_and_a_contended_run():
+    from megatron_oases.compare.summary import add_less_contention, best_against_best, contention
+
+    # contention added 30 of stock's 300 ms and 105 of oases' 330: 0.91x raw, 1.2x without it
+    results = [_traced("megatron", 300, 270), _traced("oases", 330, 225, runq_ms=50)]
+    ref = add_derived(results)
+    add_less_contention(results, ref)
+    assert results[1]["speedup"] == pytest.approx(300 / 330)
+    assert results[1]["contention_share"] == pytest.approx(105 / 330)
+    assert results[1]["run_queue_share"] == pytest.approx(50 / 330)
+    assert results[1]["iteration_less_contention_s"] == pytest.approx(0.225)
+    assert results[1]["speedup_less_contention"] == pytest.approx(270 / 225)
+    assert results[0]["speedup_less_contention"] == pytest.approx(1.0)
+    assert "0.91x    1.20x" in format_table(results).splitlines()[3]
+    c = contention(results)
+    assert c["contended"] and c["spread_points"] == pytest.approx(100 * (105 / 330 - 0.1))
+    assert c["line"].startswith("contended: waiting for a CPU added 10.0 % (megatron) to 31.8 %")
+    assert c["line"].endswith("or rerun on a quieter host") and "\n" not in c["line"]
+    line = best_against_best(results, corrected=True)["line"]
+    assert "oases 0.33 s/iter (0.91x; 1.20x less contention) at 1 GB" in line
+    # within 5 points: not contended; no replay (no trace, no CPU record): no correction
+    calm = [_traced("megatron", 300, 270), _traced("oases", 330, 285)]
+    add_less_contention(calm, add_derived(calm))
+    assert contention(calm)["contended"] is False and contention(calm)["line"] is None
+    bare = [_synthetic("megatron", 300, 1), _synthetic("oases", 330, 1)]
+    add_less_contention(bare, add_derived(bare))
+    assert bare[1]["speedup_less_contention"] is None and contention(bare) is None
