@@ -638,7 +638,8 @@ RULES = (
         "(schedule/megatron/fsdp_params.py; parity-tested against stock Megatron-FSDP: "
         "tests/e2e/test_megatron_fsdp_split_e2e.py); with PP > 1 this megatron-core's "
         "Megatron-FSDP fails on any device (refused), with --oases-plan or --oases-cuda-graphs "
-        "refused",
+        "refused; --save/--load (fsdp_dtensor) bit-exact through the megatron-fsdp-checkpoint "
+        "patch",
         flags=("--use-megatron-fsdp",),
     ),
     _irrelevant(

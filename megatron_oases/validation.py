@@ -645,10 +645,9 @@ MEGATRON_FSDP_CUDA_ONLY = (
 def check_megatron_fsdp(args, cuda_available):
     """``--use-megatron-fsdp``: ``einops`` installed (Megatron-FSDP's device mesh needs it, and
     megatron-core does not install it); without CUDA (the ``megatron-fsdp-cpu`` platform patch),
-    none of the options that cannot run on CPU ranks, its gradient division outside the
-    collective (gloo has no ``PREMUL_SUM``), and no checkpoints: a save hangs there when a rank
-    holds no shard of some parameter (that rank's optimizer state then lacks the entry, and the
-    ranks' per-entry collectives stop pairing up)."""
+    none of the options that cannot run on CPU ranks and its gradient division outside the
+    collective (gloo has no ``PREMUL_SUM``). ``--save``/``--load`` run on every device through
+    the ``megatron-fsdp-checkpoint`` patch (``platform/megatron_fsdp_checkpoint.py``)."""
     import importlib.util
 
     if importlib.util.find_spec("einops") is None:
@@ -675,13 +674,6 @@ def check_megatron_fsdp(args, cuda_available):
             "--use-megatron-fsdp on CPU ranks divides gradients before their reduction (gloo has "
             "no PREMUL_SUM to divide inside it); add --no-gradient-reduce-div-fusion"
         )
-    for flag in ("save", "load"):
-        if getattr(args, flag, None):
-            raise OasesConfigError(
-                f"--{flag} does not run under --use-megatron-fsdp on CPU ranks yet (its "
-                "fsdp_dtensor save hangs where a rank holds no shard of a parameter); drop "
-                "--save/--load, or use --use-distributed-optimizer"
-            )
 
 
 def check_sharded_data_parallel(args, schedule, cuda_available):

@@ -36,22 +36,26 @@ def check_output_paths(config):
 
 def check_before_training(args, config):
     """Refuse what would fail (or destroy checkpoints) later; install the safe-save patches, the
-    console's loss fix (:mod:`.console_log`) and, on CPU ranks, Megatron-FSDP's platform patch.
+    console's loss fix (:mod:`.console_log`), Megatron-FSDP's platform patch on CPU ranks and its
+    checkpoint patch where it saves or loads.
     ``args``: Megatron's; ``config``: the run's :class:`~megatron_oases.config.OasesConfig`."""
     check_output_paths(config)
     check_data_paths(args)
     prepare_checkpointing(args, config.start_over)
     console_log.install(args)
     dataset_helpers.install()
-    install_megatron_fsdp_cpu(args)
+    install_megatron_fsdp(args)
 
 
-def install_megatron_fsdp_cpu(args):
-    """``--use-megatron-fsdp`` on CPU ranks: the ``megatron-fsdp-cpu`` platform patch, before
-    Megatron builds the model (:mod:`megatron_oases.platform.megatron_fsdp`)."""
+def install_megatron_fsdp(args):
+    """``--use-megatron-fsdp``: on CPU ranks the ``megatron-fsdp-cpu`` platform patch, before
+    Megatron builds the model (:mod:`megatron_oases.platform.megatron_fsdp`); with ``--save`` or
+    ``--load``, on any device, the ``megatron-fsdp-checkpoint`` patch
+    (:mod:`megatron_oases.platform.megatron_fsdp_checkpoint`)."""
     from ..patches import install_patch
-    from ..platform.megatron_fsdp import make_patch
+    from ..platform import megatron_fsdp, megatron_fsdp_checkpoint
 
-    patch = make_patch(args)
-    if patch is not None:
-        install_patch(patch)
+    for make_patch in (megatron_fsdp.make_patch, megatron_fsdp_checkpoint.make_patch):
+        patch = make_patch(args)
+        if patch is not None:
+            install_patch(patch)

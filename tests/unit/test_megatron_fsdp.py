@@ -69,8 +69,6 @@ def test_each_option_that_cannot_run_on_cpu_is_one_line(flag, attribute, unused,
         ("--use-nccl-ub", "--use-nccl-ub registers NCCL user buffers"),
         ("--cuda-graph-impl local", "--cuda-graph-impl local captures CUDA graphs"),
         ("--bf16 --fp8-format hybrid", "--fp8-format hybrid needs Transformer Engine"),
-        ("--save /tmp/oases-test-never-written", "--save does not run under --use-megatron-fsdp"),
-        ("--load /tmp/oases-test-never-read", "--load does not run under --use-megatron-fsdp"),
         (
             "--oases-schedule overlap --oases-cuda-graphs eager",
             "--oases-cuda-graphs does not run under --use-megatron-fsdp",
@@ -81,6 +79,17 @@ def test_what_megatron_fsdp_cannot_run_here_is_one_line_up_front(argv, match):
     """Through Megatron's parse, as a user's command line."""
     message = _one_line(parse_config, MFSDP + argv, world_size=2)
     assert match in message, message
+
+
+@pytest.mark.parametrize("flag", ["--save", "--load"])
+def test_checkpoints_run_under_megatron_fsdp_on_cpu(flag):
+    """Issue 61.2: refused on CPU ranks before (the fsdp_dtensor save hung where a rank holds no
+    shard of a parameter); now saved and resumed through the ``megatron-fsdp-checkpoint`` patch
+    (``tests/e2e/test_megatron_fsdp_checkpoint_e2e.py``)."""
+    path = "/tmp/oases-test-never-touched"
+    config = parse_config(MFSDP + f"--data-parallel-sharding-strategy optim {flag} {path}", 2)
+    assert config.schedule == "off"
+    check_sharded_data_parallel(_cpu_args(**{flag[2:]: path}), "overlap", cuda_available=False)
 
 
 @pytest.mark.parametrize("schedule", ["overlap", "cross-pass", "oases"])
