@@ -5,12 +5,12 @@ it and nothing else), the per-layer runtime (:mod:`.layer_degrees.runtime`) and 
 (``oases-pretrain-gpt``, Megatron-LM's patched ``pretrain_gpt.py``) share. The Megatron settings a
 patch reads are copied in here, typed, so that no patch reads Megatron's ``args``."""
 
-import enum
 from dataclasses import dataclass
 from typing import Optional
 
 from .validation import (
     SUB_BATCHES,
+    Schedule,
     check_before_megatron,
     check_flags_act,
     check_oases_args,
@@ -19,18 +19,6 @@ from .validation import (
     split_kind,
     sub_batches,
 )
-
-
-class Schedule(enum.StrEnum):
-    """``--oases-schedule`` (see ``docs/schedules.md``); compares equal to its flag value."""
-
-    OFF = "off"
-    OVERLAP = "overlap"
-    CROSS_PASS = "cross-pass"
-    OASES = "oases"
-    #: the run's first iterations time the schedules that can run; the fastest is kept
-    #: (:mod:`.tuning`)
-    AUTO = "auto"
 
 
 @dataclass(frozen=True)
