@@ -132,7 +132,6 @@ PENDING = {
             "rtx3090-nvlink-h1024",
             "rtx3090-nvlink-h2048",
             "rtx3090-pcie-h1024",
-            "rtx3090-pcie-h2048",
             "rtx3090-pcie-h2048-halfmb",
             "rtx3090-pcie-h2048l4",
             "rtx3090-pcie-h2048s512",
