@@ -683,12 +683,15 @@ def check_sharded_data_parallel(args, schedule, cuda_available):
     megatron_fsdp = getattr(args, "use_megatron_fsdp", False)
     # Megatron-FSDP under the split schedules: each layer gathered and its gradients handed over
     # once by the engine (schedule/megatron/fsdp_params.py; parity: test_megatron_fsdp_split_e2e)
-    if megatron_fsdp and (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+    if (
+        megatron_fsdp
+        and (getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1
+        and (getattr(args, "num_distributed_optimizer_instances", 1) or 1) > 1
+    ):
         raise OasesConfigError(
-            "--use-megatron-fsdp does not run with --pipeline-model-parallel-size > 1 in this "
-            "megatron-core, on any device (its Megatron-FSDP lays its device mesh out over the "
-            "whole world as DP x TP, and its hooks make a stage's output a view, which "
-            "Megatron's pipeline refuses to free); drop one of them"
+            "--use-megatron-fsdp with --num-distributed-optimizer-instances > 1 (its hybrid "
+            "sharding) does not run with --pipeline-model-parallel-size > 1 in this megatron-core "
+            "(its mesh is laid out over the whole world as outer DP x DP x TP); drop one of them"
         )
     if megatron_fsdp:
         check_megatron_fsdp(args, cuda_available)

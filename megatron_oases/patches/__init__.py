@@ -39,6 +39,7 @@ JOB_PATCHES = {
     "checkpoint-load-errors": "training/checkpoint_check.py: a damaged --load in one line",
     "hybrid-local-norm": "training/hybrid.py: HybridModel's norms without TE, while it is built",
     "megatron-fsdp-cpu": "platform/megatron_fsdp.py: --use-megatron-fsdp on CPU gloo ranks",
+    "megatron-fsdp-pipeline": "platform/megatron_fsdp_pipeline.py: it with pipeline stages",
     "megatron-fsdp-checkpoint": "platform/megatron_fsdp_checkpoint.py: its --save/--load",
 }
 #: Patches of one measured in-process run (``training.pretrain.run_in_process``'s extra ones).

@@ -51,11 +51,17 @@ def install_megatron_fsdp(args):
     """``--use-megatron-fsdp``: on CPU ranks the ``megatron-fsdp-cpu`` platform patch, before
     Megatron builds the model (:mod:`megatron_oases.platform.megatron_fsdp`); with ``--save`` or
     ``--load``, on any device, the ``megatron-fsdp-checkpoint`` patch
-    (:mod:`megatron_oases.platform.megatron_fsdp_checkpoint`)."""
+    (:mod:`megatron_oases.platform.megatron_fsdp_checkpoint`); with pipeline stages, on any
+    device, the ``megatron-fsdp-pipeline`` patch
+    (:mod:`megatron_oases.platform.megatron_fsdp_pipeline`)."""
     from ..patches import install_patch
-    from ..platform import megatron_fsdp, megatron_fsdp_checkpoint
+    from ..platform import megatron_fsdp, megatron_fsdp_checkpoint, megatron_fsdp_pipeline
 
-    for make_patch in (megatron_fsdp.make_patch, megatron_fsdp_checkpoint.make_patch):
+    for make_patch in (
+        megatron_fsdp.make_patch,
+        megatron_fsdp_pipeline.make_patch,
+        megatron_fsdp_checkpoint.make_patch,
+    ):
         patch = make_patch(args)
         if patch is not None:
             install_patch(patch)

@@ -103,16 +103,49 @@ def test_split_schedules_run_under_megatron_fsdp(schedule):
     assert config.schedule == schedule
 
 
-def test_pipeline_parallelism_is_one_line_on_every_device():
-    """megatron-core 0.19.2's Megatron-FSDP builds its mesh as ``(dp_cp ep tp)`` over the whole
-    world (an einops error per rank with PP > 1), and its hooks' ``view_as`` outputs fail
-    Megatron's pipeline deallocation: refused with one line, before anything starts."""
-    args = _cpu_args(pipeline_model_parallel_size=2)
+def test_pipeline_parallelism_runs_hybrid_sharding_with_it_is_one_line():
+    """Pipeline stages run under Megatron-FSDP through the ``megatron-fsdp-pipeline`` patch
+    (parity: ``tests/e2e/test_megatron_fsdp_pipeline_e2e.py``); its hybrid sharding lays its mesh
+    over the whole world and is refused with them, in one line, on every device."""
+    config = parse_config(MFSDP + "--pipeline-model-parallel-size 2", world_size=4)
+    assert config.schedule == "off"
+    args = _cpu_args(pipeline_model_parallel_size=2, num_distributed_optimizer_instances=2)
     for cuda in (False, True):
         message = _one_line(check_sharded_data_parallel, args, "off", cuda_available=cuda)
-        assert "--pipeline-model-parallel-size" in message and "drop one of them" in message
-    message = _one_line(parse_config, MFSDP + "--pipeline-model-parallel-size 2", world_size=4)
-    assert "--use-megatron-fsdp does not run with --pipeline-model-parallel-size" in message
+        assert "--num-distributed-optimizer-instances" in message and "drop one of them" in message
+    check_sharded_data_parallel(_cpu_args(pipeline_model_parallel_size=2), "off", False)
+
+
+def test_pipeline_patch_checks_what_it_replaces_and_only_acts_with_stages():
+    from megatron_oases.platform import megatron_fsdp_pipeline as pipeline
+
+    replaced = {attr for _owner, attr, _new in pipeline.replacements()}
+    assert replaced == {"_get_dp_tp_mesh", "forward", "_allreduce_embedding_grad"}
+    assert pipeline.make_patch(_cpu_args(pipeline_model_parallel_size=1)) is None
+    assert pipeline.make_patch(SimpleNamespace(pipeline_model_parallel_size=2)) is None
+    patch = pipeline.make_patch(_cpu_args(pipeline_model_parallel_size=2))
+    assert patch.name == "megatron-fsdp-pipeline"
+
+
+def test_stage_output_is_an_alias_that_is_no_view_and_keeps_the_hook():
+    """What Megatron's ``deallocate_output_tensor`` needs of a stage's output (no ``_base``),
+    while Megatron-FSDP's pre-backward hook on the view still fires and the gradient is exact."""
+    import torch
+
+    from megatron_oases.platform.megatron_fsdp_pipeline import not_a_view
+
+    weight = torch.randn(3, 3, requires_grad=True)
+    hidden = weight * 2
+    view = hidden.view_as(hidden)
+    fired = []
+    torch.autograd.graph.register_multi_grad_hook([view], lambda grads: fired.append(1), mode="any")
+    out = not_a_view(view)
+    assert view._base is hidden and out._base is None
+    assert out.untyped_storage().data_ptr() == hidden.untyped_storage().data_ptr()
+    out.backward(torch.ones(3, 3))
+    assert fired == [1] and torch.equal(weight.grad, torch.full((3, 3), 2.0))
+    plain = torch.ones(2)
+    assert not_a_view(plain) is plain and not_a_view(None) is None
 
 
 def test_fusions_megatron_lm_leaves_on_are_one_line():

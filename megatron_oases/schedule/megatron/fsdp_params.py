@@ -68,6 +68,7 @@ def check_megatron():
     require_call(hooks, "self._params_require_handle_grad.discard(param)")
     require_call(hooks, "self.post_forward_release_module = ")
     require_call(hooks, "self.post_backward_release_module = ")
+    require_call(hooks, "self._root_pre_backward_hook_handle = create_custom_backward_hook(")
     require_symbol(
         wrapper, "all_gather_and_wait_parameters_ready", parameters=("wait_bucket_ready",)
     )
@@ -101,12 +102,36 @@ def stage_params(layers, embedding=None, output=None):
     return PerLayer(MegatronFsdpLayers(fsdp, layers, ends))
 
 
+def drop_stray_root_hook(fsdp, modules):
+    """Remove Megatron-FSDP's second registration of its root pre-backward hook where it landed
+    on one of ``modules`` (those the engine runs).
+
+    megatron-core 0.19.2 registers that hook (a forward hook returning each output as
+    ``view_as`` of itself, to hang a gradient hook on) on the modules holding all the root's
+    parameters, then once more on the loop's leaked variable: the last module ``named_modules()``
+    gave. On a pipeline stage without the output layer that is the last layer's MLP output
+    linear, whose bias output then becomes a view; made under ``no_grad`` (a forward the engine
+    recomputes) a view is a leaf of its own, and the bias's gradient never reaches the parameter
+    (silently: measured at PP=2, the first stage's last ``linear_fc2.bias`` gradient zero). The
+    hooks on the root modules stay; so does this one elsewhere (stock runs)."""
+    handle = getattr(fsdp, "_root_pre_backward_hook_handle", None)
+    hooks = handle.hooks_dict_ref() if handle is not None else None
+    if hooks is None or handle.id not in hooks:
+        return
+    for module in modules:
+        for sub in module.modules():
+            if sub._forward_hooks is hooks:
+                handle.remove()
+                return
+
+
 class MegatronFsdpLayers(ShardedLayers):
     """A stage's ``layers`` (and ``ends``: modules whose parameters join the programs) under
     ``fsdp``, Megatron-FSDP's ``MegatronFSDP``, for one micro-batch (module docstring)."""
 
     def __init__(self, fsdp, layers, ends=()):
         self.fsdp, self.layers, self.ends = fsdp, list(layers), list(ends)
+        drop_stray_root_hook(fsdp, self.layers + self.ends)
         self.sharded = fsdp.data_parallel_sharding_strategy == "optim_grads_params"
         self.handed = []  # this backward's hand-overs, checked and dropped by finish()
 
