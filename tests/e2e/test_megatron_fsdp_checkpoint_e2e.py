@@ -13,7 +13,8 @@ step), is compared with the uninterrupted run's at the same point, bit for bit.
 
 Tiny GPT (2 layers), fp32, dropout off: DP=2 (2 ranks) under ``optim_grads_params`` (stock,
 overlap, stock -> overlap) and ``optim`` (stock); TP=2 x DP=2 (4 ranks) under
-``optim_grads_params`` (stock).
+``optim_grads_params`` (stock); PP=2 x DP=2 (4 ranks, the ``megatron-fsdp-pipeline`` patch) under
+``optim_grads_params`` (stock, overlap, stock -> overlap; the losses on the last stage).
 """
 
 import os
@@ -39,6 +40,8 @@ DP2_ROUND_TRIPS = (
     ("optim", MFSDP + "optim", "off", ("off",)),
 )
 TP2_DP2_ROUND_TRIPS = (("ogp", MFSDP + "optim_grads_params", "off", ("off",)),)
+PP2_DP2 = layout(GPT, 2, tp=1, pp=2, mbs=2, gbs=8)[1] + ITERS
+PP2_DP2_ROUND_TRIPS = DP2_ROUND_TRIPS[:2]
 
 
 def _optimizer_state(optimizer):
@@ -147,11 +150,21 @@ def tp2_dp2(tmp_path_factory):
     return run_distributed(_worker, 4, TP2_DP2, TP2_DP2_ROUND_TRIPS, ckpt, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def pp2_dp2(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("mfsdp-ckpt-pp2"))
+    return run_distributed(_worker, 4, PP2_DP2, PP2_DP2_ROUND_TRIPS, ckpt, timeout=500)
+
+
 def _cases(fixture, round_trips):
     return [(fixture, *trip) for trip in round_trips]
 
 
-CASES = _cases("dp2", DP2_ROUND_TRIPS) + _cases("tp2_dp2", TP2_DP2_ROUND_TRIPS)
+CASES = (
+    _cases("dp2", DP2_ROUND_TRIPS)
+    + _cases("tp2_dp2", TP2_DP2_ROUND_TRIPS)
+    + _cases("pp2_dp2", PP2_DP2_ROUND_TRIPS)
+)
 IDS = [f"{f}-{n}-{s}" for f, n, _, s, _ in CASES]
 
 
@@ -174,9 +187,14 @@ def test_every_rank_saves_and_loads_the_same_dtensor_keys(
     is empty there. With the patch's mocks, every rank's DTensor keys are the same at the save
     and at each load (the per-key collectives pair up), and some rank needed mocks."""
     runs = request.getfixturevalue(fixture)
+    stages = 2 if fixture == "pp2_dp2" else 1  # at PP=2 ranks 0-1 hold stage 0, 2-3 stage 1
+    per_stage = len(runs) // stages
     for key in [f"{name}-{saver}-save"] + [f"{name}:{saver}->{x}" for x in loaders]:
-        (keys, _), *rest = [r[key]["packed"][0] for r in runs]
-        assert keys and all(other == keys for other, _ in rest), key
+        for stage in range(stages):
+            (keys, _), *rest = [
+                r[key]["packed"][0] for r in runs[stage * per_stage : (stage + 1) * per_stage]
+            ]
+            assert keys and all(other == keys for other, _ in rest), (key, stage)
         assert all(len(r[key]["packed"]) == 1 for r in runs), key
         assert any(r[key]["packed"][0][1] > 0 for r in runs), key
         print(f"{fixture} {key}: {len(keys)} DTensor keys a rank, mocks", end=" ")
@@ -220,13 +238,18 @@ def test_resume_under_the_saving_schedule_is_bit_exact(
         loaded, full = r[f"{name}:{saver}->{saver}"], r[f"full-{name}-{saver}"]
         assert "megatron-fsdp-checkpoint" in loaded["installed"], loaded["installed"]
         assert loaded["losses"] == full["losses"][2:], (name, loaded["losses"], full["losses"])
+        assert len(loaded["losses"]) == 4
         print(f"{fixture} {name} {saver}->{saver}: losses 3-6 {loaded['losses']}")
 
 
 @pytest.mark.timeout(600)
-def test_resume_under_the_other_schedule(dp2):
-    """Saved by stock, resumed by overlap: iterations 3-6 as overlap's uninterrupted run."""
-    for r in dp2:
+@pytest.mark.parametrize("fixture", ["dp2", "pp2_dp2"])
+def test_resume_under_the_other_schedule(request, fixture):
+    """Saved by stock, resumed by overlap: iterations 3-6 as overlap's uninterrupted run (at
+    PP=2 on the last stage, which has the losses)."""
+    for r in request.getfixturevalue(fixture):
+        if r["full-ogp-overlap"]["losses"][0] is None:  # a first pipeline stage
+            continue
         loaded, full = r["ogp:off->overlap"], r["full-ogp-overlap"]
         assert "oases-schedule" in loaded["installed"]
         err = max_rel_diff(loaded["losses"], full["losses"][2:])

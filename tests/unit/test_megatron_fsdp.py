@@ -244,3 +244,36 @@ def test_cpu_index_is_zero_only_while_the_wrapper_is_built():
     log.warning("after: %s", DEVICE_WARNING)
     assert torch.cuda.current_device is saved
     assert seen == ["another warning", f"after: {DEVICE_WARNING}"]
+
+
+def test_a_stage_checkpoint_names_its_layers_model_wide():
+    """fsdp_dtensor keys under pipeline stages: the second stage's ``layers.0`` is the model's
+    layer 2 (its ``layer_number`` 3); multi-token-prediction keys and other keys stay."""
+    import torch
+
+    from megatron_oases.platform.megatron_fsdp_checkpoint import (
+        global_layer_numbers,
+        with_global_layer_keys,
+    )
+
+    layers = torch.nn.ModuleList([torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)])
+    for i, layer in enumerate(layers):
+        layer.layer_number = 3 + i
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.layers = layers
+    numbers = global_layer_numbers(model)
+    assert numbers == {0: 2, 1: 3}
+    state = {
+        "module.decoder.layers.0.weight": 1,
+        "module.decoder.layers.1.mlp.experts.local_experts.0.weight": 2,
+        "module.decoder.final_layernorm.weight": 3,
+        "module.mtp.layers.0.weight": 4,
+    }
+    assert with_global_layer_keys(state, numbers) == {
+        "module.decoder.layers.2.weight": 1,
+        "module.decoder.layers.3.mlp.experts.local_experts.0.weight": 2,
+        "module.decoder.final_layernorm.weight": 3,
+        "module.mtp.layers.0.weight": 4,
+    }
+    assert with_global_layer_keys(state, {0: 0, 1: 1}) is state
