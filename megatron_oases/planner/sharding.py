@@ -51,9 +51,9 @@ profile's data-parallel ring fit (``grad_sync.reduce_scatter``: a ring all-gathe
 reduce-scatter does) on ``R`` ranks. The host's extra calls: :func:`.host_model.sharding_calls`.
 
 What the search tries (:func:`strategies_for`): every strategy where DP > 1, stock and under the
-split schedules, without pipeline parallelism (FSDP2: Megatron's rule; Megatron-FSDP: this
-megatron-core's, see :data:`STRATEGIES`); FSDP2 only for a model with untied embedding and output
-weights (Megatron's rule; untying would train another model).
+split schedules; FSDP2 without pipeline parallelism and only for a model with untied embedding and
+output weights (Megatron's rules; untying would train another model); Megatron-FSDP with pipeline
+parallelism too (the ``megatron-fsdp-pipeline`` patch).
 """
 
 from dataclasses import dataclass
@@ -98,10 +98,9 @@ def _megatron_fsdp(strategy, shards):
         flags=f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} "
         "--ckpt-format fsdp_dtensor",
         split_schedules=True,
-        # megatron-core 0.19's Megatron-FSDP fails with pipeline stages on any device (its mesh
-        # assumes world = DP x TP, and its view outputs fail the pipeline's deallocation): the
-        # runtime refuses it (validation.check_megatron_fsdp), so the search does not offer it
-        pipeline=False,
+        # with pipeline stages through the megatron-fsdp-pipeline patch
+        # (platform/megatron_fsdp_pipeline.py), which fixes what fails there in megatron-core 0.19
+        pipeline=True,
         untied_only=False,
         step_grad_copy=False,
     )

@@ -48,9 +48,14 @@ def test_preflight_installs_it_and_uninstall_restores_megatron():
 def test_this_megatron_has_the_gap():
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    ((owner, name, replacement),) = mfc.replacements()
+    from megatron.training import checkpointing
+
+    (owner, name, replacement), (module, preprocess, renaming) = mfc.replacements()
     assert (owner, name) == (DistributedOptimizer, "sharded_param_state_fsdp_dtensor")
     assert replacement.__wrapped__ is DistributedOptimizer.sharded_param_state_fsdp_dtensor
+    # the layer keys renamed model-wide under pipeline stages
+    assert (module, preprocess) == (checkpointing, "preprocess_fsdp_dtensor_state_dict")
+    assert renaming.__wrapped__ is checkpointing.preprocess_fsdp_dtensor_state_dict
 
 
 def _one_line():

@@ -204,8 +204,9 @@ def test_where_each_strategy_runs():
     assert sharding.strategies_for(1, 1, True) == ()
     assert sharding.strategies_for(8, 1, True) == everything
     assert sharding.strategies_for(8, 1, False) == megatron_fsdp  # FSDP2: untied only
-    # FSDP2: no PP (Megatron's rule); Megatron-FSDP: none either (megatron-core 0.19 fails there)
-    assert sharding.strategies_for(4, 2, True) == ()
+    # FSDP2: no PP (Megatron's rule); Megatron-FSDP with PP (the megatron-fsdp-pipeline patch)
+    assert sharding.strategies_for(4, 2, True) == megatron_fsdp
+    assert sharding.strategies_for(4, 2, True, "oases") == megatron_fsdp
     # every strategy runs the split schedules (issue 61.3), FSDP2 for untied models only
     assert sharding.strategies_for(8, 1, True, "oases") == everything
     assert sharding.strategies_for(8, 1, False, "overlap") == megatron_fsdp
@@ -240,8 +241,8 @@ def test_sharding_a_layout_megatron_refuses_is_one_line(model, cluster, profile)
     for prof, name, message in cases:
         with pytest.raises(OasesConfigError, match=message):
             build_problem(prof, _settings(data_parallel_sharding=name, global_batch_size=8))
-    with pytest.raises(OasesConfigError, match="pipeline parallelism"):  # megatron-core 0.19
-        build_problem(cases[2][0], _settings(data_parallel_sharding="megatron_fsdp/optim"))
+    # Megatron-FSDP runs with pipeline stages (the megatron-fsdp-pipeline patch)
+    build_problem(cases[2][0], _settings(data_parallel_sharding="megatron_fsdp/optim"))
     with pytest.raises(OasesConfigError, match="every layer at T=1"):
         build_problem(profile, _settings(data_parallel_sharding="torch_fsdp2", degrees=[2]))
 
@@ -350,10 +351,11 @@ def test_a_split_schedule_gathers_one_layer_at_a_time():
 
 def test_oases_under_megatron_fsdp_wins_a_model_that_needs_sharding_and_tp_to_fit():
     """Issue 61.5: llama-7b's layers at 40 (8.4B parameters) on 8 x 24 GB RTX 4090s, global
-    batch 64: no layout without TP or PP fits (FSDP alone needs ~26 GB), no Megatron-FSDP layout
-    with pipeline stages runs, and the best Oases setting, a split schedule under Megatron-FSDP
-    with TP > 1, beats the best stock one (FSDP included; benchmarks/results/planner/fsdp.md's
-    last row: stock was 2.16x faster when Oases could not run under Megatron-FSDP)."""
+    batch 64: no layout without TP or PP fits (FSDP alone needs ~26 GB); the best stock setting is
+    Megatron-FSDP with pipeline stages (TP2 PP2 DP2, which runs since the megatron-fsdp-pipeline
+    patch), and the best Oases setting, a split schedule under Megatron-FSDP with TP > 1, beats it
+    (benchmarks/results/planner/fsdp.md's last row: stock was 2.16x faster when Oases could not
+    run under Megatron-FSDP)."""
     from megatron_oases.profiler.model_config import read_model_file
     from megatron_oases.search.search import model_for_search, search
 
@@ -361,12 +363,9 @@ def test_oases_under_megatron_fsdp_wins_a_model_that_needs_sharding_and_tp_to_fi
     result = search(args, "rtx4090-pcie", 8, 64)
     candidates = result["candidates"]
     assert candidates and not any(c["layout"]["tp"] == c["layout"]["pp"] == 1 for c in candidates)
-    assert not any(
-        (c.get("data_parallel_sharding") or "").startswith("megatron_fsdp")
-        and c["layout"]["pp"] > 1
-        for c in candidates
-    )
     best, stock = result["best_oases"], result["best_stock"]
+    assert stock["data_parallel_sharding"].startswith("megatron_fsdp/"), stock
+    assert stock["layout"]["pp"] > 1, stock
     assert best["data_parallel_sharding"].startswith("megatron_fsdp/"), best
     assert best["schedule"] != "off" and best["layout"]["tp"] > 1, best
     assert best["iteration_time_s"] < stock["iteration_time_s"], (best, stock)
