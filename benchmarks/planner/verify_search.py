@@ -11,10 +11,10 @@ top 5 is the same after two repeats in a row; a candidate's measured time is the
 repeats. ``--top K`` runs the K the search ranks first (default: all) plus the rule of thumb's
 pick. The distributed optimizer is left out of this grid (``oases train`` on gloo/CPU; the
 question here is the ranking of the layouts and schedules). Sharded data parallelism is in it as
-torch FSDP2 (the model's embedding and output weights untied, as FSDP2 needs; Megatron-FSDP does
-not run on CPU ranks): the search tries it at every layout with DP > 1, and the fastest FSDP2
-candidate stock and the fastest under a split schedule are run too where the ranking holds none
-(``fsdp`` rows), each where its predicted time ranks it.
+torch FSDP2 (the model's embedding and output weights untied, as FSDP2 needs) and Megatron-FSDP's
+three strategies (with pipeline stages too): the search tries them at every layout with DP > 1,
+and per family the fastest candidate stock and the fastest under a split schedule are run too
+where the ranking holds none (``fsdp`` rows), each where its predicted time ranks it.
 
 Reports the predicted against the measured iteration of each, Spearman's rank correlation over the
 top 5 and over all, how far the chosen layout's measured time is from the best measured one, and
@@ -64,8 +64,20 @@ MODEL = "tiny-cpu"
 SHAPE = dict(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512,
              max_position_embeddings=512, vocab_size=1024,
              untie_embeddings_and_output_weights=True)  # fmt: skip
-#: The sharding strategies the grid runs (on CPU ranks: torch FSDP2 only).
-SHARDING = ("torch_fsdp2",)
+#: The sharding strategies the grid runs: torch FSDP2 and Megatron-FSDP's three (all run on CPU
+#: ranks, Megatron-FSDP through the megatron-fsdp-cpu platform patch).
+SHARDING = (
+    "torch_fsdp2",
+    "megatron_fsdp/optim",
+    "megatron_fsdp/optim_grads",
+    "megatron_fsdp/optim_grads_params",
+)
+#: The families whose fastest stock and split-schedule candidates the grid runs where the ranking
+#: holds none (:func:`_with_fsdp`).
+FAMILIES = {
+    "torch_fsdp2": ("torch_fsdp2",),
+    "megatron_fsdp": SHARDING[1:],
+}
 GPUS, CLUSTER, GBS = 4, "rtx3090-pcie", 8
 WARMUP, ITERS = 1, 3  # per run: timed iterations after the warm-up
 RECOMPUTE_WORDS = {
@@ -162,8 +174,19 @@ def _summarize(out):
     return out
 
 
+def _sharding_word(r):
+    """``, FSDP2`` / ``, Megatron-FSDP optim_grads``: the candidate's sharding, if any."""
+    from megatron_oases.planner.sharding import STRATEGIES
+
+    sharding = r.get("data_parallel_sharding")
+    return f", {STRATEGIES[sharding].label}" if sharding else ""
+
+
 def _label(r):
-    return r["name"] + (" FSDP2" if r.get("data_parallel_sharding") else "")
+    from megatron_oases.planner.sharding import STRATEGIES
+
+    sharding = r.get("data_parallel_sharding")
+    return r["name"] + (f" {STRATEGIES[sharding].short}" if sharding else "")
 
 
 def _pct(x):
@@ -213,8 +236,9 @@ def write_report(out, out_dir):
         f"(D per candidate's layer shape: {_dilations(out)}); measured = median timed iteration ÷ D. Model: GPT "
         "H=512, 8 layers, 8 heads, seq 512, vocabulary 1024 (untied), global batch 8; searched "
         "without the host term (the emulator does not reproduce the target host), with torch "
-        "FSDP2 (`--use-torch-fsdp2`) as the sharded data parallelism (Megatron-FSDP does not run "
-        "on CPU ranks) and without the distributed optimizer.",
+        "FSDP2 (`--use-torch-fsdp2`) and Megatron-FSDP (`--use-megatron-fsdp`, its three "
+        "sharding strategies, with pipeline stages too) as the sharded data parallelism and "
+        "without the distributed optimizer.",
         "",
         "| candidate | setting | predicted ms | measured ms | vs predicted | waiting for a CPU "
         "(per repeat) | measured less the CPU wait ms | vs predicted |",
@@ -228,7 +252,7 @@ def write_report(out, out_dir):
                           for m, s in zip(r["measured_repeats_s"], shares) if m is not None)  # fmt: skip
         lines.append(f"| {r['name']}{tag} | {r['schedule']}, {RECOMPUTE_WORDS[r['recompute']]} recompute"
                      f"{', sequence chunks' if r['split'] == 'sequence' else ''}"
-                     f"{_degrees_word(r)}{', FSDP2' if r.get('data_parallel_sharding') else ''} | "
+                     f"{_degrees_word(r)}{_sharding_word(r)} | "
                      f"{1e3 * r['predicted_s']:.2f} | {got} | {_pct(e_raw)} | {waits or 'n/a'} | "
                      f"{_ms(r.get('measured_less_runq_s'))} | {_pct(e_fixed)} |")  # fmt: skip
     least, most = out["targets_rank_range"]["least"], out["targets_rank_range"]["most"]
@@ -278,9 +302,10 @@ def write_report(out, out_dir):
 
 
 def _with_fsdp(cands, margs, result):
-    """``cands`` with the fastest FSDP2 candidate stock and the fastest under a split schedule
-    (planned in full, at every layout FSDP2 runs) where none of ``cands`` is one, each placed by
-    its predicted time; their plans join ``result['plans']``."""
+    """``cands`` with, per sharding family (torch FSDP2, Megatron-FSDP: :data:`FAMILIES`), the
+    fastest candidate stock and the fastest under a split schedule (planned in full, at every
+    layout and strategy of the family that runs there) where none of ``cands`` is one, each
+    placed by its predicted time; their plans join ``result['plans']``."""
     from megatron_oases.planner.settings import AUTO, PlanSettings
     from megatron_oases.planner.sharding import strategies_for
     from megatron_oases.search.search import (
@@ -296,20 +321,29 @@ def _with_fsdp(cands, margs, result):
     spec = load_cluster(CLUSTER)
     common = PlanSettings(global_batch_size=GBS, memory_gb=spec.memory_gb, host_us_per_call=0,
                           schedule=AUTO)  # fmt: skip
-    have = {c["schedule"] == "off" for c in cands if c.get("data_parallel_sharding")}
+    family_of = {name: family for family, names in FAMILIES.items() for name in names}
+    have = {
+        (family_of[c["data_parallel_sharding"]], c["schedule"] == "off")
+        for c in cands
+        if c.get("data_parallel_sharding")
+    }
     best = {}
     for layout in layouts(margs, GPUS, GBS, spec.gpus_per_node):
-        if "torch_fsdp2" not in strategies_for(layout.dp, layout.pp, True):
-            continue
-        profile = _profile(margs, layout, CLUSTER)
-        for stock, choices in ((True, STOCK_CHOICES), (False, OASES_CHOICES)):
-            if stock in have or (not stock and layout.tp == 1):
-                continue
-            row = {"data_parallel_sharding": "torch_fsdp2"}
-            found = _refine(profile, layout, row, common, margs.num_layers, choices, uniform=True)
-            if found and (stock not in best or found[0]["iteration_time_s"] <
-                          best[stock][0]["iteration_time_s"]):  # fmt: skip
-                best[stock] = found
+        runs_here = strategies_for(layout.dp, layout.pp, True)
+        profile = None
+        for family, names in FAMILIES.items():
+            for name in (n for n in names if n in runs_here):
+                for stock, choices in ((True, STOCK_CHOICES), (False, OASES_CHOICES)):
+                    key = (family, stock)
+                    if key in have or (not stock and layout.tp == 1):
+                        continue
+                    profile = profile or _profile(margs, layout, CLUSTER)
+                    row = {"data_parallel_sharding": name}
+                    found = _refine(profile, layout, row, common, margs.num_layers, choices,
+                                    uniform=True)  # fmt: skip
+                    if found and (key not in best or found[0]["iteration_time_s"] <
+                                  best[key][0]["iteration_time_s"]):  # fmt: skip
+                        best[key] = found
     out = list(cands)
     for row, plan in best.values():
         row = dict(row, fsdp_extra=True)
@@ -353,7 +387,7 @@ def reanalyze(runs_dir, out_dir):
             out = json.load(f)
     except (OSError, ValueError) as exc:
         raise OasesConfigError(f"--reanalyze needs the grid's {path}: {exc}") from None
-    dirs = [run_dir("", r["name"]) for r in out["rows"]]
+    dirs = [run_dir("", r) for r in out["rows"]]
     if len(set(dirs)) < len(dirs):
         raise OasesConfigError(
             f"--reanalyze: two candidates of {path} ran in one folder ({dirs}): the later run "
@@ -364,7 +398,7 @@ def reanalyze(runs_dir, out_dir):
         for i, measured in enumerate(row["measured_repeats_s"]):
             share = rank_shares = None
             if measured is not None:
-                vdir = run_dir(os.path.join(runs_dir, f"r{i}"), row["name"])
+                vdir = run_dir(os.path.join(runs_dir, f"r{i}"), row)
                 try:
                     got = read_run(vdir, WARMUP)
                 except (OSError, ValueError) as exc:

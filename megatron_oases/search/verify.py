@@ -52,9 +52,18 @@ def _slug(name):
     return name.replace(" ", "-").lower()
 
 
-def run_dir(out_dir, name):
-    """The directory :func:`verify` runs the candidate ``name`` in (``--reanalyze`` reads it)."""
-    return os.path.join(out_dir, _slug(name))
+def run_name(cand):
+    """The name of candidate ``cand``'s run (a search row or a verify row): its layout, schedule,
+    recompute setting and sharding, so that two candidates of one layout run apart."""
+    parts = [cand["name"], cand.get("schedule") or "off", cand.get("recompute") or "none"]
+    if cand.get("data_parallel_sharding"):
+        parts.append(STRATEGIES[cand["data_parallel_sharding"]].short)
+    return _slug(" ".join(parts).replace("+", "-"))
+
+
+def run_dir(out_dir, cand):
+    """The directory :func:`verify` runs candidate ``cand`` in (``--reanalyze`` reads it)."""
+    return os.path.join(out_dir, run_name(cand))
 
 
 def run_queue_share(trace):
@@ -87,7 +96,7 @@ def candidate_flags(cand, plan, out_dir):
 
     flags = cand["launch_flags"].split()
     if plan is not None and needs_plan_file(plan):
-        path = os.path.join(out_dir, f"{_slug(cand['name'])}.plan.json")
+        path = os.path.join(out_dir, f"{run_name(cand)}.plan.json")
         save_plan(plan, path)
         flags += ["--oases-plan", path]
     return flags
@@ -136,9 +145,7 @@ def verify(result, model_flat, out_dir, k, warmup=1, iters=2, timeout=1800, prog
             else result.get("plans", {}).get(cand["name"])
         )
         flags = candidate_flags(cand, plan, out_dir)
-        variant = Variant(
-            name=_slug(cand["name"]), flags=tuple(flags), label=cand["name"], paper=""
-        )
+        variant = Variant(name=run_name(cand), flags=tuple(flags), label=cand["name"], paper="")
         # D of this candidate's layer shape (TP degree, micro-batch): one per candidate
         cargs = copy.copy(margs)
         lay = cand["layout"]

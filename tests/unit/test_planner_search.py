@@ -357,14 +357,16 @@ def test_reanalyze_rebuilds_the_report_from_the_runs_on_disk(tmp_path):
         "TP1 PP1 DP4 mb2": ([[9, 8.0, 8.5, 8.2], [9, 8.4, 8.6, 8.5]], [[2.0e6, 1.6e6]] * 2),
         "TP4 PP1 DP1 mb8": ([[20, 15.0, 15.0, 15.0]] * 2, [[0.6e6, 0.6e6]] * 2),
     }
+    from megatron_oases.search.verify import run_dir
+
     rows = []
     for (name, (times, runq)), predicted in zip(grid.items(), (0.010, 0.0125, 0.029)):
-        for i, (t, q) in enumerate(zip(times, runq)):
-            _write_run(str(runs / f"r{i}" / name.replace(" ", "-").lower()), t, q)
         rows.append(dict(name=name, schedule="off", recompute="none", split="batch",
                          degrees=[1], tp=1, data_parallel_sharding=None, predicted_s=predicted,
                          status="ok", dilation=D, rule_of_thumb=name.startswith("TP4"),
                          measured_repeats_s=[sorted(t[1:])[1] / D for t in times]))  # fmt: skip
+        for i, (t, q) in enumerate(zip(times, runq)):
+            _write_run(run_dir(str(runs / f"r{i}"), rows[-1]), t, q)
     record = {"dilation": D, "rows": rows, "rule_of_thumb": dict(rows[-1])}
     (out_dir / "verify_search.json").write_text(json.dumps(record))
     assert vs.main(["--reanalyze", "--runs", str(runs), "--out", str(out_dir)]) == 0
@@ -391,3 +393,15 @@ def test_reanalyze_rebuilds_the_report_from_the_runs_on_disk(tmp_path):
     (out_dir / "verify_search.json").write_text(json.dumps(record))
     with pytest.raises(OasesConfigError, match="not the runs it reports"):
         vs.main(["--reanalyze", "--runs", str(runs), "--out", str(out_dir)])
+
+
+def test_two_candidates_of_one_layout_run_in_two_folders():
+    """The grid runs one layout stock and under Megatron-FSDP (or under two schedules): each in
+    its own folder, which ``--reanalyze`` reads back."""
+    from megatron_oases.search.verify import run_dir
+
+    stock = dict(name="TP2 PP1 DP2 mb2", schedule="off", recompute="selective+ln")
+    sharded = dict(stock, data_parallel_sharding="megatron_fsdp/optim_grads_params")
+    split = dict(stock, schedule="overlap")
+    dirs = {run_dir("runs", c) for c in (stock, sharded, split)}
+    assert len(dirs) == 3 and run_dir("runs", sharded).endswith("mfsdp-ogp")
