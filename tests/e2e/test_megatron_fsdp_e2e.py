@@ -16,8 +16,8 @@ Matrix (tiny GPT, 2 layers, 2 iterations, dropout off unless named):
   against ``optim`` (Megatron-FSDP copies TP rank 0's RNG states to the other TP ranks,
   ``sync_rng_states_across_tp_group``, so its tensor-parallel dropout masks are not DDP's).
 
-PP x DP is refused with one line (``tests/unit/test_megatron_fsdp.py``): this megatron-core's
-Megatron-FSDP fails there on any device. Measured (2026-12-07, 2 CPU cores, ~40 s for the
+PP x DP: ``tests/e2e/test_megatron_fsdp_pipeline_e2e.py`` (the ``megatron-fsdp-pipeline`` patch).
+Measured (2026-12-07, 2 CPU cores, ~40 s for the
 file): fp32 losses equal to DDP's bit for bit in every case; gradients at DP=2 1.4e-7
 (``optim_grads_params``, ``optim_grads``), 0 (``optim``, ``no_shard``), at TP=2 x DP=2 0; bf16
 gradients 5.9e-3 of their tensor's largest.

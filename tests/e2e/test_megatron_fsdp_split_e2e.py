@@ -19,8 +19,7 @@ delayed weight-gradient entry (``schedule/megatron/fsdp_params.py``, ``schedule/
   per-parameter hook left on) fails the run with one line on every rank instead of training on
   gradients of which each sub-batch's copy overwrote the last.
 
-PP x DP is out of scope: this megatron-core's Megatron-FSDP fails there on any device (refused
-with one line, ``tests/unit/test_megatron_fsdp.py``). Measured (2026-12-07, 2 CPU cores): below,
+PP x DP: ``tests/e2e/test_megatron_fsdp_pipeline_e2e.py``. Measured (2026-12-07, 2 CPU cores): below,
 in :data:`FP32`'s comment.
 """
 
