@@ -9,9 +9,12 @@ their bytes per parameter per rank and their collectives on the data-parallel li
   gradient sync is :mod:`.build`'s (not here).
 - ``megatron_fsdp/optim``: ``2p + opt/R``; per iteration, exposed: the gradients' reduce-scatter
   and the parameters' all-gather.
-- ``megatron_fsdp/optim_grads``: ``p + (p + opt)/R``; per micro-batch: the gradients'
-  reduce-scatter, each layer's hidden behind the next layer's backward; per iteration, exposed:
-  the parameters' all-gather.
+- ``megatron_fsdp/optim_grads``: ``p + (p + opt)/R``; per micro-batch, exposed: the whole
+  gradient's reduce-scatter once the backward ends (megatron-core 0.19 makes per-layer buckets only
+  under ``optim_grads_params``: ``FullyShardedDataParallel`` gives the other strategies no FSDP
+  unit modules, so the stage's gradients are one bucket, ready at the backward's end; measured on
+  the emulated grid, one reduce-scatter of the whole gradient a micro-batch); per iteration,
+  exposed: the parameters' all-gather.
 - ``megatron_fsdp/optim_grads_params``: ``(2p + opt)/R``; per micro-batch: the parameters'
   all-gather in forward and again in backward, prefetched one layer ahead, and the gradients'
   reduce-scatter as above.
@@ -31,8 +34,9 @@ per-micro-batch collectives into hooks that Megatron-FSDP and FSDP2 prefetch and
 
 **The gathered units.** Stock (``off``): ZeRO-3 holds two layers' gathered parameters (the one
 running and the one prefetched) and two layers' unsharded gradients (the one being computed and
-the one being reduce-scattered): ``4·P·p`` on top of the layer's working set; ZeRO-2 the two
-gradients (``2·P·p``). The embedding and output layer (the root module under FSDP2, gathered for
+the one being reduce-scattered): ``4·P·p`` on top of the layer's working set; ZeRO-2
+(Megatron-FSDP ``optim_grads``, one bucket) the whole stage's unsharded gradients until the
+backward ends (``P·p`` a layer, over the stage; inferred from the bucketing, not measured). The embedding and output layer (the root module under FSDP2, gathered for
 the whole pass) with their unsharded gradients: ``2·F·p`` (ZeRO-3), ``F·p`` (ZeRO-2).
 
 **Under the split schedules** (``overlap``, ``cross-pass``, ``oases``; ``schedule/engine/fsdp.py``)
@@ -227,8 +231,8 @@ def gathered_layer_bytes(name, params, dtype_bytes, schedule):
     split = schedule in SPLIT_SCHEDULES
     if s.zero3:
         return 0.0, (5 if split else 4) * unit
-    if s.zero2:
-        return 0.0, 2 * unit
+    if s.zero2:  # one bucket: every layer's unsharded gradient until the backward ends
+        return unit, 0.0
     return 0.0, 0.0
 
 
@@ -268,9 +272,9 @@ def exposed_times(name, profile, degree, schedule, forward, backward):
         micro[L - 1] += ag
         micro[: L - 1] += np.maximum(0.0, ag + rs - backward[1:])
         micro[0] += rs + ag_fixed + rs_fixed
-    elif s.zero2:
-        micro[: L - 1] += np.maximum(0.0, rs - backward[1:])
-        micro[0] += rs + rs_fixed
+    elif s.zero2:  # one bucket: the whole gradient after the backward (module docstring)
+        micro += rs
+        micro[0] += rs_fixed
         once += ag
         once[0] += ag_fixed
     else:  # optim: after the last micro-batch, synchronously
