@@ -138,8 +138,6 @@ PENDING = {
             "rtx3090-pcie-h2048l4",
             "rtx3090-pcie-h2048s512",
             "rtx3090-pcie-h2048sp",
-            "rtx3090-pcie-h2048tp4",
-            "rtx3090-pcie-h2048tp8",
         )
         for ext in ("md", "json")
     },
