@@ -175,8 +175,6 @@ PENDING = {
         ("validation/results.md", "validation/results.json"),
         _QUIET + " (delete validation/profile.json first: the script reuses a measured profile)",
     ),
-    "planner/verify_search.md": _QUIET + " (emulated training, long)",
-    "planner/verify_search.json": _QUIET + " (emulated training, long)",
     **dict.fromkeys(
         ("planner/roofline_check.md", "planner/roofline_check.json"),
         "timing-sensitive: its CPU rows divide by a host calibration taken at run time (on a "
