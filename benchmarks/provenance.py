@@ -134,7 +134,6 @@ PENDING = {
             "h100-nvlink-h2048sp",
             "rtx3090-nvlink-h2048",
             "rtx3090-pcie-h2048l4",
-            "rtx3090-pcie-h2048sp",
         )
         for ext in ("md", "json")
     },
