@@ -27,7 +27,13 @@ a split schedule's numbers under FSDP2 as stock FSDP2's.
 
 import pytest
 from helpers import DROP, GPT, NO_DROP, RECOMPUTE
-from helpers.runs import assert_matches, assert_schedules_match_stock, max_rel_diff, variants_worker
+from helpers.runs import (
+    assert_matches,
+    assert_schedules_match_stock,
+    assert_split_schedules_agree_with_dropout,
+    max_rel_diff,
+    variants_worker,
+)
 from helpers.variants import layout
 
 from megatron_oases.launch import run_distributed
@@ -118,11 +124,7 @@ def test_split_schedules_under_fsdp2_match_stock_fsdp2(tp2_dp2_runs):
 
 @pytest.mark.timeout(600)
 def test_split_schedules_under_fsdp2_agree_with_dropout(tp2_dp2_runs):
-    for rank, res in enumerate(tp2_dp2_runs):
-        ref = res["overlap-drop"]
-        assert ref["losses"] != res["stock"]["losses"]  # the dropout is on
-        for name in ("cross-pass-drop", "oases-drop"):
-            assert_matches(res[name], ref, f"{name} rank {rank}")
+    assert_split_schedules_agree_with_dropout(tp2_dp2_runs, "stock")
 
 
 @pytest.mark.timeout(600)

@@ -16,7 +16,12 @@ Tolerances as ``test_megatron_fsdp_e2e.py`` and ``test_megatron_fsdp_split_e2e.p
 import pytest
 import torch
 from helpers import DROP, GPT, NO_DROP, RECOMPUTE
-from helpers.runs import assert_matches, max_rel_diff, variants_worker
+from helpers.runs import (
+    assert_matches,
+    assert_split_schedules_agree_with_dropout,
+    split_bf16_worst,
+    variants_worker,
+)
 from helpers.variants import layout
 
 from megatron_oases.launch import run_distributed
@@ -123,27 +128,12 @@ def test_split_schedules_match_stock_megatron_fsdp_pp2_dp2(runs):
 
 @pytest.mark.timeout(960)
 def test_split_schedules_agree_with_dropout_pp2_dp2(runs):
-    last_stage = [res for res in runs if res["overlap-drop"]["losses"][0] is not None]
-    assert last_stage and all(  # the dropout is on
-        res["overlap-drop"]["losses"] != res["overlap"]["losses"] for res in last_stage
-    )
-    for rank, res in enumerate(runs):
-        ref = res["overlap-drop"]
-        for name in ("cross-pass-drop", "oases-drop"):
-            assert_matches(res[name], ref, f"{name} rank {rank}", FP32_SPLIT)
+    assert_split_schedules_agree_with_dropout(runs, "overlap", FP32_SPLIT)
 
 
 @pytest.mark.timeout(960)
 def test_split_schedules_bf16_match_stock_pp2_dp2(runs):
-    worst = 0.0
-    for rank, res in enumerate(runs):
-        ref = res["stock-bf16"]
-        for s in SPLIT_SCHEDULES:
-            got, what = res[f"{s}-bf16"], f"{s}-bf16 rank {rank}"
-            assert len(got["losses"]) == 2, what
-            if ref["losses"][0] is not None:  # the last stage
-                assert max_rel_diff(got["losses"], ref["losses"]) < BF16_LOSS, what
-            worst = max(worst, assert_matches(got, {**ref, "losses": [None]}, what, BF16_GRADS))
+    worst = split_bf16_worst(runs, SPLIT_SCHEDULES, BF16_LOSS, BF16_GRADS)
     print(
         f"split schedules vs stock Megatron-FSDP, PP2, bf16: worst gradient difference {worst:.2e}"
     )

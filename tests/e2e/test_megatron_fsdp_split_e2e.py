@@ -25,7 +25,14 @@ in :data:`FP32`'s comment.
 
 import pytest
 from helpers import DROP, GPT, NO_DROP, RECOMPUTE
-from helpers.runs import assert_matches, max_rel_diff, pretrain_and_capture, variants_worker
+from helpers.runs import (
+    assert_matches,
+    assert_split_schedules_agree_with_dropout,
+    max_rel_diff,
+    pretrain_and_capture,
+    split_bf16_worst,
+    variants_worker,
+)
 from helpers.variants import layout
 
 from megatron_oases.launch import run_distributed
@@ -161,24 +168,12 @@ def test_each_layer_is_released_after_use(runs):
 
 @pytest.mark.timeout(600)
 def test_split_schedules_agree_with_dropout(runs):
-    for rank, res in enumerate(runs):
-        ref = res["overlap-drop"]
-        assert ref["losses"] != res["overlap"]["losses"]  # the dropout is on
-        for name in ("cross-pass-drop", "oases-drop"):
-            assert_matches(res[name], ref, f"{name} rank {rank}", FP32)
+    assert_split_schedules_agree_with_dropout(runs, "overlap", FP32)
 
 
 @pytest.mark.timeout(600)
 def test_split_schedules_bf16_match_stock(runs):
-    worst = 0.0
-    for rank, res in enumerate(runs):
-        ref = res["stock-bf16"]
-        for s in SPLIT_SCHEDULES:
-            got, what = res[f"{s}-bf16"], f"{s}-bf16 rank {rank}"
-            assert len(got["losses"]) == 2, what
-            assert max_rel_diff(got["losses"][:1], ref["losses"][:1]) < 1e-5, what
-            assert max_rel_diff(got["losses"], ref["losses"]) < BF16_LOSS, what
-            worst = max(worst, assert_matches(got, {**ref, "losses": [None]}, what, BF16_GRADS))
+    worst = split_bf16_worst(runs, SPLIT_SCHEDULES, BF16_LOSS, BF16_GRADS, first_loss_tol=1e-5)
     print(f"split schedules vs stock Megatron-FSDP, bf16: worst gradient difference {worst:.2e}")
 
 

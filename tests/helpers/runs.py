@@ -82,3 +82,35 @@ def assert_schedules_match_stock(results, what, nonzero=True):
             worst = max(worst, assert_matches(got, stock, f"{what} {name} rank {rank}"))
     print(f"{what}: worst relative difference (loss and gradients) {worst:.2e}")
     return worst
+
+
+def assert_split_schedules_agree_with_dropout(runs, off, tol=1e-5):
+    """With dropout the split schedules draw other masks than stock: ``cross-pass-drop`` and
+    ``oases-drop`` against ``overlap-drop`` on every rank, and ``overlap-drop``'s losses other than
+    the dropout-off run ``off``'s where a rank has losses (a pipeline's last stage), so the dropout
+    is on."""
+    with_losses = [res for res in runs if res["overlap-drop"]["losses"][0] is not None]
+    assert with_losses and all(
+        res["overlap-drop"]["losses"] != res[off]["losses"] for res in with_losses
+    )
+    for rank, res in enumerate(runs):
+        for name in ("cross-pass-drop", "oases-drop"):
+            assert_matches(res[name], res["overlap-drop"], f"{name} rank {rank}", tol)
+
+
+def split_bf16_worst(runs, schedules, loss_tol, grads_tol, first_loss_tol=None):
+    """Each schedule's ``<s>-bf16`` run against ``stock-bf16``: two losses, within ``loss_tol``
+    (the first within ``first_loss_tol`` if given) where a rank has losses, every gradient within
+    ``grads_tol``; returns the worst gradient difference."""
+    worst = 0.0
+    for rank, res in enumerate(runs):
+        ref = res["stock-bf16"]
+        for s in schedules:
+            got, what = res[f"{s}-bf16"], f"{s}-bf16 rank {rank}"
+            assert len(got["losses"]) == 2, what
+            if ref["losses"][0] is not None:
+                if first_loss_tol is not None:
+                    assert max_rel_diff(got["losses"][:1], ref["losses"][:1]) < first_loss_tol, what
+                assert max_rel_diff(got["losses"], ref["losses"]) < loss_tol, what
+            worst = max(worst, assert_matches(got, {**ref, "losses": [None]}, what, grads_tol))
+    return worst
