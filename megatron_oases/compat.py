@@ -102,6 +102,13 @@ MEGATRON_ALIASES = (
     ),
 )
 
+#: Megatron modules that bind ``torch.distributed._coalescing_manager`` at import time (DDP's
+#: bucket groups, Megatron-FSDP's gradient reduction and parameter gathers).
+COALESCING_ALIASES = (
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+)
+
 
 def _source(fn):
     """``fn``'s source (unwrapped), or None where Python has none (builtins)."""

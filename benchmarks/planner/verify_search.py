@@ -58,7 +58,7 @@ sys.path.insert(0, ROOT)
 from benchmarks import provenance  # noqa: E402
 
 #: the models its figures depend on (the search's cost model, the emulated runs)
-MODELS = ("cost_model", "device_model", "emulator")
+MODELS = ("cost_model", "device_model", "emulator", "dp_emulation")
 
 MODEL = "tiny-cpu"
 SHAPE = dict(num_layers=8, hidden_size=512, num_attention_heads=8, seq_length=512,

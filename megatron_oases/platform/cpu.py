@@ -12,10 +12,11 @@ Replaced symbol                             Why / what the shim does
 ``torch.cuda.current_device``               ``GlobalMemoryBuffer.get_tensor`` (``core/utils.py``),
                                             p2p_communication, DDP buffers and the optimizer pass it
                                             as ``device=``; returns ``torch.device("cpu")``.
-``torch.cuda.synchronize``                  p2p_communication, DDP: no-op (CPU ops are synchronous).
-``torch.cuda.Stream`` / ``stream`` /        DDP's communication stream
-``current_stream`` / ``default_stream``     (``distributed_data_parallel.py``): inert stand-ins.
-``torch.cuda.Event``                        timers / DDP: an inert event (elapsed_time 0).
+``torch.cuda.synchronize``                  p2p_communication, DDP, Megatron-FSDP's streams and
+``torch.cuda.Stream`` / ``stream`` /        events, timers: :mod:`.cpu_streams` (the host thread
+``current_stream`` / ``default_stream``     is the default stream; inert unless the link emulator
+``torch.cuda.Event``                        defers a collective's completion to a side stream;
+                                            ``elapsed_time`` 0).
 ``torch.cuda.empty_cache`` and memory stats no-ops / zeros.
 ``torch.zeros/ones/empty/full/tensor/...``  ``device="cuda"`` literals in ``schedules.py``
   (the factories in ``_FACTORIES``)         (``total_num_tokens``), ``optimizer.py``
@@ -72,6 +73,7 @@ import logging
 import torch
 
 from ..patching import REGISTRY, Patch
+from .cpu_streams import CpuEvent, CpuStream, current_stream, default_stream, stream, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -137,46 +139,6 @@ def _make_tensor_methods(orig_to, orig_type):
         return name
 
     return {"cuda": cuda, "to": to, "type": type_}
-
-
-class _Inert:
-    """What CUDA's streams and events do on CPU ranks: nothing to wait for or synchronize (CPU
-    work is already ordered on one thread)."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _InertStream(_Inert):
-    """Stand-in for ``torch.cuda.Stream``."""
-
-    def wait_stream(self, other):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        return event or _InertEvent()
-
-
-class _InertEvent(_Inert):
-    """Stand-in for ``torch.cuda.Event``."""
-
-    def record(self, stream=None):
-        pass
-
-    def wait(self, stream=None):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, other):
-        return 0.0
 
 
 def _cpu_get_rng_state(device="cuda", clone=False, graph_safe=False):
@@ -364,12 +326,12 @@ def make_patch():
     cuda = torch.cuda
     replacements = [
         (cuda, "current_device", lambda: torch.device("cpu")),
-        (cuda, "synchronize", lambda *a, **k: None),
-        (cuda, "Stream", _InertStream),
-        (cuda, "Event", _InertEvent),
-        (cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
-        (cuda, "current_stream", lambda *a, **k: _InertStream()),
-        (cuda, "default_stream", lambda *a, **k: _InertStream()),
+        (cuda, "synchronize", synchronize),
+        (cuda, "Stream", CpuStream),
+        (cuda, "Event", CpuEvent),
+        (cuda, "stream", stream),
+        (cuda, "current_stream", current_stream),
+        (cuda, "default_stream", default_stream),
         (cuda, "empty_cache", lambda: None),
         (cuda, "memory_allocated", lambda *a, **k: 0),
         (cuda, "max_memory_allocated", lambda *a, **k: 0),

@@ -20,6 +20,7 @@ Separate from :mod:`.link_model` because this is the part that knows ``torch.dis
 signatures and Megatron's import-time aliases, and changes with them.
 """
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -27,8 +28,16 @@ import inspect
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from ..compat import MEGATRON_ALIASES
+from ..compat import COALESCING_ALIASES, MEGATRON_ALIASES
 from ..errors import OasesConfigError
+
+#: The version of what the emulation computes for data-parallel collectives beyond
+#: :data:`~.emulator.EMULATOR_VERSION`'s per-op model: when a ``_coalescing_manager``'s batch
+#: completes (Megatron DDP's bucket groups, Megatron-FSDP's gathers and reduce-scatters) and a
+#: synchronous op issued on a CPU rank's side stream (:func:`.link_model.LinkEmulator._defer`).
+#: Runs whose data-parallel groups have one rank (every ``oases compare`` row of
+#: ``benchmarks/compare``) never reach it. Bump it (to the day's date) with any change to those.
+DATA_PARALLEL_EMULATION_VERSION = "2026-12-07"
 
 
 class EmulationError(OasesConfigError):
@@ -125,6 +134,10 @@ def wrap_collective(emu, name, orig, kind):
         if done is None:
             return orig(*args, **kwargs)
         result = orig(*args, **kwargs)
+        batch = emu.coalescing.get(a.get("group") or c10d._get_default_group())
+        if batch is not None:  # completes with its coalescing manager's batch
+            batch.append((done, info))
+            return result
         if ba.arguments.get("async_op", False):
             return emu.wrap_async(result, done, info)
         return emu.finish_sync(result, done, info)
@@ -214,6 +227,30 @@ def wrap_batch_isend_irecv(emu, orig):
     return wrapper
 
 
+def wrap_coalescing_manager(emu, orig):
+    """``torch.distributed._coalescing_manager`` whose batch completes as one collective: the ops
+    issued in it on its group are booked on the link one by one (as before) but none completes on
+    its own (torch issues them as one coalesced op at the exit, and their own handles are never
+    waited); :meth:`~.link_model.LinkEmulator.finish_coalesced` makes the manager's handles (or its
+    exit) complete with the batch's last op."""
+
+    @contextlib.contextmanager
+    @functools.wraps(orig)
+    def wrapper(group=None, device=None, async_ops=False):
+        key = group or c10d._get_default_group()
+        emu.coalescing[key] = batch = []
+        try:
+            with orig(group, device, async_ops) as manager:
+                yield manager
+        finally:
+            emu.coalescing.pop(key, None)
+        if batch:
+            emu.finish_coalesced(manager, batch, async_ops)
+
+    wrapper.__oases_emulated__ = True
+    return wrapper
+
+
 def unsupported(emu, name, orig):
     """A collective the model does not cover: raises :class:`EmulationError` when called."""
     profile = emu.profile.name
@@ -248,6 +285,15 @@ def replacements(emu):
         by_orig[orig] = new
         emu.originals[name] = orig
     out.append((dist, "batch_isend_irecv", wrap_batch_isend_irecv(emu, dist.batch_isend_irecv)))
+    coalescing = wrap_coalescing_manager(emu, c10d._coalescing_manager)
+    out.append((dist, "_coalescing_manager", coalescing))
+    for module in COALESCING_ALIASES:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        if getattr(mod, "_coalescing_manager", None) is c10d._coalescing_manager:
+            out.append((mod, "_coalescing_manager", coalescing))
     out.append((dist, "P2POp", _make_p2p_op_class(dist.P2POp)))
     for name in UNSUPPORTED:
         orig = getattr(dist, name, None)

@@ -98,13 +98,15 @@ class EmulatedWork(WrappedWork):
         super().__init__(work)
         self.done_at = done_at
         self._emu = emulator
-        self._record = record
+        # one op's record, or a coalesced batch's (one handle for all)
+        self._records = [] if record is None else record if isinstance(record, list) else [record]
         self._waited = False
 
     def wait(self, timeout=None):
         t_wait, c_wait = self._emu.clock(), time.thread_time()
-        if self._record is not None and self._record["wait"] is None:
-            self._record["wait"] = t_wait
+        for rec in self._records:
+            if rec["wait"] is None:
+                rec["wait"] = t_wait
         if self._work is not None:
             if timeout is None:
                 self._work.wait()
@@ -112,8 +114,9 @@ class EmulatedWork(WrappedWork):
                 self._work.wait(timeout)
         self._emu.sleep_until(self.done_at)
         t_done = self._emu.clock()
-        if self._record is not None and self._record["returned"] is None:
-            self._record["returned"] = t_done
+        for rec in self._records:
+            if rec["returned"] is None:
+                rec["returned"] = t_done
         self._emu.blocked_s += t_done - t_wait
         self._emu.blocked_cpu_s += time.thread_time() - c_wait
         self._waited = True
@@ -268,6 +271,7 @@ class LinkEmulator:
         self._lock = threading.Lock()
         self.records = collections.deque(maxlen=max_records)
         self.originals = {}
+        self.coalescing = {}  # group -> [(done, info)] of an open ``_coalescing_manager``
         self.blocked_s = 0.0  # time this rank spent blocked in emulated ops
         self.blocked_cpu_s = 0.0  # CPU time the blocked threads used meanwhile (~0: they sleep)
         self.ops = 0
@@ -389,17 +393,58 @@ class LinkEmulator:
 
     def finish_sync(self, result, done, info):
         """A synchronous op: record it and block until its modelled completion ``done`` (on CUDA:
-        the current stream waits for it; the host goes on)."""
-        rec = self._record(*info, is_async=False)
+        the current stream waits for it; the host goes on; on CPU ranks with a side stream
+        current, that stream: :func:`_defer`)."""
         if not isinstance(done, float):
+            self._record(*info, is_async=False)
             wait_on(done)
             return result
+        if self._defer(done, [info]):
+            return result
+        rec = self._record(*info, is_async=False)
         c0 = time.thread_time()
         self.sleep_until(done)
         rec["returned"] = self.clock()
         self.blocked_s += rec["returned"] - rec["issue"]
         self.blocked_cpu_s += time.thread_time() - c0
         return result
+
+    def _defer(self, done, infos):
+        """On CPU ranks, a synchronous op issued while a side stream is current completes on that
+        stream (:mod:`megatron_oases.platform.cpu_streams`), as on a GPU, where the host only
+        enqueues it: recorded as async, waited where that stream is. False: the host stream."""
+        from ..platform.cpu_streams import current_stream, default_stream, defer
+
+        if current_stream() is default_stream():
+            return False
+        records = [self._record(*info, is_async=True) for info in infos]
+        return defer(EmulatedWork(None, done, self, records))
+
+    def finish_coalesced(self, manager, batch, async_ops):
+        """The ops a ``torch.distributed._coalescing_manager`` issued on one group, ``batch`` of
+        ``(done, info)``, as the one collective it runs: with ``async_ops`` its handles (the
+        manager's ``works``) complete with the batch's last op; without, the host (or the current
+        side stream) waits for that op here, at the manager's exit."""
+        dones = [d for d, _ in batch]
+        infos = [i for _, i in batch]
+        if not isinstance(dones[0], float):  # CUDA events: the link stream runs them in order
+            for i in infos:
+                self._record(*i, is_async=async_ops)
+            if async_ops:
+                manager.works = [CudaEmulatedWork(w, dones[-1]) for w in manager.works]
+            else:
+                wait_on(dones[-1])
+            return
+        done = max(dones)
+        if async_ops:
+            records = [self._record(*i, is_async=True) for i in infos]
+            works = manager.works or [None]
+            manager.works = [EmulatedWork(w, done, self, records) for w in works]
+            return
+        if self._defer(done, infos):
+            return
+        records = [self._record(*i, is_async=False) for i in infos]
+        EmulatedWork(None, done, self, records).wait()
 
     def wrap_async(self, work, done, info):
         """An async op: record it; its handle's ``wait()`` returns no earlier than ``done``."""

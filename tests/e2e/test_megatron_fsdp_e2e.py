@@ -154,7 +154,12 @@ def test_emulated_link_dilates_megatron_fsdp_collectives(monkeypatch):
     """Issue 61.4: Megatron-FSDP's parameter all-gathers (async, ``all_gather_into_tensor``) and
     gradient reduce-scatters (``reduce_scatter_tensor``, inside its coalescing manager) on the
     data-parallel group go through the emulated link (ranks 0 and 1: the intra-node link of the
-    cluster profile), as FSDP2's do, and complete no earlier than D x their modelled time."""
+    cluster profile), as FSDP2's do, and complete no earlier than D x their modelled time.
+
+    As on a GPU: the gathers, waited through the coalescing manager's handle (not their own),
+    wait for their modelled end; the reduce-scatters, synchronous but issued on Megatron-FSDP's
+    reduce-scatter stream, do not block the host where they are issued (it goes on with the
+    backward), only where that stream is waited (``finish_grad_sync``)."""
     monkeypatch.setenv("OASES_EMULATE_DILATION", "50")
     argv = DP2 + NO_DROP + MFSDP + "optim_grads_params --emulate-link rtx3090-pcie "
     argv = argv.replace("--train-iters 2", "--train-iters 1")
@@ -172,5 +177,12 @@ def test_emulated_link_dilates_megatron_fsdp_collectives(monkeypatch):
             assert r["ranks"] == [0, 1] and r["bytes"] > 0
             assert r["emulated_s"] == pytest.approx(50 * r["model_s"])
             assert r["done_at"] - r["start"] == pytest.approx(r["emulated_s"], rel=1e-6)
-            if r["returned"] is not None:  # a synchronous op: blocked until its emulated end
+            if r["returned"] is not None:  # waited: not before its emulated end
                 assert r["returned"] >= r["done_at"]
+        # every scatter waited by the end of the step, none where it was issued
+        assert all(r["async"] and r["returned"] is not None for r in scatters), scatters
+        assert any(
+            any(r["issue"] < o["issue"] < r["wait"] for o in records) for r in scatters
+        ), "the host never went on past a reduce-scatter before waiting for it"
+        # the gathers the step used were waited until their emulated end
+        assert sum(r["returned"] is not None for r in gathers) >= 2, gathers

@@ -7,7 +7,8 @@ the stream and event calls the CUDA paths issue. Every call of interest appends 
 * ``("spin", stream, spin tag)`` for ``torch.cuda._sleep(cycles)``.
 
 Streams are named ``"compute"`` (the one current at first) and ``s1``, ``s2``...; events ``e1``,
-``e2``... The stand-ins extend the CPU shims' inert ones, so they also serve installed over them."""
+``e2``... The stand-ins extend the CPU shims' ones (:mod:`megatron_oases.platform.cpu_streams`), so they also serve installed over them.
+"""
 
 import itertools
 import types
@@ -15,7 +16,7 @@ import types
 import torch
 
 from megatron_oases.patching import Patch
-from megatron_oases.platform.cpu import _InertEvent, _InertStream
+from megatron_oases.platform.cpu_streams import CpuEvent, CpuStream
 
 
 def recording_cuda(
@@ -32,8 +33,9 @@ def recording_cuda(
     def name_of(stream):
         return getattr(stream, "name", "?")  # a stream made before the stand-ins went in
 
-    class Stream(_InertStream):
+    class Stream(CpuStream):
         def __init__(self, *args, name=None, **kwargs):
+            super().__init__()
             self.name = name or f"s{next(streams)}"
 
         def wait_stream(self, other):
@@ -42,8 +44,9 @@ def recording_cuda(
         def wait_event(self, event):
             log.append(("wait_event", self.name, event_tag(event)))
 
-    class Event(_InertEvent):
+    class Event(CpuEvent):
         def __init__(self, *args, **kwargs):
+            super().__init__()
             self.name = f"e{next(events)}"
 
         def record(self, stream=None):
