@@ -133,7 +133,6 @@ PENDING = {
         for d in (
             "h100-nvlink-h2048",
             "h100-nvlink-h2048sp",
-            "rtx3090-nvlink-h2048",
             "rtx3090-pcie-h2048l4",
         )
         for ext in ("md", "json")
