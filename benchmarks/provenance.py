@@ -172,11 +172,6 @@ PENDING = {
         _QUIET + " (delete validation/profile.json first: the script reuses a measured profile)",
     ),
     **dict.fromkeys(
-        ("planner/verify_search.md", "planner/verify_search.json"),
-        _QUIET + " (about 20 min): the emulated data-parallel collectives changed (coalesced "
-        "batches, Megatron-FSDP's reduce-scatters on their side stream)",
-    ),
-    **dict.fromkeys(
         ("planner/roofline_check.md", "planner/roofline_check.json"),
         "timing-sensitive: its CPU rows divide by a host calibration taken at run time (on a "
         "loaded host 101 against the report's 21 GFLOP/s), and its text quotes the old one",
