@@ -134,8 +134,10 @@ def wrap_collective(emu, name, orig, kind):
         if done is None:
             return orig(*args, **kwargs)
         result = orig(*args, **kwargs)
-        batch = emu.coalescing.get(a.get("group") or c10d._get_default_group())
-        if batch is not None:  # completes with its coalescing manager's batch
+        batch = None
+        if emu.coalescing:  # inside a coalescing manager: completes with its batch
+            batch = emu.coalescing.get(a.get("group") or c10d._get_default_group())
+        if batch is not None:
             batch.append((done, info))
             return result
         if ba.arguments.get("async_op", False):
@@ -287,19 +289,14 @@ def replacements(emu):
     out.append((dist, "batch_isend_irecv", wrap_batch_isend_irecv(emu, dist.batch_isend_irecv)))
     coalescing = wrap_coalescing_manager(emu, c10d._coalescing_manager)
     out.append((dist, "_coalescing_manager", coalescing))
-    for module in COALESCING_ALIASES:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        if getattr(mod, "_coalescing_manager", None) is c10d._coalescing_manager:
-            out.append((mod, "_coalescing_manager", coalescing))
+    by_orig[c10d._coalescing_manager] = coalescing
     out.append((dist, "P2POp", _make_p2p_op_class(dist.P2POp)))
     for name in UNSUPPORTED:
         orig = getattr(dist, name, None)
         if orig is not None:
             out.append((dist, name, unsupported(emu, name, orig)))
-    for module, attrs in MEGATRON_ALIASES:
+    coalescing_aliases = tuple((m, ("_coalescing_manager",)) for m in COALESCING_ALIASES)
+    for module, attrs in MEGATRON_ALIASES + coalescing_aliases:
         try:
             mod = importlib.import_module(module)
         except ImportError:

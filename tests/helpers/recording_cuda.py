@@ -7,8 +7,8 @@ the stream and event calls the CUDA paths issue. Every call of interest appends 
 * ``("spin", stream, spin tag)`` for ``torch.cuda._sleep(cycles)``.
 
 Streams are named ``"compute"`` (the one current at first) and ``s1``, ``s2``...; events ``e1``,
-``e2``... The stand-ins extend the CPU shims' ones (:mod:`megatron_oases.platform.cpu_streams`), so they also serve installed over them.
-"""
+``e2``... The stand-ins extend the CPU shims' ones (:mod:`megatron_oases.platform.cpu_streams`),
+so they also serve installed over them."""
 
 import itertools
 import types

@@ -42,9 +42,11 @@ def run(dry, save=None):
                 argv = layers_argv(s, "host", layers, name, extra) + KERNEL_FLAGS
                 # 12 unprofiled steps: the fastest of 4 was noise-bound on a loaded 2-core CI host
                 # (the 4-layer run's minimum above the 8-layer run's at the dry shape)
-                argv += ["--train-iters", "17", "--log-interval", "1", "--fake-process-group"]
+                first, profiled, unprofiled = 2, 4, 12
+                iters = str(first - 1 + profiled + unprofiled)
+                argv += ["--train-iters", iters, "--log-interval", "1", "--fake-process-group"]
                 record = {}
-                patch = python_time_patch(record, 2, 4, unprofiled_calls=12)
+                patch = python_time_patch(record, first, profiled, unprofiled_calls=unprofiled)
                 run_in_process(prepared(argv), demo=True, extra_patches=[patch])
                 per[layers] = record
         except Exception as exc:  # noqa: BLE001
