@@ -3,8 +3,10 @@ comparison (stock and ``oases``, 2 emulated-link ranks, D fixed by the host rate
 quietly and then with two busy-looping processes on the host. The hogs make the ranks wait for a
 CPU (the compute thread in the run queue, gloo's threads and the peer late at the collectives),
 in bursts, and the raw speed-up moves with where they struck; the speed-up of the traced
-iterations replayed without those waits must stay within 5 % of the quiet run's. Both runs read
-the same host, so a loaded CI host loads both. The figures are printed (``-s``)."""
+iterations replayed without those waits must stay within 5 % of the quiet run's. The quiet run is
+quiet only with nothing else on the host (beside another test file its load came and went: CI at
+5c03951 read 5.7 % contention in it, 5.6 % between the corrected figures), so it is marked
+``quiet_host``: CI runs it alone. The figures are printed (``-s``)."""
 
 import json
 import os
@@ -14,7 +16,7 @@ import sys
 import pytest
 from helpers.variants import COMPARE_TINY as TINY
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.quiet_host]
 
 #: The corrected speed-ups of the quiet and the contended run may differ by this share.
 TOLERANCE = 0.05

@@ -11,6 +11,8 @@ import pytest
 from helpers.paths import REPO
 
 
+#: Its host time per layer is a difference of timed minima: read alone (pyproject's quiet_host).
+@pytest.mark.quiet_host
 @pytest.mark.timeout(920)
 def test_gpu_check_dry_run_runs_every_step(tmp_path):
     out = tmp_path / "gpu"
