@@ -127,7 +127,7 @@ def memory_parts(
         if sharding:
             params = profile.mem("params_per_layer", d)
             per_param = bytes_per_param(sharding, wg, opt, profile.dtype_bytes, D * T // d)
-            gathered, _ = gathered_layer_bytes(sharding, params, profile.dtype_bytes, schedule)
+            gathered, _ = gathered_layer_bytes(sharding, params, profile.dtype_bytes, schedule, L)
             return params * per_param + gathered
         if not distributed_optimizer:
             return profile.mem("state_bytes_per_layer", d)
@@ -180,7 +180,7 @@ def memory_parts(
             runtime += max(0.0, sp.runtime_peak(h) - sp.activation(h))
         if sharding:  # the units being gathered and reduced around the running layer
             params = profile.mem("params_per_layer", d)
-            runtime += gathered_layer_bytes(sharding, params, profile.dtype_bytes, schedule)[1]
+            runtime += gathered_layer_bytes(sharding, params, profile.dtype_bytes, schedule, L)[1]
         parts["state"][:, k] = state_bytes(d)
         parts["saved"][:, k] = saved * in_flight
         parts["runtime"][:, k] = runtime

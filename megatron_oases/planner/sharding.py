@@ -32,9 +32,21 @@ micro-batch synchronously (``--overlap-grad-reduce`` off), so those are exposed 
 iteration, as the DDP and ZeRO-1 syncs are; sharded gradients and parameters force the
 per-micro-batch collectives into hooks that Megatron-FSDP and FSDP2 prefetch and overlap.
 
+**Megatron-FSDP's prefetch window** (stock ``optim_grads_params``): a pass's gather at a unit
+extends over the next units until the extra elements reach ``suggested_AG_prefetch_size``, half of
+``max(10⁹, 2·P)`` (megatron-core 0.19, ``megatron_fsdp.py``; ``all_gather_params``), and a data-
+parallel group's gathers of one call are one coalesced collective (one NCCL group on a GPU). So
+each pass (forward, backward) starts with one gather of ``n = min(L, 1 + ⌈max(5·10⁸, P)/P⌉)``
+layers, waited whole before its first layer runs, and from there each layer gathers the one
+``n − 1`` ahead (:func:`prefetch_layers`). At a 7B layer (``P`` ≈ 2·10⁸ at TP1) ``n`` is 4; at the
+verify grid's 3·10⁶ it is the whole stage (its trace: 2.4 s, 8 layers' gathers, before the first
+layer's backward). FSDP2 and the split schedules' engine gather one layer, the next behind it
+(``n = 1``).
+
 **The gathered units.** Stock (``off``): ZeRO-3 holds two layers' gathered parameters (the one
-running and the one prefetched) and two layers' unsharded gradients (the one being computed and
-the one being reduce-scattered): ``4·P·p`` on top of the layer's working set; ZeRO-2
+running and the one prefetched; Megatron-FSDP: ``max(2, n)``, the running one and ``n − 1``
+ahead) and two layers' unsharded gradients (the one being computed and the one being
+reduce-scattered): ``4·P·p`` on top of the layer's working set; ZeRO-2
 (Megatron-FSDP ``optim_grads``, one bucket) the whole stage's unsharded gradients until the
 backward ends (``P·p`` a layer, over the stage; inferred from the bucketing, not measured). The embedding and output layer (the root module under FSDP2, gathered for
 the whole pass) with their unsharded gradients: ``2·F·p`` (ZeRO-3), ``F·p`` (ZeRO-2).
@@ -45,11 +57,13 @@ after the last sub-batch's backward of it (Megatron-FSDP's delayed weight-gradie
 per-layer post-backward) and releases it: the stock rhythm and hiding, with a third layer's
 parameters held at a layer boundary (``5·P·p`` under ZeRO-3).
 
-**Hiding.** A collective prefetched one layer ahead is hidden behind one layer's pass (its
-compute and exposed TP communication; the contention of DP and TP traffic on a shared PCIe bus is
-not modelled): ``L`` of them cost ``c + (L − 1)·max(0, c − t)`` beyond the compute, ``c`` one
-collective, ``t`` a layer's pass. Backward under ZeRO-3 moves ``AG + RS`` per layer: the first
-all-gather and the last reduce-scatter are exposed. The embedding's and output layer's gathers run
+**Hiding.** Each pass is walked layer by layer on one data-parallel link, collectives in issue
+order (:func:`_pass_waits`): the first gather (``n`` layers, one collective) waits; a layer's own
+gather, issued when the layer ``n − 1`` before it (FSDP2: one before) starts, hides behind the
+passes between (their compute and exposed TP communication; the contention of DP and TP traffic
+on a shared PCIe bus is not modelled); in backward each layer's reduce-scatter is issued when it
+ends and queues on the link with the gathers, and the last one is waited. With ``n = 1`` and
+collectives of ``c`` against passes of ``t``, ``L`` gathers cost ``c + (L − 1)·max(0, c − t)``. The embedding's and output layer's gathers run
 before the first layer and their reduce-scatters after the last: exposed. Collectives cost the
 profile's data-parallel ring fit (``grad_sync.reduce_scatter``: a ring all-gather moves what a
 reduce-scatter does) on ``R`` ranks. The host's extra calls: :func:`.host_model.sharding_calls`.
@@ -60,6 +74,7 @@ output weights (Megatron's rules; untying would train another model); Megatron-F
 parallelism too (the ``megatron-fsdp-pipeline`` patch).
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -222,15 +237,33 @@ def bytes_per_param(name, wg, opt, dtype_bytes, replicas):
     return unsharded + sharded / replicas
 
 
-def gathered_layer_bytes(name, params, dtype_bytes, schedule):
+#: Megatron-FSDP's smallest all-gather prefetch, in elements (module docstring): half of its
+#: suggested communication unit, at least 10⁹ elements (megatron-core 0.19, ``megatron_fsdp.py``).
+MEGATRON_FSDP_MIN_PREFETCH_ELEMENTS = 500_000_000
+
+
+def prefetch_layers(name, params, layers, schedule):
+    """``n``: the layers a pass's first gather brings in as one collective, the running one and
+    those prefetched with it (module docstring); later layers are gathered ``max(1, n − 1)``
+    ahead. 1 but for stock Megatron-FSDP ZeRO-3 (the engine gathers one layer at a time)."""
+    s = STRATEGIES[name]
+    if not (s.zero3 and name.startswith("megatron_fsdp/")) or schedule in SPLIT_SCHEDULES:
+        return 1
+    window = max(MEGATRON_FSDP_MIN_PREFETCH_ELEMENTS, params)
+    return int(min(layers, 1 + math.ceil(window / max(params, 1))))
+
+
+def gathered_layer_bytes(name, params, dtype_bytes, schedule, layers):
     """``(additive, runtime)`` bytes of one layer's gathered units beyond its shard: what the
-    layers being computed and reduced hold (the max over layers; nothing additive over the
-    stage), under the split schedules with a third layer's parameters at a layer boundary (the
-    engine releases a layer once every sub-batch is past it)."""
+    layers being computed, prefetched and reduced hold (the max over layers; nothing additive over
+    the stage; ``layers``: the stage's), under the split schedules with a third layer's parameters
+    at a layer boundary (the engine releases a layer once every sub-batch is past it)."""
     s, unit = STRATEGIES[name], params * dtype_bytes
     split = schedule in SPLIT_SCHEDULES
     if s.zero3:
-        return 0.0, (5 if split else 4) * unit
+        if split:
+            return 0.0, 5 * unit
+        return 0.0, (max(2, prefetch_layers(name, params, layers, schedule)) + 2) * unit
     if s.zero2:  # one bucket: every layer's unsharded gradient until the backward ends
         return unit, 0.0
     return 0.0, 0.0
@@ -252,6 +285,30 @@ def collective_time(profile, degree, nbytes):
     return float(fit["alpha_s"]) + float(fit["beta_s_per_byte"]) * nbytes
 
 
+def _pass_waits(passes, first, n, gather, scatter):
+    """One pass over a stage's layers in run order, its collectives on one link in issue order:
+    ``(L,)`` the wait before each layer, the last reduce-scatter's after the last layer on it.
+    ``first``: the gather of the first ``n`` layers, before the first; then each later layer's
+    own ``gather``, issued when the layer ``max(1, n − 1)`` before it starts; ``scatter`` (0:
+    none) issued when each layer ends."""
+    L, ahead = len(passes), max(1, n - 1)
+    waits, ready = np.zeros(L), np.zeros(L)
+    t = link = first
+    waits[0] = first
+    for i in range(L):
+        if ready[i] > t:
+            waits[i] += ready[i] - t
+            t = ready[i]
+        j = i + ahead
+        if n <= j < L:
+            link = ready[j] = max(t, link) + gather
+        t += passes[i]
+        if scatter:
+            link = max(t, link) + scatter
+    waits[L - 1] += max(0.0, link - t)
+    return waits
+
+
 def exposed_times(name, profile, degree, schedule, forward, backward):
     """``(per_micro_batch, per_iteration)``: ``(L,)`` arrays of one stage's exposed seconds of
     sharding ``name`` per layer (the embedding's and output layer's on layer 0). ``forward``,
@@ -264,14 +321,14 @@ def exposed_times(name, profile, degree, schedule, forward, backward):
     ag_fixed = rs_fixed = collective_time(profile, degree, fixed * p)
     micro, once = np.zeros(L), np.zeros(L)
     if s.zero3:
-        # forward, layers 0 → L−1: the first gather waits, each next is prefetched behind
-        # the layer before; backward, L−1 → 0: the first gather and the last reduce-scatter
-        # wait, the others ride behind a layer's backward
-        micro[0] += ag
-        micro[1:] += np.maximum(0.0, ag - forward[:-1])
-        micro[L - 1] += ag
-        micro[: L - 1] += np.maximum(0.0, ag + rs - backward[1:])
-        micro[0] += rs + ag_fixed + rs_fixed
+        # each pass: the first gather (n layers, one collective) waits, later ones ride behind
+        # the passes before them; backward also reduce-scatters each layer's gradients, the
+        # last waited (module docstring)
+        n = prefetch_layers(name, params, L, schedule)
+        first = collective_time(profile, degree, n * params * p)
+        micro += _pass_waits(np.asarray(forward, float), first, n, ag, 0.0)
+        micro += _pass_waits(np.asarray(backward, float)[::-1], first, n, ag, rs)[::-1]
+        micro[0] += ag_fixed + rs_fixed
     elif s.zero2:  # one bucket: the whole gradient after the backward (module docstring)
         micro += rs
         micro[0] += rs_fixed
