@@ -16,8 +16,10 @@ their bytes per parameter per rank and their collectives on the data-parallel li
   the emulated grid, one reduce-scatter of the whole gradient a micro-batch); per iteration,
   exposed: the parameters' all-gather.
 - ``megatron_fsdp/optim_grads_params``: ``(2p + opt)/R``; per micro-batch: the parameters'
-  all-gather in forward and again in backward, prefetched one layer ahead, and the gradients'
-  reduce-scatter as above.
+  all-gather in forward and again in backward, prefetched (below), and the gradients'
+  reduce-scatter as above; per iteration, exposed: the parameters' all-gather after the step,
+  as under ``optim`` (``start_param_sync`` gathers every bucket, waits for it and, the weights
+  being sharded, releases it: the forward gathers again).
 - ``torch_fsdp2``: ``(2p + opt + 4)/R`` (bf16); its collectives as ``optim_grads_params``'.
 
 ``p``: the model's bytes per element (bf16: 2), ``opt``: the optimizer's per parameter (the
@@ -329,6 +331,9 @@ def exposed_times(name, profile, degree, schedule, forward, backward):
         micro += _pass_waits(np.asarray(forward, float), first, n, ag, 0.0)
         micro += _pass_waits(np.asarray(backward, float)[::-1], first, n, ag, rs)[::-1]
         micro[0] += ag_fixed + rs_fixed
+        if name.startswith("megatron_fsdp/"):  # the step's parameter sync (module docstring)
+            once += ag
+            once[0] += ag_fixed
     elif s.zero2:  # one bucket: the whole gradient after the backward (module docstring)
         micro += rs
         micro[0] += rs_fixed

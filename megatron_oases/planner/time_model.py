@@ -25,7 +25,7 @@ import numpy as np
 #: The version of the planner's cost model (time and memory: this module, build, memory_model,
 #: block_comm, the host term's rule): bump it (to the day's date) in the same commit that changes
 #: what it computes; the planner's reports record it (tests/unit/test_report_versions.py).
-COST_MODEL_VERSION = "2026-12-07.6"
+COST_MODEL_VERSION = "2026-12-07.7"
 
 
 # ====================================================================== evaluation (eq. 3, 4)
