@@ -50,8 +50,9 @@ running and the one prefetched; Megatron-FSDP: ``max(2, n)``, the running one an
 ahead) and two layers' unsharded gradients (the one being computed and the one being
 reduce-scattered): ``4·P·p`` on top of the layer's working set; ZeRO-2
 (Megatron-FSDP ``optim_grads``, one bucket) the whole stage's unsharded gradients until the
-backward ends (``P·p`` a layer, over the stage; inferred from the bucketing, not measured). The embedding and output layer (the root module under FSDP2, gathered for
-the whole pass) with their unsharded gradients: ``2·F·p`` (ZeRO-3), ``F·p`` (ZeRO-2).
+backward ends (``P·p`` a layer, over the stage; inferred from the bucketing, not measured). The
+embedding and output layer (the root module under FSDP2, gathered for the whole pass) with their
+unsharded gradients: ``2·F·p`` (ZeRO-3), ``F·p`` (ZeRO-2).
 
 **Under the split schedules** (``overlap``, ``cross-pass``, ``oases``; ``schedule/engine/fsdp.py``)
 the engine gathers one layer at a time, one layer ahead, hands each layer's gradients over once
@@ -65,8 +66,9 @@ gather, issued when the layer ``n − 1`` before it (FSDP2: one before) starts, 
 passes between (their compute and exposed TP communication; the contention of DP and TP traffic
 on a shared PCIe bus is not modelled); in backward each layer's reduce-scatter is issued when it
 ends and queues on the link with the gathers, and the last one is waited. With ``n = 1`` and
-collectives of ``c`` against passes of ``t``, ``L`` gathers cost ``c + (L − 1)·max(0, c − t)``. The embedding's and output layer's gathers run
-before the first layer and their reduce-scatters after the last: exposed. Collectives cost the
+collectives of ``c`` against passes of ``t``, ``L`` gathers cost ``c + (L − 1)·max(0, c − t)``.
+The embedding's and output layer's gathers run before the first layer and their reduce-scatters
+after the last: exposed. Collectives cost the
 profile's data-parallel ring fit (``grad_sync.reduce_scatter``: a ring all-gather moves what a
 reduce-scatter does) on ``R`` ranks. The host's extra calls: :func:`.host_model.sharding_calls`.
 

@@ -270,9 +270,10 @@ def _try_uneven_split(row, profile, layout, plan, common, total_layers):
 def _quick(profile, layout, common, sharding=True):
     """Level one at the uniform degree, with and without the distributed optimizer and with each
     sharding strategy (:func:`_modes`): the fastest Oases setting of :data:`QUICK_SETTINGS`
-    (none at TP = 1; :data:`QUICK_FALLBACK` where nothing fits), the fastest stock recompute setting of :data:`STOCK_SETTINGS`, and stock
-    with full recompute and neither (the rule of thumb's). ``(oases, stock, full)``, rows or
-    None. ``sharding``: which sharding strategies (:func:`search`)."""
+    (none at TP = 1; :data:`QUICK_FALLBACK` where nothing fits), the fastest stock recompute
+    setting of :data:`STOCK_SETTINGS`, and stock with full recompute and neither (the rule of
+    thumb's). ``(oases, stock, full)``, rows or None. ``sharding``: which sharding strategies
+    (:func:`search`)."""
     oases = stock = full = None
     tried = [("off", r) for r in STOCK_SETTINGS]
     if layout.tp > 1:
