@@ -279,27 +279,27 @@ def _quick(profile, layout, common, sharding=True):
     if layout.tp > 1:
         tried += [(s, r) for s, r in QUICK_SETTINGS if s != "off"]
     modes = _modes(layout, _untied(profile), sharding)
-    for optimizer, name in modes:
-        for schedule, recompute in tried:
-            if not _runs(schedule, name):
-                continue
-            split = "sequence" if schedule != "off" and layout.micro_batch == 1 else "batch"
-            row = _uniform(profile, layout, schedule, recompute, common, split, optimizer, name)
-            if row is None:
-                continue
-            if (schedule, recompute, optimizer, name) == ("off", "full", False, None):
-                full = row
-            if schedule == "off":
-                stock = _faster(row, stock)
-            else:
-                oases = _faster(row, oases)
-    if oases is None and stock is None and layout.tp > 1:  # nothing fits: the leanest split
-        schedule, recompute = QUICK_FALLBACK
-        split = "sequence" if layout.micro_batch == 1 else "batch"
+
+    def run(settings):
+        nonlocal oases, stock, full
         for optimizer, name in modes:
-            if _runs(schedule, name):
+            for schedule, recompute in settings:
+                if not _runs(schedule, name):
+                    continue
+                split = "sequence" if schedule != "off" and layout.micro_batch == 1 else "batch"
                 row = _uniform(profile, layout, schedule, recompute, common, split, optimizer, name)
-                oases = _faster(row, oases) if row is not None else oases
+                if row is None:
+                    continue
+                if (schedule, recompute, optimizer, name) == ("off", "full", False, None):
+                    full = row
+                if schedule == "off":
+                    stock = _faster(row, stock)
+                else:
+                    oases = _faster(row, oases)
+
+    run(tried)
+    if oases is None and stock is None and layout.tp > 1:  # nothing fits: the leanest split
+        run([QUICK_FALLBACK])
     return oases, stock, full
 
 
