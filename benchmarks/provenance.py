@@ -64,6 +64,11 @@ REPORTS = (
         ("cost_model", "device_model", "emulator", "dp_emulation"),
     ),
     (
+        "planner/verify_search_gpus2.*",
+        "python benchmarks/planner/verify_search.py --gpus 2 --repeats 3",
+        ("cost_model", "device_model", "emulator", "dp_emulation"),
+    ),
+    (
         "validation/results.*",
         "python benchmarks/validation/run_validation.py --out benchmarks/results/validation",
         ("cost_model", "device_model", "emulator"),

@@ -80,10 +80,11 @@ SHAPE_OPTIONS = {
     "h2048": ["--variants", MEMORY_VARIANTS, "--memory-budget", "1.2,1.3,1.4,1.6,1.8"],
     "h2048sp": ["--variants", SP_VARIANTS, "--memory-budget", "1,1.5,2"],
     # Megatron's --recompute-method block (the first 2 of the 4 layers recomputed) beside full
-    # recompute and none, stock and Oases
+    # recompute and none, stock and Oases (each stock setting with its Oases twin)
     "h2048l4": [
         "--variants",
-        "megatron,megatron-block,megatron-norecompute,cross-pass,oases,oases-block",
+        "megatron,megatron-block,megatron-norecompute,cross-pass,oases,oases-block,"
+        "overlap-norecompute",
     ],
 }
 MATRIX = [

@@ -3,7 +3,12 @@ small GPT on 4 emulated GPUs (rtx3090-pcie links), every layout the search ranks
 emulator (``--verify-top`` over all of them), plus the rule of thumb's pick.
 
     flock /tmp/oases-bench.lock python benchmarks/planner/verify_search.py \
-        [--out benchmarks/results/planner] [--top K] [--repeats R]
+        [--out benchmarks/results/planner] [--top K] [--repeats R] [--gpus 2]
+
+``--gpus 2`` runs the same model's grid on 2 emulated GPUs (``verify_search_gpus2.*``): on a
+2-CPU host a CPU per rank, so its figures are free of the ranks' contention for the CPUs that the
+4-rank grid's are not (below); it has no layout with both TP and DP, so no split schedule under
+sharding.
 
 Each candidate runs ``--repeats`` times at most, the order reversed on every other repeat (so a
 drift of the shared host's load falls on the candidates evenly), until the measured order of the
@@ -79,6 +84,14 @@ FAMILIES = {
     "megatron_fsdp": SHARDING[1:],
 }
 GPUS, CLUSTER, GBS = 4, "rtx3090-pcie", 8
+
+
+def report_name(gpus):
+    """The grid's report stem: ``verify_search`` at the default 4 GPUs, ``verify_search_gpus2``
+    at 2 (:data:`GPUS`)."""
+    return "verify_search" if gpus == GPUS else f"verify_search_gpus{gpus}"
+
+
 WARMUP, ITERS = 1, 3  # per run: timed iterations after the warm-up
 RECOMPUTE_WORDS = {
     "none": "no",
@@ -225,13 +238,17 @@ def write_report(out, out_dir):
     thumb_row = out["rule_of_thumb"]
     raw, fixed = (out["targets"][key] for key, _ in BASES)
     chosen = rows[raw["chosen_row"]]
+    gpus = out.get("gpus", GPUS)
+    cpus = out.get("host_cpus", 2)
     lines = [
-        "# `oases plan --gpus 4`: predicted against emulated, every candidate run",
+        f"# `oases plan --gpus {gpus}`: predicted against emulated, every candidate run",
         "",
-        "`python benchmarks/planner/verify_search.py` (do not edit by hand"
+        "`python benchmarks/planner/verify_search.py"
+        + ("" if gpus == GPUS else f" --gpus {gpus}")
+        + "` (do not edit by hand"
         + ("; these figures re-read from the runs on disk by `--reanalyze`" if out.get(
             "reanalyzed") else "")  # fmt: skip
-        + "). **An emulation on a 2-CPU host, not GPUs**: 4 ranks of `oases train` under "
+        + f"). **An emulation on a {cpus}-CPU host, not GPUs**: {gpus} ranks of `oases train` under "
         "`--emulate-link rtx3090-pcie` "
         f"(D per candidate's layer shape: {_dilations(out)}); measured = median timed iteration ÷ D. Model: GPT "
         "H=512, 8 layers, 8 heads, seq 512, vocabulary 1024 (untied), global batch 8; searched "
@@ -256,12 +273,26 @@ def write_report(out, out_dir):
                      f"{1e3 * r['predicted_s']:.2f} | {got} | {_pct(e_raw)} | {waits or 'n/a'} | "
                      f"{_ms(r.get('measured_less_runq_s'))} | {_pct(e_fixed)} |")  # fmt: skip
     least, most = out["targets_rank_range"]["least"], out["targets_rank_range"]["most"]
+    if gpus > cpus:
+        host = (
+            f"The {gpus} ranks share {cpus} CPUs, so a rank's compute thread is at times runnable "
+            "but waiting for a CPU (Linux run-queue time); the target GPUs do not share CPUs, and "
+            "the planner has no such term. D itself is set at the rate a rank gets when all "
+            f"compute at once ({cpus} ÷ {gpus} of one process's rate alone): a rank computing "
+            "while others wait on the links runs faster than D assumes, so neither figure is "
+            "what a CPU per rank would measure (`--gpus 2` on this host is that grid). "
+        )
+    else:
+        host = (
+            f"Each of the {gpus} ranks has a CPU of its own (D at the rate of one process alone), "
+            "so what a compute thread waits for a CPU is what the ranks' gloo and emulator "
+            "threads and the host's other work take from it: the correction is small here. "
+        )
     lines += [
         "",
-        "**The CPU-wait correction (for the 2-CPU emulation host only).** The 4 ranks share 2 "
-        "CPUs, so a rank's compute thread is at times runnable but waiting for a CPU (Linux "
-        "run-queue time); the target GPUs do not share CPUs, and the planner has no such term. "
-        "Per run, the share of its traced (last) iteration the ranks waited so (the ranks' mean, "
+        f"**The CPU-wait correction (for the {cpus}-CPU emulation host only).** "
+        + host
+        + "Per run, the share of its traced (last) iteration the ranks waited so (the ranks' mean, "
         "`oases compare`'s run-queue ms ÷ the iteration) is taken off that run's measured time; "
         "the corrected figure is the median over the repeats, like the measured one. The "
         "measured column is the measurement; the corrected one an estimate: the traces do not "
@@ -297,11 +328,11 @@ def write_report(out, out_dir):
     text = "\n".join(lines) + "\n"
     if out.get("provenance"):  # the grid's run (--report-only, --reanalyze: re-read, not re-run)
         text = provenance.markdown(text, out["provenance"])
-    with open(os.path.join(out_dir, "verify_search.md"), "w") as f:
+    with open(os.path.join(out_dir, report_name(gpus) + ".md"), "w") as f:
         f.write(text)
 
 
-def _with_fsdp(cands, margs, result):
+def _with_fsdp(cands, margs, result, gpus):
     """``cands`` with, per sharding family (torch FSDP2, Megatron-FSDP: :data:`FAMILIES`), the
     fastest candidate stock and the fastest under a split schedule (planned in full, at every
     layout and strategy of the family that runs there) where none of ``cands`` is one, each
@@ -328,7 +359,7 @@ def _with_fsdp(cands, margs, result):
         if c.get("data_parallel_sharding")
     }
     best = {}
-    for layout in layouts(margs, GPUS, GBS, spec.gpus_per_node):
+    for layout in layouts(margs, gpus, GBS, spec.gpus_per_node):
         runs_here = strategies_for(layout.dp, layout.pp, True)
         profile = None
         for family, names in FAMILIES.items():
@@ -372,8 +403,8 @@ def _rows(repeats):
     return rows
 
 
-def reanalyze(runs_dir, out_dir):
-    """``verify_search.json`` in ``out_dir`` with every run's figures read again from
+def reanalyze(runs_dir, out_dir, gpus=GPUS):
+    """``verify_search.json`` (:func:`report_name`) in ``out_dir`` with every run's figures read again from
     ``runs_dir`` (``r0``, ``r1``, ...: one folder per candidate), and its report rewritten. A run
     whose median timed iteration ÷ D is not the measured time the file has is refused: those are
     not the runs it reports."""
@@ -381,7 +412,7 @@ def reanalyze(runs_dir, out_dir):
     from megatron_oases.errors import OasesConfigError
     from megatron_oases.search.verify import run_dir, run_queue_share
 
-    path = os.path.join(out_dir, "verify_search.json")
+    path = os.path.join(out_dir, report_name(gpus) + ".json")
     try:
         with open(path) as f:
             out = json.load(f)
@@ -421,7 +452,7 @@ def reanalyze(runs_dir, out_dir):
 
 def _write(out, out_dir):
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "verify_search.json"), "w") as f:
+    with open(os.path.join(out_dir, report_name(out.get("gpus", GPUS)) + ".json"), "w") as f:
         json.dump(out, f, indent=1)
     write_report(out, out_dir)
 
@@ -432,25 +463,32 @@ def main(argv=None):
     from megatron_oases.profiler.model_config import read_model_file
     from megatron_oases.search.search import model_for_search, search
     from megatron_oases.search.verify import verify, verify_table
+    from megatron_oases.testbed.calibrate import host_cpus
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "planner"))
-    p.add_argument("--runs", default="/tmp/oases-verify-search", help="the runs' directory")
+    p.add_argument("--runs", default=None,
+                   help="the runs' directory (default /tmp/oases-verify-search, -gpus2 at 2)")  # fmt: skip
     p.add_argument("--report-only", action="store_true", help="rebuild the .md from the .json")
     p.add_argument("--reanalyze", action="store_true",
                    help="rebuild the .json and .md from the runs in --runs, without running "
                    "them again (the candidates, predictions and D from the existing .json)")  # fmt: skip
     p.add_argument("--top", type=int, default=None, help="run the K first candidates only")
     p.add_argument("--repeats", type=int, default=3, help="at most this many repeats (>= 2)")
+    p.add_argument("--gpus", type=int, default=GPUS, choices=(2, GPUS),
+                   help=f"emulated GPUs (default {GPUS}; 2: a rank per CPU of a 2-CPU host, "
+                   "reported as verify_search_gpus2)")  # fmt: skip
     args = p.parse_args(argv)
+    name = os.path.join(args.out, report_name(args.gpus))
+    args.runs = args.runs or "/tmp/oases-" + report_name(args.gpus).replace("_", "-")
     if args.report_only:
-        with open(os.path.join(args.out, "verify_search.json")) as f:
+        with open(name + ".json") as f:
             write_report(_summarize(json.load(f)), args.out)
-        print(f"wrote {args.out}/verify_search.md")
+        print(f"wrote {name}.md")
         return 0
     if args.reanalyze:
-        _write(reanalyze(args.runs, args.out), args.out)
-        print(f"wrote {args.out}/verify_search.json and .md from the runs in {args.runs}")
+        _write(reanalyze(args.runs, args.out, args.gpus), args.out)
+        print(f"wrote {name}.json and .md from the runs in {args.runs}")
         return 0
     prov = provenance.record(MODELS, provenance.command_line(__file__, argv))
     from megatron_oases.search import search as search_mod
@@ -458,9 +496,9 @@ def main(argv=None):
     search_mod._optimizers = lambda layout: (False,)  # no distributed optimizer (docstring)
     flat = {**read_model_file(MODEL), **SHAPE}
     margs = model_for_search(flat, GBS)
-    result = search(margs, CLUSTER, GPUS, GBS, host_us_per_call=0, top=5, sharding=SHARDING)
+    result = search(margs, CLUSTER, args.gpus, GBS, host_us_per_call=0, top=5, sharding=SHARDING)
     cands = result["candidates"][: args.top] if args.top else result["candidates"]
-    cands = _with_fsdp(cands, margs, result)
+    cands = _with_fsdp(cands, margs, result, args.gpus)
     result["candidates"] = cands
     thumb = result["rule_of_thumb"]
     if thumb and not any(
@@ -493,7 +531,7 @@ def main(argv=None):
             (r for r in ranked_now[:5] if "measured_s" in r), key=lambda r: r["measured_s"])]  # fmt: skip
         print(f"repeat {rep_i + 1}: measured order of the top 5: {top_order}", flush=True)
         os.makedirs(args.out, exist_ok=True)  # what is measured so far, should the run be cut
-        with open(os.path.join(args.out, "verify_search.partial.json"), "w") as f:
+        with open(name + ".partial.json", "w") as f:
             json.dump({"repeats_done": rep_i + 1, "top5_measured_order": top_order,
                        "rows": rows, "elapsed_s": round(time.time() - t0)}, f, indent=1)  # fmt: skip
         if rep_i >= 1 and top_order == order_prev:
@@ -506,7 +544,8 @@ def main(argv=None):
         thumb_row = next(r for r in rows if r["name"] == thumb["name"])
     out = {
         "model": {**SHAPE, "name": MODEL + " (shape overridden)"},
-        "gpus": GPUS,
+        "gpus": args.gpus,
+        "host_cpus": host_cpus(),
         "cluster": CLUSTER,
         "global_batch_size": GBS,
         "dilation": checked["dilation"],
@@ -518,7 +557,7 @@ def main(argv=None):
         "provenance": prov,
     }
     _write(_summarize(out), args.out)
-    print(f"wrote {args.out}/verify_search.md ({out['runs_s']} s of runs)")
+    print(f"wrote {name}.md ({out['runs_s']} s of runs)")
     return 0
 
 

@@ -395,6 +395,35 @@ def test_reanalyze_rebuilds_the_report_from_the_runs_on_disk(tmp_path):
         vs.main(["--reanalyze", "--runs", str(runs), "--out", str(out_dir)])
 
 
+def test_the_two_gpu_grid_has_its_own_report(tmp_path):
+    """``verify_search.py --gpus 2`` writes ``verify_search_gpus2.*`` beside the 4-GPU grid's and
+    says that each rank had a CPU of its own; the 4-GPU report says its ranks shared them."""
+    vs = _verify_search_module()
+    D = 500.0
+    rows = []
+    for name, predicted, measured in (
+        ("TP2 PP1 DP1 mb4", 0.010, 0.011),
+        ("TP1 PP2 DP1 mb1", 0.012, 0.0125),
+    ):
+        rows.append(vs._combine(dict(name=name, schedule="off", recompute="none", split="batch",
+                                     degrees=None, tp=1, data_parallel_sharding=None,
+                                     predicted_s=predicted, status="ok", dilation=D,
+                                     rule_of_thumb=False, measured_repeats_s=[measured] * 2,
+                                     run_queue_share_repeats=[0.02] * 2,
+                                     run_queue_rank_shares_repeats=[[0.01, 0.03]] * 2)))  # fmt: skip
+    for gpus, said in ((2, "Each of the 2 ranks has a CPU of its own"), (4, "The 4 ranks share 2")):
+        record = {"gpus": gpus, "host_cpus": 2, "dilation": D, "rows": rows, "rule_of_thumb": None}
+        (tmp_path / f"{vs.report_name(gpus)}.json").write_text(json.dumps(record))
+        argv = ["--report-only", "--out", str(tmp_path)] + (["--gpus", "2"] if gpus == 2 else [])
+        assert vs.main(argv) == 0
+        report = (tmp_path / f"{vs.report_name(gpus)}.md").read_text()
+        assert report.startswith(f"# `oases plan --gpus {gpus}`") and said in report
+    assert sorted(p.name for p in tmp_path.glob("*.md")) == [
+        "verify_search.md",
+        "verify_search_gpus2.md",
+    ]
+
+
 def test_two_candidates_of_one_layout_run_in_two_folders():
     """The grid runs one layout stock and under Megatron-FSDP (or under two schedules): each in
     its own folder, which ``--reanalyze`` reads back."""
