@@ -136,7 +136,6 @@ PENDING = {
     **{
         f"compare/{d}/results.{ext}": _QUIET
         for d in (
-            "h100-nvlink-h2048sp",
             "rtx3090-pcie-h2048l4",
         )
         for ext in ("md", "json")
