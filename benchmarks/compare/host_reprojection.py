@@ -77,7 +77,6 @@ def main(argv=None):
     for path in sorted(glob.glob(os.path.join(ROOT, "benchmarks/results/compare/*/results.json"))):
         with open(path) as f:
             results = json.load(f)
-        read.append(results.get("provenance"))
         profile = (results.get("emulation") or {}).get("profile")
         if not profile:
             continue
@@ -88,6 +87,7 @@ def main(argv=None):
         rows = reproject(results, us, layers or 1) if layers else []
         if not rows:
             continue
+        read.append(results.get("provenance"))  # only the rows it reports
         name = os.path.basename(os.path.dirname(path))
         lines += [
             "",
