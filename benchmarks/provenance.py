@@ -133,17 +133,7 @@ EXEMPT = {
 #: the test fails if one listed here is current (drop it) or one stale is not listed.
 _QUIET = "timing-sensitive: regenerate on a quiet host"
 PENDING = {
-    **{
-        f"compare/{d}/results.{ext}": _QUIET
-        for d in (
-            "rtx3090-pcie-h2048l4",
-        )
-        for ext in ("md", "json")
-    },
-    "compare/README.md": "collects the compare rows: regenerate after them",
     "compare/host-reprojection.md": "reads the compare rows: regenerate after them",
-    "compare/calibration/calibration.txt": "reads rtx3090-pcie-h2048's row: regenerate after it",
-    "compare/calibration/calibration.json": "reads rtx3090-pcie-h2048's row: regenerate after it",
     **{
         f"compare/one-rank-check/{d}/{run}/results.{ext}": _QUIET
         for d, runs in (
