@@ -133,7 +133,6 @@ EXEMPT = {
 #: the test fails if one listed here is current (drop it) or one stale is not listed.
 _QUIET = "timing-sensitive: regenerate on a quiet host"
 PENDING = {
-    "compare/host-reprojection.md": "reads the compare rows: regenerate after them",
     **{
         f"compare/one-rank-check/{d}/{run}/results.{ext}": _QUIET
         for d, runs in (
