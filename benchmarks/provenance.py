@@ -133,26 +133,6 @@ EXEMPT = {
 #: the test fails if one listed here is current (drop it) or one stale is not listed.
 _QUIET = "timing-sensitive: regenerate on a quiet host"
 PENDING = {
-    **{
-        f"compare/one-rank-check/{d}/{run}/results.{ext}": _QUIET
-        for d, runs in (
-            ("rtx3090-pcie-h1024", ("all-ranks-1", "all-ranks-2", "one-rank-1", "one-rank-2")),
-            ("rtx3090-pcie-h1536s256-threadsdefault", ("all-ranks-1", "one-rank-1")),
-            ("rtx3090-pcie-h768s256-threadsdefault", ("all-ranks-1", "one-rank-1")),
-            ("rtx3090-pcie-issue42-threadsdefault", ("all-ranks-1", "one-rank-1")),
-        )
-        for run in runs
-        for ext in ("md", "json")
-    },
-    **{
-        f"compare/one-rank-check/{d}/README.md": _QUIET
-        for d in (
-            "rtx3090-pcie-h1024",
-            "rtx3090-pcie-h1536s256-threadsdefault",
-            "rtx3090-pcie-h768s256-threadsdefault",
-            "rtx3090-pcie-issue42-threadsdefault",
-        )
-    },
     "auto/README.md": _QUIET,
     "auto/results.json": _QUIET,
     "auto/compare-no-link/results.md": _QUIET,
