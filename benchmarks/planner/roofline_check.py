@@ -147,9 +147,10 @@ def main(argv=None):
     lines += [
         "",
         f"Geometric mean error: roofline {100 * summary['cpu_mean_abs_error_roofline']:.0f} %, "
-        f"GEMM-only {100 * summary['cpu_mean_abs_error_gemm_only']:.0f} %: the calibration "
-        "(cached, taken under a load average near 20 on 2 CPUs) is ~3x slower than the host was "
-        "when the profile was measured. With one host-speed factor fitted per model (the shape "
+        f"GEMM-only {100 * summary['cpu_mean_abs_error_gemm_only']:.0f} %: the profile's blocks "
+        f"took {summary['cpu_fitted_factor_roofline']:.2f}x the roofline's time at the rates "
+        "calibrated now (geometric mean; the calibration and the profile ran at other times and "
+        "loads of this shared host). With one host-speed factor fitted per model (the shape "
         f"of the times, not their scale): roofline "
         f"{100 * summary['cpu_fitted_error_roofline']:.0f} % (factor "
         f"{summary['cpu_fitted_factor_roofline']:.2f}), GEMM-only "
