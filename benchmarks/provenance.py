@@ -139,11 +139,6 @@ PENDING = {
     "auto/compare-no-link/results.json": _QUIET,
     "auto/compare-rtx3090-pcie/results.md": _QUIET,
     "auto/compare-rtx3090-pcie/results.json": _QUIET,
-    **dict.fromkeys(
-        ("planner/roofline_check.md", "planner/roofline_check.json"),
-        "timing-sensitive: its CPU rows divide by a host calibration taken at run time (on a "
-        "loaded host 101 against the report's 21 GFLOP/s), and its text quotes the old one",
-    ),
 }
 
 
