@@ -132,14 +132,7 @@ EXEMPT = {
 #: report path under benchmarks/results/ -> why it is not regenerated yet. Each one is stale:
 #: the test fails if one listed here is current (drop it) or one stale is not listed.
 _QUIET = "timing-sensitive: regenerate on a quiet host"
-PENDING = {
-    "auto/README.md": _QUIET,
-    "auto/results.json": _QUIET,
-    "auto/compare-no-link/results.md": _QUIET,
-    "auto/compare-no-link/results.json": _QUIET,
-    "auto/compare-rtx3090-pcie/results.md": _QUIET,
-    "auto/compare-rtx3090-pcie/results.json": _QUIET,
-}
+PENDING = {}
 
 
 def _match(rel, pattern):
