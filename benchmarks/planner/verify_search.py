@@ -404,10 +404,10 @@ def _rows(repeats):
 
 
 def reanalyze(runs_dir, out_dir, gpus=GPUS):
-    """``verify_search.json`` (:func:`report_name`) in ``out_dir`` with every run's figures read again from
-    ``runs_dir`` (``r0``, ``r1``, ...: one folder per candidate), and its report rewritten. A run
-    whose median timed iteration ÷ D is not the measured time the file has is refused: those are
-    not the runs it reports."""
+    """``verify_search.json`` (:func:`report_name`) in ``out_dir`` with every run's figures read
+    again from ``runs_dir`` (``r0``, ``r1``, ...: one folder per candidate), and its report
+    rewritten. A run whose median timed iteration ÷ D is not the measured time the file has is
+    refused: those are not the runs it reports."""
     from megatron_oases.compare.runner import read_run
     from megatron_oases.errors import OasesConfigError
     from megatron_oases.search.verify import run_dir, run_queue_share
