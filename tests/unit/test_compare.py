@@ -2,7 +2,6 @@
 loss check, memory estimate and budget, the code version. End-to-end runs on a tiny model:
 ``tests/e2e/test_compare_e2e.py``."""
 
-import os
 import subprocess
 
 import pytest
@@ -460,15 +459,11 @@ def test_every_committed_compare_row_runs_each_stock_setting_beside_its_oases_tw
     """The rows of ``benchmarks/compare/run_benchmarks.py`` choose their own variants: each row's
     best-against-best line must set like against like too (rtx3090-pcie-h2048l4 ran stock without
     recompute and no Oases variant without it)."""
-    import importlib.util
+    from helpers.paths import load_script
 
     from megatron_oases.compare.variants import DEFAULT_VARIANTS, missing_twins
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, "benchmarks", "compare", "run_benchmarks.py")
-    spec = importlib.util.spec_from_file_location("run_benchmarks_under_test", path)
-    rb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rb)
+    rb = load_script("benchmarks/compare/run_benchmarks.py", "run_benchmarks_under_test")
     for profile, shape in rb.MATRIX:
         options = rb.SHAPE_OPTIONS.get(shape, [])
         names = (

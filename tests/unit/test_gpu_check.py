@@ -4,7 +4,6 @@ driver hands its process, the driver's flags reach the steps that take them, and
 check grows back past 400 lines (the end-to-end dry run is tests/e2e/test_gpu_check.py)."""
 
 import ast
-import importlib.util
 import inspect
 import json
 import os
@@ -13,17 +12,14 @@ import sys
 import types
 
 import pytest
-from helpers.paths import REPO
+from helpers.paths import REPO, load_script
 
 GPU = os.path.join(REPO, "benchmarks", "gpu")
 
 
 @pytest.fixture(scope="module")
 def check():
-    spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(GPU, "check.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/gpu/check.py", "gpu_check")
 
 
 def test_every_step_module_keeps_the_drivers_contract(check):

@@ -314,17 +314,10 @@ def test_the_grid_targets_on_either_figure():
     assert nothing["within_met"] is None and nothing["spearman_top5_met"] is None
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def _verify_search_module():
-    import importlib.util
+    from helpers.paths import load_script
 
-    path = os.path.join(ROOT, "benchmarks", "planner", "verify_search.py")
-    spec = importlib.util.spec_from_file_location("verify_search_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/planner/verify_search.py", "verify_search_under_test")
 
 
 def _write_run(vdir, iteration_s, runq_us):

@@ -64,13 +64,9 @@ def _search(spec, cluster, gpus, gbs):
 def _load_report_cli():
     """``benchmarks/planner/report_cli.py``, whose ``setting`` labels the committed table's rows:
     the test reads them back with the very function that wrote them."""
-    import importlib.util
+    from helpers.paths import load_script
 
-    path = os.path.join(ROOT, "benchmarks", "planner", "report_cli.py")
-    spec = importlib.util.spec_from_file_location("planner_report_cli", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/planner/report_cli.py", "planner_report_cli")
 
 
 _setting = _load_report_cli().setting

@@ -4,25 +4,15 @@ code (issue 62.1): the commit, a clean tree and the version of each model its fi
 unless it is listed in ``PENDING`` (known stale, printed below); an entry there that is current
 again fails too, so the list stays the truth."""
 
-import importlib.util
 import json
 import os
 import re
 import subprocess
 
 import pytest
-from helpers.paths import REPO
+from helpers.paths import REPO, load_script
 
-
-def _load():
-    path = os.path.join(REPO, "benchmarks", "provenance.py")
-    spec = importlib.util.spec_from_file_location("benchmarks_provenance", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-P = _load()
+P = load_script("benchmarks/provenance.py", "benchmarks_provenance")
 #: what a report is written as; everything else under benchmarks/results/ is charts
 SCANNED = (".md", ".json", ".txt")
 
